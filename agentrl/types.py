@@ -1,0 +1,143 @@
+"""Core data types: one episode as data (DESIGN.md, "One episode, as data").
+
+Everything here is a frozen dataclass. A `Trajectory` is one token sequence with its loss mask; batches,
+advantages and metrics are derived from trajectories by pure functions, never stored back into them.
+
+Token-level fields are tuples of length T (the trajectory length), named with a `_T` suffix where they
+meet tensors elsewhere: `token_ids`, `loss_mask`, `logprobs` all have length T.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class Status(str, enum.Enum):
+    """How an episode ended. Errors are excluded from group baselines and counted, never scored 0."""
+
+    OK = "ok"
+    TRUNCATED = "truncated"  # hit max turns / max tokens / context length; reason says which
+    ERROR = "error"  # an exception in a tool, the env or the policy; reason holds it
+
+
+@dataclass(frozen=True)
+class Task:
+    """One problem instance. `data` is env-specific (question, gold answer, supporting facts...)."""
+
+    id: str
+    data: dict[str, Any] = field(default_factory=dict)
+    split: str = "train"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any]
+    id: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        """OpenAI / HF chat-template shape."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str  # system | user | assistant | tool
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+    name: str | None = None  # tool name, for tool messages
+
+    def to_dict(self) -> dict[str, Any]:
+        """The dict that chat templates expect; optional keys are left out when unset."""
+        d: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            d["tool_calls"] = [c.to_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            d["name"] = self.name
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Message:
+        calls = tuple(
+            ToolCall(c["function"]["name"], c["function"]["arguments"], c.get("id", "")) for c in d.get("tool_calls", ())
+        )
+        return cls(d["role"], d["content"], calls, d.get("tool_call_id"), d.get("name"))
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One assistant turn inside a trajectory's token sequence.
+
+    Tokens [start, end) were sampled by the policy (loss_mask 1); tokens [end, obs_end) were written by the
+    environment and the chat template (loss_mask 0). `obs_end == end` for the last turn of an episode.
+    """
+
+    start: int
+    end: int
+    obs_end: int
+    reward: float = 0.0
+    finish_reason: str = "stop"  # the policy's: stop | length
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One episode: prompt ids + (sampled ids + observation ids) per turn, as one sequence."""
+
+    task_id: str
+    token_ids: tuple[int, ...]  # [T]
+    loss_mask: tuple[int, ...]  # [T] 1 exactly on sampled tokens
+    logprobs: tuple[float, ...]  # [T] sampler logprob on sampled tokens, 0.0 elsewhere
+    prompt_len: int
+    turns: tuple[Turn, ...]
+    reward: float  # total: sum of per-turn rewards
+    reward_components: dict[str, float] = field(default_factory=dict)  # e.g. outcome, process
+    status: Status = Status.OK
+    reason: str = ""  # why truncated / the error, empty when ok
+    messages: tuple[Message, ...] = ()  # the conversation as parsed messages, for viewers and SFT
+    group: int = 0  # index of the group (task sample) this trajectory belongs to
+    seed: int | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        T = len(self.token_ids)
+        if len(self.loss_mask) != T or len(self.logprobs) != T:
+            raise ValueError(f"token_ids, loss_mask, logprobs must have one length; got {T}, "
+                             f"{len(self.loss_mask)}, {len(self.logprobs)}")
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(self.loss_mask)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["status"] = self.status.value
+        d["messages"] = [m.to_dict() for m in self.messages]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+        d = dict(d)
+        for key in ("token_ids", "loss_mask", "logprobs"):
+            d[key] = tuple(d[key])
+        d["turns"] = tuple(Turn(**t) for t in d["turns"])
+        d["status"] = Status(d["status"])
+        d["messages"] = tuple(Message.from_dict(m) for m in d["messages"])
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class Group:
+    """G trajectories of one task, sampled with the same env seed. Advantages are computed per group."""
+
+    task: Task
+    trajectories: tuple[Trajectory, ...]
+
+    @property
+    def valid(self) -> tuple[Trajectory, ...]:
+        """Trajectories that count towards baselines: everything but errors."""
+        return tuple(t for t in self.trajectories if t.status is not Status.ERROR)
