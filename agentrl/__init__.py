@@ -1,0 +1,13 @@
+"""agentrl: train tool-using LLM agents with reinforcement learning.
+
+    import agentrl
+    env = agentrl.make("math/arith-v0")
+    obs, info = env.reset(seed=0)
+"""
+
+from agentrl.env import TextEnv, ToolEnv
+from agentrl.registration import check, make, register, registry
+from agentrl.types import Group, Message, Status, Task, ToolCall, Trajectory, Turn
+
+__all__ = ["TextEnv", "ToolEnv", "check", "make", "register", "registry",
+           "Group", "Message", "Status", "Task", "ToolCall", "Trajectory", "Turn"]

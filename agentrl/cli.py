@@ -1,0 +1,127 @@
+"""The `agentrl` command line (typer). Heavy imports happen inside commands so `--help` stays fast."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+app = typer.Typer(help="Train tool-using LLM agents with RL.", no_args_is_help=True)
+envs_app = typer.Typer(help="List, inspect and check environments.", no_args_is_help=True)
+model_app = typer.Typer(help="Build models.", no_args_is_help=True)
+app.add_typer(envs_app, name="envs")
+app.add_typer(model_app, name="model")
+console = Console()
+
+
+@envs_app.command("list")
+def envs_list() -> None:
+    """Registered environment ids (ours and installed plugins')."""
+    from agentrl.registration import registry
+
+    table = Table("id", "entry point", "defaults")
+    for spec in registry().values():
+        table.add_row(spec.id, spec.entry_point, json.dumps(spec.kwargs) if spec.kwargs else "")
+    console.print(table)
+
+
+@envs_app.command("show")
+def envs_show(env_id: str, split: str = "train") -> None:
+    """The tools and the first messages of an env's first task."""
+    from agentrl.registration import make
+
+    env = _make_or_exit(env_id, split=split)
+    obs, info = env.reset(seed=0)
+    console.print(f"[bold]{env_id}[/] ({type(env).__name__}), {len(env.tasks)} {split} tasks")
+    console.print_json(data=info["tools"])
+    for m in obs:
+        console.print(f"[bold]{m.role}[/]: {m.content}")
+    env.close()
+
+
+@envs_app.command("check")
+def envs_check(env_id: str, n_tasks: int = typer.Option(8, help="Tasks whose gold solution is validated.")) -> None:
+    """Gymnasium's env checker plus the env's own validate() (gold solutions must get the maximum reward)."""
+    from agentrl.registration import check
+
+    _make_or_exit(env_id)
+    problems = check(env_id, n_tasks=n_tasks)
+    for p in problems:
+        console.print(f"[red]✗[/] {p}")
+    if problems:
+        raise typer.Exit(1)
+    console.print(f"[green]✓[/] {env_id}: check_env passed; gold solutions of {n_tasks} tasks get the maximum reward")
+
+
+@model_app.command("init")
+def model_init(out_dir: Path, seed: int = 0) -> None:
+    """Build the tiny CPU model (Qwen2 architecture, own BPE tokenizer) into OUT_DIR, deterministically."""
+    from agentrl.tiny_model import build_tiny_model
+
+    build_tiny_model(out_dir, seed=seed)
+
+
+@app.command()
+def rollout(
+    env: str = typer.Option(..., help="Environment id, e.g. math/arith-v0."),
+    model: str = typer.Option(..., help="Model directory or hub name (transformers backend)."),
+    n: int = typer.Option(64, help="Number of tasks."),
+    out: Path = typer.Option(Path("runs/rollout.jsonl"), help="Trajectories are written here as JSONL."),
+    group_size: int = typer.Option(1, help="Samples per task (same env seed)."),
+    split: str = typer.Option("train"),
+    concurrency: int = typer.Option(32),
+    max_tokens: int = typer.Option(128, help="Max sampled tokens per turn."),
+    max_total_tokens: int = typer.Option(1024, help="Max tokens per episode (prompt included)."),
+    temperature: float = typer.Option(1.0),
+    seed: int = typer.Option(0),
+) -> None:
+    """Run episodes of ENV with MODEL and write exact-token trajectories."""
+    from agentrl.hf_policy import HFPolicy
+    from agentrl.policy import SamplingParams
+    from agentrl.registration import make
+    from agentrl.renderer import Renderer
+    from agentrl.rollout import RolloutConfig, RolloutEngine, summarize, write_jsonl
+
+    probe = _make_or_exit(env, split=split)
+    tasks = list(probe.tasks)[:n]
+    if len(tasks) < n:
+        console.print(f"[yellow]{env} has only {len(tasks)} {split} tasks; running those.[/]")
+    policy = HFPolicy.load(model)
+    config = RolloutConfig(group_size=group_size, concurrency=concurrency, max_total_tokens=max_total_tokens,
+                           seed=seed, sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature))
+    engine = RolloutEngine(lambda: make(env, split=split), policy, Renderer(policy.tokenizer), config)
+    with Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as bar:
+        job = bar.add_task("episodes", total=len(tasks) * group_size)
+        start = time.perf_counter()
+        groups = asyncio.run(engine.run(tasks, on_episode=lambda _: bar.advance(job)))
+        seconds = time.perf_counter() - start
+    engine.close()
+    trajectories = [t for g in groups for t in g.trajectories]
+    write_jsonl(trajectories, out)
+    summary = summarize(trajectories, seconds)
+    table = Table("metric", "value", title=f"{env} · {len(trajectories)} episodes → {out}")
+    for key, value in summary.items():
+        table.add_row(key, json.dumps(value) if isinstance(value, dict) else f"{value:.4g}" if isinstance(value, float) else str(value))
+    console.print(table)
+
+
+def _make_or_exit(env_id: str, **kwargs):
+    from agentrl.registration import make
+
+    try:
+        return make(env_id, **kwargs)
+    except KeyError as e:
+        console.print(f"[red]{e.args[0]}[/]")
+        raise typer.Exit(2)
+
+
+if __name__ == "__main__":
+    app()

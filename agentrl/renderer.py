@@ -1,0 +1,136 @@
+"""The renderer: the only place where chat messages become token ids.
+
+A trajectory is built append-only, exactly as the policy saw it:
+
+    prompt ids  = encode(template(first messages, add_generation_prompt=True))
+    turn k      = the sampled ids, verbatim                                    (loss_mask 1)
+                + observation ids = encode(delta_k)                            (loss_mask 0)
+
+`delta_k` is the text that the chat template adds after the assistant's turn: whatever follows the
+turn-end marker that closes that turn (e.g. the "\\n" after `<|im_end|>`), the observation messages,
+and the next generation prompt. It is found by rendering the conversation up to the assistant's turn
+and with the observation, and cutting the latter right after the turn-end marker that closes the
+assistant's turn (the n-th marker, where n counts the markers up to and including that turn). If the
+policy stopped without emitting a marker (length limit or a stop string), the marker is put into the
+delta too, so the next turn always starts from a well-formed context.
+
+Templates that rewrite earlier turns (Qwen3 dropping `<think>` before the last user query,
+DeepSeek-R1 dropping reasoning, gpt-oss dropping analysis, Mistral moving the system prompt) are
+handled by this append-only strategy: earlier turns are never re-rendered, so the trajectory is the
+context the model actually sampled from, which is what on-policy training needs. For such templates the
+trajectory can differ from rendering the final conversation from scratch; for prefix-stable templates
+(Qwen2.5, Hermes, Llama 3, Phi-4, Gemma...) the two are identical, which the tests check.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+from agentrl.types import Message
+
+Ids = list[int]
+
+
+class RendererError(ValueError):
+    """The chat template cannot express this conversation (it drops a message or never ends a turn)."""
+
+
+# gpt-oss ends a final answer with <|return|>, but a tool-call turn with <|call|> and an earlier turn with
+# <|end|>; the probe below only sees the first.
+EXTRA_TURN_ENDS = {"<|return|>": ("<|call|>", "<|end|>")}
+
+
+class Renderer:
+    def __init__(self, tokenizer: Any, turn_end: Sequence[str] | None = None,
+                 template_kwargs: dict[str, Any] | None = None):
+        """`tokenizer`: a Hugging Face tokenizer with a chat template. `turn_end`: the special tokens that
+        close an assistant turn (default: found by rendering a probe conversation). `template_kwargs` go to
+        the template (e.g. `enable_thinking=False`)."""
+        if not getattr(tokenizer, "chat_template", None):
+            raise RendererError("The tokenizer has no chat_template; set tokenizer.chat_template to a Jinja "
+                                "template (see the model card) before rendering.")
+        self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
+        self.turn_end = tuple(turn_end or self._detect_turn_end())
+        self.turn_end_ids = tuple(tokenizer.convert_tokens_to_ids(m) for m in self.turn_end)
+        if any(i is None or i == tokenizer.unk_token_id for i in self.turn_end_ids):
+            raise RendererError(f"Turn-end markers {self.turn_end} must each be one token of the tokenizer.")
+
+    def _detect_turn_end(self) -> tuple[str, ...]:
+        """The first special token that the template writes after an assistant message's content."""
+        probe = "PROBE"
+        text = self.render([Message("user", "Hi"), Message("assistant", probe)], tools=[])  # Hermes needs a list
+        special = set(self.tokenizer.all_special_ids) | set(self.tokenizer.added_tokens_decoder)
+        for i in self.encode(text[text.rindex(probe) + len(probe):]):
+            if i in special:
+                marker = self.tokenizer.convert_ids_to_tokens(i)
+                return (marker, *EXTRA_TURN_ENDS.get(marker, ()))
+        raise RendererError("Could not find the token that ends an assistant turn in this chat template; "
+                            "pass turn_end=[...] (e.g. ['<|im_end|>']).")
+
+    # ---- text ----
+    def render(self, messages: Sequence[Message], tools: Sequence[dict] | None = None,
+               add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(
+            [m.to_dict() for m in messages], tools=None if tools is None else list(tools), tokenize=False,
+            add_generation_prompt=add_generation_prompt, **self.template_kwargs)
+
+    def encode(self, text: str) -> Ids:
+        """Text (with special tokens written out, as templates produce them) to ids; no BOS/EOS added."""
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    # ---- ids ----
+    def prompt_ids(self, messages: Sequence[Message], tools: Sequence[dict] | None = None) -> Ids:
+        return self.encode(self.render(messages, tools, add_generation_prompt=True))
+
+    def observation_ids(self, history: Sequence[Message], assistant: Message, observation: Sequence[Message],
+                        sampled_ids: Sequence[int], tools: Sequence[dict] | None = None) -> Ids:
+        """Ids that follow the sampled ids of `assistant`: the rest of its turn, `observation`, and the
+        next generation prompt. `history` is the conversation before `assistant`."""
+        return self.encode(self.observation_text(history, assistant, observation, sampled_ids, tools))
+
+    def observation_text(self, history: Sequence[Message], assistant: Message, observation: Sequence[Message],
+                         sampled_ids: Sequence[int], tools: Sequence[dict] | None = None) -> str:
+        before = self.render([*history], tools, add_generation_prompt=True)
+        upto = self.render([*history, assistant], tools, add_generation_prompt=False)
+        full = self.render([*history, assistant, *observation], tools, add_generation_prompt=True)
+        n = self._count_markers(upto)  # gpt-oss writes two markers for a turn: its analysis and its call
+        if n <= self._count_markers(before):
+            raise RendererError(f"The chat template does not close an assistant turn with one of {self.turn_end} "
+                                f"here; pass the right `turn_end` markers for this model.")
+        start, end = self._nth_marker(full, n)
+        delta = full[end:]
+        for m in observation:
+            if m.content.strip() and m.content.strip() not in delta and json.dumps(m.content)[1:-1] not in delta:
+                raise RendererError(f"The chat template dropped a {m.role!r} message ({m.content[:40]!r}...): "
+                                    f"this model's template cannot show the environment's observations.")
+        if not sampled_ids or sampled_ids[-1] not in self.turn_end_ids:
+            delta = full[start:end] + delta  # the policy did not close its turn: close it for the next one
+        return delta
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Token ids that end an assistant turn; pass them to the sampler."""
+        return self.turn_end_ids
+
+    def _count_markers(self, text: str) -> int:
+        return sum(text.count(m) for m in self.turn_end)
+
+    def _nth_marker(self, text: str, n: int) -> tuple[int, int]:
+        """(start, end) of the n-th (1-based) turn-end marker in `text`, in reading order."""
+        positions = sorted((i, i + len(m)) for m in self.turn_end for i in _find_all(text, m))
+        if len(positions) < n:
+            raise RendererError(f"Expected at least {n} turn-end markers in the rendered conversation.")
+        return positions[n - 1]
+
+
+def _find_all(text: str, sub: str) -> list[int]:
+    out, i = [], text.find(sub)
+    while i != -1:
+        out.append(i)
+        i = text.find(sub, i + len(sub))
+    return out

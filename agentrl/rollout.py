@@ -1,0 +1,176 @@
+"""The rollout engine: many episodes at once, each an exact token trajectory.
+
+Episodes run concurrently as asyncio tasks; the policy batches their requests; env calls (which may
+block on tools) run in a thread pool with a timeout. Every episode ends as a `Trajectory` with status
+ok / truncated (with the reason) / error (with the exception): `run_episode` is the one place where
+exceptions become data, so a failing tool or env never stops the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from agentrl.env import TextEnv
+from agentrl.policy import Policy, SamplingParams
+from agentrl.renderer import Renderer
+from agentrl.types import Group, Message, Status, Task, Trajectory, Turn
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    group_size: int = 1  # G trajectories per task, same env seed, different sampling seeds
+    concurrency: int = 32  # episodes in flight
+    max_turns: int = 16  # besides the env's own limit
+    max_total_tokens: int = 2048  # prompt + all turns; also capped by the sampler per turn
+    step_timeout: float = 60.0  # seconds for one env.reset / env.step (tools have their own timeouts)
+    env_workers: int = 16  # threads for env calls
+    seed: int = 0
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+class EnvTimeout(TimeoutError):
+    """env.reset or env.step took longer than `step_timeout`."""
+
+
+@dataclass
+class _Episode:
+    """Mutable builder of one trajectory; frozen into a `Trajectory` at the end."""
+
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    reward: float = 0.0
+    components: dict[str, float] = field(default_factory=dict)
+
+    def extend(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None = None) -> None:
+        self.ids += ids
+        self.mask += [int(sampled)] * len(ids)
+        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+
+
+class RolloutEngine:
+    def __init__(self, make_env: Callable[[], TextEnv], policy: Policy, renderer: Renderer,
+                 config: RolloutConfig = RolloutConfig()):
+        self.make_env, self.policy, self.renderer, self.config = make_env, policy, renderer, config
+        self._pool = ThreadPoolExecutor(config.env_workers, thread_name_prefix="agentrl-env")
+
+    async def _call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+        try:
+            return await asyncio.wait_for(future, self.config.step_timeout)
+        except TimeoutError:
+            raise EnvTimeout(f"{getattr(fn, '__name__', fn)} took more than {self.config.step_timeout}s") from None
+
+    async def run_episode(self, task: Task, env_seed: int, sample_seed: int, group: int = 0) -> Trajectory:
+        ep, env = _Episode(), None
+        status, reason, prompt_len = Status.OK, "", 0
+        try:
+            env = self.make_env()
+            status, reason, prompt_len = await self._play(env, task, env_seed, sample_seed, ep)
+        except Exception as e:  # the one capture point: any failure becomes an `error` trajectory
+            status, reason = Status.ERROR, f"{type(e).__name__}: {e}"
+        finally:
+            if env is not None:
+                env.close()
+        return Trajectory(task.id, tuple(ep.ids), tuple(ep.mask), tuple(ep.logprobs), prompt_len,
+                          tuple(ep.turns), ep.reward, ep.components, status, reason, tuple(ep.messages),
+                          group, env_seed)
+
+    async def _play(self, env: TextEnv, task: Task, env_seed: int, sample_seed: int,
+                    ep: _Episode) -> tuple[Status, str, int]:
+        cfg, r = self.config, self.renderer
+        obs, info = await self._call(env.reset, seed=env_seed, options={"task": task})
+        tools = info.get("tools")
+        ep.messages += obs
+        ep.extend(r.prompt_ids(ep.messages, tools), sampled=False)
+        prompt_len = len(ep.ids)
+        stop_ids = tuple(dict.fromkeys(cfg.sampling.stop_token_ids + r.stop_token_ids))
+        for turn in range(cfg.max_turns):
+            budget = cfg.max_total_tokens - len(ep.ids)
+            if budget <= 0:
+                return Status.TRUNCATED, f"max_total_tokens={cfg.max_total_tokens}", prompt_len
+            sampling = replace(cfg.sampling, n=1, max_tokens=min(cfg.sampling.max_tokens, budget),
+                               seed=sample_seed * 1_000_003 + turn, stop_token_ids=stop_ids)
+            sample = (await self.policy.generate(ep.ids, sampling))[0]
+            start = len(ep.ids)
+            ep.extend(sample.token_ids, sampled=True, logprobs=sample.logprobs)
+            if sample.finish_reason == "length":
+                ep.turns.append(Turn(start, len(ep.ids), len(ep.ids), 0.0, "length"))
+                limit = "max_total_tokens" if sampling.max_tokens < cfg.sampling.max_tokens else "max_tokens"
+                return Status.TRUNCATED, f"{limit} reached mid-turn", prompt_len
+            ids = sample.token_ids
+            text = r.decode(ids[:-1] if ids and ids[-1] in r.stop_token_ids else ids)  # without the turn end
+            obs, reward, terminated, truncated, info = await self._call(env.step, text)
+            assistant = env.assistant_message(text)
+            ep.reward += reward
+            ep.components.update(info.get("reward_components", {}))
+            end = len(ep.ids)
+            if terminated or truncated or turn + 1 == cfg.max_turns:
+                ep.turns.append(Turn(start, end, end, reward))
+                ep.messages += [assistant, *obs]
+                if terminated:
+                    return Status.OK, info.get("reason", ""), prompt_len
+                return Status.TRUNCATED, info.get("reason", f"max_turns={cfg.max_turns}"), prompt_len
+            ep.extend(r.observation_ids(ep.messages, assistant, obs, sample.token_ids, tools), sampled=False)
+            ep.messages += [assistant, *obs]
+            ep.turns.append(Turn(start, end, len(ep.ids), reward))
+        raise AssertionError("unreachable: the loop returns on its last turn")
+
+    async def run(self, tasks: Sequence[Task], on_episode: Callable[[Trajectory], None] | None = None
+                  ) -> list[Group]:
+        """`group_size` episodes per task; returns one Group per task, in task order."""
+        cfg, gate = self.config, asyncio.Semaphore(self.config.concurrency)
+
+        async def one(task_index: int, k: int) -> Trajectory:
+            async with gate:
+                env_seed = cfg.seed * 100_003 + task_index  # shared by the group
+                traj = await self.run_episode(tasks[task_index], env_seed, env_seed * cfg.group_size + k, task_index)
+            if on_episode:
+                on_episode(traj)
+            return traj
+
+        results = await asyncio.gather(*(one(i, k) for i in range(len(tasks)) for k in range(cfg.group_size)))
+        G = cfg.group_size
+        return [Group(task, tuple(results[i * G:(i + 1) * G])) for i, task in enumerate(tasks)]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for t in trajectories:
+            f.write(json.dumps(t.to_dict(), ensure_ascii=False) + "\n")
+
+
+def read_jsonl(path: str | Path) -> list[Trajectory]:
+    with open(path) as f:
+        return [Trajectory.from_dict(json.loads(line)) for line in f if line.strip()]
+
+
+def summarize(trajectories: Sequence[Trajectory], seconds: float | None = None) -> dict[str, Any]:
+    """Counts and means for a batch; rewards are averaged over non-error episodes only."""
+    valid = [t for t in trajectories if t.status is not Status.ERROR]
+    n = len(trajectories)
+    out: dict[str, Any] = {
+        "episodes": n,
+        "status": dict(Counter(t.status.value for t in trajectories)),
+        "mean_reward": sum(t.reward for t in valid) / len(valid) if valid else float("nan"),
+        "mean_turns": sum(len(t.turns) for t in trajectories) / n if n else 0.0,
+        "sampled_tokens": sum(t.num_sampled for t in trajectories),
+        "reasons": dict(Counter(t.reason for t in trajectories if t.reason).most_common(5)),
+    }
+    if seconds:
+        out["seconds"] = round(seconds, 2)
+        out["episodes_per_s"] = round(n / seconds, 3)
+    return out

@@ -1,0 +1,109 @@
+"""`math/arith-v0`: arithmetic word and expression problems with a calculator tool (RLVR).
+
+Two reward components, reported separately:
+- `outcome`: 1 if the final `<answer>` is exactly the gold integer (strict format: digits, optional
+  leading minus, nothing else), else 0;
+- `process`: the fraction of equations `lhs = rhs` written in the assistant's turns that are true
+  (0 when none are written). It rewards showing correct work, independent of the final answer.
+The env's scalar reward is `outcome_weight * outcome + process_weight * process`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+from agentrl.env import Score, ToolEnv
+from agentrl.envs.math.arithmetic import ExpressionError, evaluate, format_number
+from agentrl.envs.math.tasks import make_tasks
+from agentrl.tools import PARSERS, ParsedAction, ToolSet, tool
+from agentrl.types import Message, Task, ToolCall
+
+ANSWER_FORMAT = re.compile(r"-?\d+")
+EQUATION_RHS = re.compile(r"=\s*(-?\d+(?:\.\d+)?)")
+LHS_CHARS = frozenset("0123456789 .+-*/()\t")
+
+SYSTEM_PROMPT = (
+    "You solve arithmetic problems. Use the calculator tool for any computation, show each step as an "
+    "equation like `3 * 4 = 12`, and finish with the answer as a plain integer: <answer>12</answer>.\n{fmt}"
+)
+
+
+@tool(timeout=5.0)
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression exactly.
+
+    Args:
+        expression: Numbers with + - * / ** and parentheses, e.g. "3 * (4 + 5)".
+    """
+    try:
+        return format_number(evaluate(expression))
+    except ExpressionError as e:  # the model's mistake: an observation, not a tool failure
+        return f"error: {e}"
+
+
+def outcome_reward(answer: str, gold: str) -> float:
+    answer = answer.strip()
+    return float(ANSWER_FORMAT.fullmatch(answer) is not None and answer == gold)
+
+
+def equations(text: str) -> list[tuple[str, str]]:
+    """(lhs, rhs) of each `arithmetic = number` in the text. The left side is the run of arithmetic
+    characters before '=' (scanned backwards, so the cost stays linear on adversarial text) and must
+    hold a digit and an operator."""
+    found = []
+    for m in EQUATION_RHS.finditer(text):
+        start = m.start()
+        while start > 0 and text[start - 1] in LHS_CHARS:
+            start -= 1
+        lhs = text[start:m.start()].strip()
+        while lhs.startswith("(") and lhs.count("(") > lhs.count(")"):  # "so (3 + 4 = 7)"
+            lhs = lhs[1:].lstrip()
+        if any(c.isdigit() for c in lhs) and any(c in "+-*/" for c in lhs.lstrip("-")):
+            found.append((lhs, m.group(1)))
+    return found
+
+
+def process_reward(texts: Sequence[str]) -> float:
+    """Fraction of written equations whose left side evaluates to their right side."""
+    verdicts = []
+    for text in texts:
+        for lhs, rhs in equations(text):
+            try:
+                verdicts.append(evaluate(lhs) == evaluate(rhs))
+            except ExpressionError:
+                verdicts.append(False)
+    return sum(verdicts) / len(verdicts) if verdicts else 0.0
+
+
+class ArithmeticEnv(ToolEnv):
+    def __init__(self, split: str = "train", n_tasks: int | None = None, seed: int = 0, parser: str = "hermes",
+                 max_turns: int = 6, max_invalid: int = 3, outcome_weight: float = 1.0,
+                 process_weight: float = 0.0, extra_tools: Sequence = ()):
+        if parser not in ("hermes", "react"):
+            raise ValueError(f"parser must be 'hermes' or 'react' for the math env, got {parser!r}")
+        self.n_tasks = n_tasks or (2000 if split == "train" else 200)
+        self.task_seed = seed
+        parser_obj = PARSERS[parser](default_args={"calculator": "expression"}) if parser == "react" \
+            else PARSERS[parser]()
+        super().__init__(ToolSet([calculator, *extra_tools]), parser_obj, split=split, max_turns=max_turns,
+                         max_invalid=max_invalid,
+                         reward_weights={"outcome": outcome_weight, "process": process_weight})
+
+    def load_tasks(self, split: str) -> Sequence[Task]:
+        return make_tasks(split, self.n_tasks, self.task_seed)
+
+    def first_messages(self, task: Task) -> Sequence[Message]:
+        return (Message("system", SYSTEM_PROMPT.format(fmt=self.parser.instructions)),
+                Message("user", task.data["question"]))
+
+    def score(self, task: Task, answer: str, transcript: Sequence[ParsedAction]) -> Score:
+        outcome = outcome_reward(answer, task.data["answer"])
+        process = process_reward([p.content for p in transcript])
+        return Score({"outcome": outcome, "process": process}, detail=f"gold={task.data['answer']}")
+
+    def gold_actions(self, task: Task) -> list[str]:
+        solution, answer = task.data["solution"], task.data["answer"]
+        call = self.parser.format_call(ToolCall("calculator", {"expression": solution}))
+        return [f"Let me compute {solution}.\n{call}",
+                f"{solution} = {answer}\n{self.parser.format_answer(answer)}"]

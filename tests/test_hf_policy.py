@@ -1,0 +1,146 @@
+"""HFPolicy: batched in-process sampling whose ids and logprobs are exactly what the trainer recomputes."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from agentrl.hf_policy import HFPolicy
+from agentrl.policy import Policy, PolicyError, Sample, SamplingParams
+from agentrl.tiny_model import load_tokenizer
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(tiny_model_dir: Path):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval(), load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture
+async def policy(model_and_tokenizer):
+    policy = HFPolicy(*model_and_tokenizer, max_batch_size=64)
+    yield policy
+    await policy.close()
+
+
+@pytest.fixture
+def prompts(model_and_tokenizer) -> list[list[int]]:
+    """Chat prompts of different lengths, so batches are left-padded."""
+    tok = model_and_tokenizer[1]
+    questions = ["What is 3 * (4 + 5)?", "Hi", "Find the capital of Velkamor, then compute 12 + 30. " * 3]
+    texts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+             for q in questions]
+    return [tok.encode(text, add_special_tokens=False) for text in texts]
+
+
+def forward_logprobs(model, prompt: list[int], sampled: tuple[int, ...]) -> torch.Tensor:
+    """What a trainer computes: log p(sampled[i] | prompt + sampled[:i]) from one full forward pass."""
+    ids_T = torch.tensor(prompt + list(sampled))
+    with torch.no_grad():
+        logp_TV = model(ids_T[None]).logits[0].float().log_softmax(-1)
+    return logp_TV[len(prompt) - 1 : -1].gather(1, torch.tensor(sampled)[:, None]).squeeze(1)
+
+
+async def test_is_a_policy(policy: HFPolicy) -> None:
+    assert isinstance(policy, Policy)
+
+
+async def test_returns_n_samples_within_max_tokens(policy: HFPolicy, prompts: list[list[int]]) -> None:
+    samples = await policy.generate(prompts[0], SamplingParams(max_tokens=8, n=4, seed=1))
+    assert len(samples) == 4 and all(isinstance(s, Sample) for s in samples)
+    for s in samples:
+        assert 1 <= len(s.token_ids) <= 8 and len(s.logprobs) == len(s.token_ids)
+        if s.finish_reason == "length":
+            assert len(s.token_ids) == 8
+        else:
+            assert s.finish_reason == "stop" and s.token_ids[-1] in policy.eos_ids
+    assert len({s.token_ids for s in samples}) > 1  # different seeds per sample
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(max_tokens=20, n=2, seed=0),
+    SamplingParams(max_tokens=20, n=2, seed=1, temperature=0.7, top_p=0.9, top_k=50),
+    SamplingParams(max_tokens=20, temperature=0.0),
+])
+async def test_logprobs_equal_a_full_forward_pass(policy: HFPolicy, prompts, model_and_tokenizer, sampling) -> None:
+    model = model_and_tokenizer[0]
+    results = await asyncio.gather(*(policy.generate(p, sampling) for p in prompts))  # one padded batch
+    for prompt, samples in zip(prompts, results):
+        for s in samples:
+            expected = forward_logprobs(model, prompt, s.token_ids)
+            torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-4, rtol=0)
+
+
+async def test_greedy_is_deterministic_and_is_the_argmax(policy: HFPolicy, prompts, model_and_tokenizer) -> None:
+    model = model_and_tokenizer[0]
+    first = await policy.generate(prompts[0], SamplingParams(max_tokens=24, temperature=0.0, n=3))
+    second = await policy.generate(prompts[0], GREEDY)
+    assert first[0].token_ids == first[1].token_ids == first[2].token_ids == second[0].token_ids
+    ids_T = torch.tensor(prompts[0] + list(second[0].token_ids))
+    with torch.no_grad():
+        argmax_T = model(ids_T[None]).logits[0].argmax(-1)
+    assert tuple(argmax_T[len(prompts[0]) - 1 : -1].tolist()) == second[0].token_ids
+
+
+async def test_seeded_request_is_independent_of_its_batch(policy: HFPolicy, prompts) -> None:
+    target = SamplingParams(max_tokens=32, n=2, seed=1234, temperature=0.9, top_p=0.95)
+    alone = await policy.generate(prompts[0], target)
+    others = [policy.generate(prompts[i % 3], SamplingParams(max_tokens=8 + i * 3, seed=i, n=1 + i % 2))
+              for i in range(15)]
+    batched, *_ = await asyncio.gather(policy.generate(prompts[0], target), *others)
+    assert [s.token_ids for s in batched] == [s.token_ids for s in alone]
+    torch.testing.assert_close(torch.tensor([s.logprobs for s in batched]), torch.tensor([s.logprobs for s in alone]),
+                               atol=1e-5, rtol=0)
+
+
+async def test_stop_token_ids_stop_and_are_kept(policy: HFPolicy, prompts) -> None:
+    (full,) = await policy.generate(prompts[0], GREEDY)
+    stop_id = full.token_ids[5]
+    first = full.token_ids.index(stop_id)
+    (s,) = await policy.generate(prompts[0], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(stop_id,)))
+    assert s.token_ids == full.token_ids[: first + 1] and s.finish_reason == "stop"
+
+
+async def test_stop_strings_stop_at_the_completing_token(policy: HFPolicy, prompts, model_and_tokenizer) -> None:
+    tok = model_and_tokenizer[1]
+    (full,) = await policy.generate(prompts[0], GREEDY)
+    text = tok.decode(full.token_ids[4:8])
+    stop = text[1:-1] if len(text) > 3 else text  # likely spans token boundaries
+    # The first prefix whose text contains the stop string ends the sample.
+    end = next(j for j in range(1, len(full.token_ids) + 1) if stop in tok.decode(full.token_ids[:j]))
+    (s,) = await policy.generate(prompts[0], SamplingParams(max_tokens=24, temperature=0.0, stop=(stop, "\x00never")))
+    assert s.token_ids == full.token_ids[:end] and s.finish_reason == "stop"
+    assert stop in tok.decode(s.token_ids) and stop not in tok.decode(s.token_ids[:-1])
+
+
+async def test_max_tokens_gives_finish_reason_length(policy: HFPolicy, prompts) -> None:
+    (full,) = await policy.generate(prompts[1], GREEDY)
+    assert not set(full.token_ids[:5]) & policy.eos_ids
+    (s,) = await policy.generate(prompts[1], SamplingParams(max_tokens=5, temperature=0.0))
+    assert s.token_ids == full.token_ids[:5] and s.finish_reason == "length"
+
+
+async def test_context_limit(policy: HFPolicy, prompts) -> None:
+    max_len = policy.max_len
+    with pytest.raises(PolicyError, match="context"):
+        await policy.generate([5] * max_len, GREEDY)
+    with pytest.raises(PolicyError, match="empty"):
+        await policy.generate([], GREEDY)
+    with pytest.raises(PolicyError, match="vocabulary"):
+        await policy.generate([policy.vocab_size], GREEDY)
+    # A prompt that nearly fills the context ends at the context with "length"; the policy keeps serving.
+    (s,) = await policy.generate([5] * (max_len - 3), SamplingParams(max_tokens=50, temperature=0.0))
+    assert len(s.token_ids) <= 3 and (s.finish_reason == "length") == (len(s.token_ids) == 3)
+    assert len(await policy.generate(prompts[0], GREEDY)) == 1
+
+
+async def test_closed_policy_refuses(policy: HFPolicy, prompts) -> None:
+    await policy.close()
+    await policy.close()  # idempotent
+    with pytest.raises(PolicyError, match="closed"):
+        await policy.generate(prompts[0], GREEDY)
