@@ -1,0 +1,178 @@
+"""The rollout engine with scripted policies: exact tokens, masks, statuses, failures as data."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from agentrl.envs.math import ArithmeticEnv
+from agentrl.policy import PolicyError, Sample, SamplingParams
+from agentrl.renderer import Renderer
+from agentrl.rollout import RolloutConfig, RolloutEngine, read_jsonl, summarize, write_jsonl
+from agentrl.tools import tool
+from agentrl.types import Status, ToolCall
+
+
+@tool(timeout=5.0)
+def explode(reason: str) -> str:
+    """A tool whose backend is broken.
+
+    Args:
+        reason: Anything.
+    """
+    raise ConnectionError(f"backend unreachable ({reason})")
+
+
+@tool(timeout=0.3)
+def hang(reason: str) -> str:
+    """A tool whose backend never answers.
+
+    Args:
+        reason: Anything.
+    """
+    time.sleep(30)
+    return "never"
+
+
+class ScriptedPolicy:
+    """Plays a fixed script per task: finds which task the prompt is about and how many assistant turns
+    it holds, and emits the script's next text as canonical token ids plus the turn-end token."""
+
+    def __init__(self, renderer: Renderer, scripts: dict[str, list[str]], finish_reason: str = "stop"):
+        self.r, self.scripts, self.finish_reason = renderer, scripts, finish_reason
+        self.calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (prompt ids, sampled ids)
+
+    async def generate(self, prompt_ids, sampling: SamplingParams) -> list[Sample]:
+        await asyncio.sleep(0)  # let other episodes interleave
+        text = self.r.decode(prompt_ids)
+        question = next(q for q in self.scripts if q in text)
+        turn = text.count("<|im_start|>assistant") - 1
+        ids = tuple(self.r.encode(self.scripts[question][turn]) + [self.r.stop_token_ids[0]])
+        ids = ids[:sampling.max_tokens]
+        self.calls.append((tuple(prompt_ids), ids))
+        finish = "length" if len(ids) == sampling.max_tokens and self.finish_reason == "length" else "stop"
+        return [Sample(ids, tuple(-0.5 for _ in ids), finish)]
+
+    async def close(self) -> None: ...
+
+
+@pytest.fixture(scope="module")
+def renderer(tiny_model_dir):
+    return Renderer(AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
+def gold_scripts(env: ArithmeticEnv) -> dict[str, list[str]]:
+    return {t.data["question"]: env.gold_actions(t) for t in env.tasks}
+
+
+def run(engine: RolloutEngine, tasks):
+    try:
+        return asyncio.run(engine.run(tasks))
+    finally:
+        engine.close()
+
+
+def test_gold_policy_gives_exact_trajectories(renderer):
+    env = ArithmeticEnv(n_tasks=16)
+    policy = ScriptedPolicy(renderer, gold_scripts(env))
+    engine = RolloutEngine(lambda: ArithmeticEnv(n_tasks=16), policy, renderer, RolloutConfig(group_size=2))
+    groups = run(engine, list(env.tasks))
+    sampled = {prompt: ids for prompt, ids in policy.calls}
+    assert len(groups) == 16 and all(len(g.trajectories) == 2 for g in groups)
+    for group in groups:
+        for t in group.trajectories:
+            assert t.status is Status.OK and t.reward == 1.0 and len(t.turns) == 2, t.reason
+            assert t.reward_components == {"outcome": 1.0, "process": 1.0}
+            # prompt ids are the rendering of the first messages
+            assert list(t.token_ids[:t.prompt_len]) == renderer.prompt_ids(t.messages[:2], env.tool_schemas)
+            # each turn's sampled ids are verbatim what the policy returned for exactly the ids before it
+            for turn in t.turns:
+                assert t.token_ids[turn.start:turn.end] == sampled[t.token_ids[:turn.start]]
+            # the mask is 1 exactly on sampled tokens, and logprobs live only there
+            spans = {i for turn in t.turns for i in range(turn.start, turn.end)}
+            assert [i for i, m in enumerate(t.loss_mask) if m] == sorted(spans)
+            assert all((lp == -0.5) == bool(m) for lp, m in zip(t.logprobs, t.loss_mask))
+            # observation ids are the renderer's delta for the tool message
+            first = t.turns[0]
+            delta = renderer.observation_ids(t.messages[:2], t.messages[2], t.messages[3:4],
+                                             t.token_ids[first.start:first.end], env.tool_schemas)
+            assert list(t.token_ids[first.end:first.obs_end]) == delta
+            assert t.turns[-1].obs_end == len(t.token_ids)
+
+
+def test_failing_and_hanging_tools_become_error_trajectories(renderer):
+    """64 episodes: a quarter call a tool that raises, a quarter one that hangs; the rest complete."""
+    make = lambda: ArithmeticEnv(n_tasks=64, extra_tools=[explode, hang])  # noqa: E731
+    env = make()
+    scripts = gold_scripts(env)
+    for i, task in enumerate(env.tasks):
+        bad = {0: "explode", 1: "hang"}.get(i % 4)
+        if bad:
+            scripts[task.data["question"]][0] = env.parser.format_call(
+                ToolCall(bad, {"reason": f"task {i}"}))
+    engine = RolloutEngine(make, ScriptedPolicy(renderer, scripts), renderer, RolloutConfig(concurrency=64))
+    trajectories = [g.trajectories[0] for g in run(engine, list(env.tasks))]
+    for i, t in enumerate(trajectories):
+        if i % 4 == 0:
+            assert t.status is Status.ERROR and "ToolError" in t.reason and "backend unreachable" in t.reason
+        elif i % 4 == 1:
+            assert t.status is Status.ERROR and "ToolTimeout" in t.reason
+        else:
+            assert t.status is Status.OK and t.reward == 1.0
+    summary = summarize(trajectories)
+    assert summary["status"] == {"error": 32, "ok": 32} and summary["mean_reward"] == 1.0
+
+
+def test_limits_end_as_truncated_with_reasons(renderer):
+    env = ArithmeticEnv(n_tasks=2)
+    tasks = list(env.tasks)
+    policy = ScriptedPolicy(renderer, gold_scripts(env))
+    one_turn = run(RolloutEngine(lambda: ArithmeticEnv(n_tasks=2), policy, renderer, RolloutConfig(max_turns=1)), tasks)
+    t = one_turn[0].trajectories[0]
+    assert t.status is Status.TRUNCATED and t.reason == "max_turns=1" and len(t.turns) == 1
+    assert t.token_ids[-1] == renderer.stop_token_ids[0]  # no dangling observation after the last turn
+
+    env_limit = run(RolloutEngine(lambda: ArithmeticEnv(n_tasks=2, max_turns=1), policy, renderer), tasks)
+    assert env_limit[0].trajectories[0].status is Status.TRUNCATED
+    assert env_limit[0].trajectories[0].reason == "max_turns=1"
+
+    prompt_len = len(renderer.prompt_ids(env.first_messages(tasks[0]), env.tool_schemas))
+    short = RolloutConfig(max_total_tokens=prompt_len + 5)
+    cut = run(RolloutEngine(lambda: ArithmeticEnv(n_tasks=2), ScriptedPolicy(renderer, gold_scripts(env), "length"),
+                            renderer, short), tasks[:1])[0].trajectories[0]
+    assert cut.status is Status.TRUNCATED and cut.reason == "max_total_tokens reached mid-turn"
+    assert len(cut.token_ids) == prompt_len + 5 and cut.turns[0].finish_reason == "length"
+
+
+class BrokenPolicy:
+    async def generate(self, prompt_ids, sampling):
+        raise PolicyError("server at http://127.0.0.1:1 refused the connection")
+
+    async def close(self): ...
+
+
+class StuckEnv(ArithmeticEnv):
+    def step(self, action):
+        time.sleep(5)
+        return super().step(action)
+
+
+def test_policy_and_env_failures_are_data(renderer, tmp_path: Path):
+    env = ArithmeticEnv(n_tasks=3)
+    broken = run(RolloutEngine(lambda: ArithmeticEnv(n_tasks=3), BrokenPolicy(), renderer), list(env.tasks))
+    assert all(g.trajectories[0].status is Status.ERROR and "PolicyError" in g.trajectories[0].reason for g in broken)
+    assert all(len(g.trajectories[0].token_ids) > 0 for g in broken)  # the prompt is kept for debugging
+    assert all(g.valid == () for g in broken)
+
+    stuck = run(RolloutEngine(lambda: StuckEnv(n_tasks=3), ScriptedPolicy(renderer, gold_scripts(env)), renderer,
+                              RolloutConfig(step_timeout=0.5)), list(env.tasks)[:1])
+    assert "EnvTimeout" in stuck[0].trajectories[0].reason
+
+    path = tmp_path / "out.jsonl"
+    trajectories = [t for g in broken + stuck for t in g.trajectories]
+    write_jsonl(trajectories, path)
+    assert read_jsonl(path) == trajectories
