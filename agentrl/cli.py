@@ -6,8 +6,6 @@ import asyncio
 import json
 import time
 from pathlib import Path
-from typing import Optional
-
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -35,8 +33,6 @@ def envs_list() -> None:
 @envs_app.command("show")
 def envs_show(env_id: str, split: str = "train") -> None:
     """The tools and the first messages of an env's first task."""
-    from agentrl.registration import make
-
     env = _make_or_exit(env_id, split=split)
     obs, info = env.reset(seed=0)
     console.print(f"[bold]{env_id}[/] ({type(env).__name__}), {len(env.tasks)} {split} tasks")
@@ -87,7 +83,7 @@ def rollout(
     from agentrl.policy import SamplingParams
     from agentrl.registration import make
     from agentrl.renderer import Renderer
-    from agentrl.rollout import RolloutConfig, RolloutEngine, summarize, write_jsonl
+    from agentrl.rollout import JsonlWriter, RolloutConfig, RolloutEngine, summarize
 
     probe = _make_or_exit(env, split=split)
     tasks = list(probe.tasks)[:n]
@@ -98,18 +94,21 @@ def rollout(
                            seed=seed, sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature))
     engine = RolloutEngine(lambda: make(env, split=split), policy, Renderer(policy.tokenizer), config)
     with Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as bar:
+                  console=console) as bar, JsonlWriter(out) as writer:
         job = bar.add_task("episodes", total=len(tasks) * group_size)
+
+        def done(trajectory):
+            writer.write(trajectory)
+            bar.advance(job)
+
         start = time.perf_counter()
-        groups = asyncio.run(engine.run(tasks, on_episode=lambda _: bar.advance(job)))
+        groups = asyncio.run(engine.run(tasks, on_episode=done))
         seconds = time.perf_counter() - start
     engine.close()
-    trajectories = [t for g in groups for t in g.trajectories]
-    write_jsonl(trajectories, out)
-    summary = summarize(trajectories, seconds)
-    table = Table("metric", "value", title=f"{env} · {len(trajectories)} episodes → {out}")
+    summary = summarize([t for g in groups for t in g.trajectories], seconds)
+    table = Table("metric", "value", title=f"{env} · {summary['episodes']} episodes → {out}")
     for key, value in summary.items():
-        table.add_row(key, json.dumps(value) if isinstance(value, dict) else f"{value:.4g}" if isinstance(value, float) else str(value))
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else json.dumps(value))
     console.print(table)
 
 

@@ -47,6 +47,7 @@ class HFPolicy:
         self.eos_ids = _eos_ids(model, tokenizer)
         self._pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids, default=0)
         self._pending: list[_Row] = []
+        self._running: list[_Row] = []  # the batch being decoded now
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task | None = None
         self._unseeded = random.Random()  # seeds for requests that bring none
@@ -84,9 +85,9 @@ class HFPolicy:
         if self._worker is not None:
             self._worker.cancel()
             self._worker = None
-        for row in self._pending:
+        for row in self._pending + self._running:
             if not row.future.done():
-                row.future.set_exception(PolicyError("HFPolicy closed before this request ran"))
+                row.future.set_exception(PolicyError("HFPolicy closed before this request finished"))
         self._pending.clear()
 
     def _ensure_worker(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -105,6 +106,7 @@ class HFPolicy:
                 del self._pending[: self.max_batch_size]
                 if not batch:
                     continue
+                self._running = batch
                 try:
                     samples = await asyncio.to_thread(self._decode, batch)
                 except Exception as e:  # noqa: BLE001 -- the backend boundary: its failure fails this batch only

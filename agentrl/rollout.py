@@ -146,11 +146,28 @@ class RolloutEngine:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+class JsonlWriter:
+    """Writes each trajectory as one JSON line as soon as it is done, so a crash loses nothing finished."""
+
+    def __init__(self, path: str | Path):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "w")
+
+    def write(self, trajectory: Trajectory) -> None:
+        self._file.write(json.dumps(trajectory.to_dict(), ensure_ascii=False) + "\n")
+        self._file.flush()
+
+    def __enter__(self) -> JsonlWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+
 def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
+    with JsonlWriter(path) as writer:
         for t in trajectories:
-            f.write(json.dumps(t.to_dict(), ensure_ascii=False) + "\n")
+            writer.write(t)
 
 
 def read_jsonl(path: str | Path) -> list[Trajectory]:

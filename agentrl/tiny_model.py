@@ -258,12 +258,10 @@ def _save_quietly(model, out_dir: Path) -> None:
             hf_logging.enable_progress_bar()
 
 
-def _files_hash(out_dir: Path) -> str:
-    """One sha256 over the files that hold the model (weights, tokenizer, configs), in name order."""
-    h = hashlib.sha256()
-    for path in sorted(p for p in out_dir.iterdir() if p.is_file() and p.name != BUILD_FILE):
-        h.update(path.name.encode() + b"\0" + path.read_bytes())
-    return h.hexdigest()
+def _file_hashes(out_dir: Path) -> dict[str, str]:
+    """sha256 of each file of the build (weights, tokenizer, configs, template), by name."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(out_dir.iterdir()) if p.is_file() and p.name != BUILD_FILE}
 
 
 def _corpus_hash(seed: int) -> str:
@@ -283,7 +281,11 @@ def _is_complete(out_dir: Path, record: dict) -> bool:
         found = json.loads((out_dir / BUILD_FILE).read_text())
     except (OSError, json.JSONDecodeError):
         return False
-    return all(found.get(k) == v for k, v in record.items()) and found.get("sha256") == _files_hash(out_dir)
+    if any(found.get(k) != v for k, v in record.items()) or not found.get("files"):
+        return False
+    # Files added to the directory later (e.g. by a user) don't matter; changed or missing build files do.
+    return all((out_dir / name).is_file() and hashlib.sha256((out_dir / name).read_bytes()).hexdigest() == digest
+               for name, digest in found["files"].items())
 
 
 def build_tiny_model(out_dir: str | Path, seed: int = 0, *, force: bool = False, quiet: bool = False,
@@ -310,7 +312,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, *, force: bool = False,
         model = build_model(settings, tokenizer)
         _save_quietly(model, out_dir)
     n_params = sum(p.numel() for p in model.parameters())
-    record.update(num_parameters=n_params, sha256=_files_hash(out_dir))
+    record.update(num_parameters=n_params, files=_file_hashes(out_dir))
     (out_dir / BUILD_FILE).write_text(json.dumps(record, indent=2) + "\n")
     log(f"[green]tiny model[/] built in {out_dir}: {n_params / 1e6:.2f} M parameters")
     return out_dir

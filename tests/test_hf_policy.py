@@ -139,6 +139,14 @@ async def test_context_limit(policy: HFPolicy, prompts) -> None:
     assert len(await policy.generate(prompts[0], GREEDY)) == 1
 
 
+async def test_close_fails_requests_in_flight(policy: HFPolicy, prompts) -> None:
+    running = asyncio.create_task(policy.generate(prompts[0], SamplingParams(max_tokens=64, seed=0)))
+    await asyncio.sleep(0.05)  # the worker has taken it into a round
+    await policy.close()
+    with pytest.raises(PolicyError, match="closed"):
+        await running
+
+
 async def test_closed_policy_refuses(policy: HFPolicy, prompts) -> None:
     await policy.close()
     await policy.close()  # idempotent

@@ -51,6 +51,7 @@ def test_build_record(tiny_model_dir: Path) -> None:
     record = json.loads((tiny_model_dir / BUILD_FILE).read_text())
     assert record["settings"]["seed"] == 0 and record["settings"]["hidden_size"] == 256
     assert 3_000_000 < record["num_parameters"] < 10_000_000
+    assert record["files"]["model.safetensors"] == sha256(tiny_model_dir / "model.safetensors")
 
 
 def test_loads_in_transformers_with_vllm_compatible_config(tiny_model_dir: Path) -> None:

@@ -1,0 +1,1 @@
+"""Losses and training loops (GRPO, PPO, SFT): the trainers issue fills this package."""

@@ -1,0 +1,23 @@
+"""The README's example environment runs as written."""
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+
+def test_readme_example_env_registers_and_checks(tmp_path, monkeypatch):
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    code = re.search(r"## Your own environment\n\n```python\n(.*?)```", readme, re.S).group(1)
+    path = tmp_path / "readme_example.py"
+    path.write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = importlib.util.spec_from_file_location("readme_example", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "readme_example", module)
+    spec.loader.exec_module(module)  # registers demo/lookup-v0 and asserts its check passes
+    import agentrl
+
+    env = agentrl.make("demo/lookup-v0")
+    env.reset(seed=0)
+    assert env.step("<answer>1</answer>")[1] == 1.0
