@@ -124,13 +124,22 @@ class HFPolicy:
         from transformers import DynamicCache
 
         device, B = self.model.device, len(rows)
-        P = max(len(r.prompt_ids) for r in rows)
+        # Rows of a batch usually share a long prefix (system prompt, tools, a group's task): its KV is
+        # computed once and copied to every row. Each row keeps at least one token of its own.
+        L = _shared_prefix_len([r.prompt_ids for r in rows]) if B > 1 else 0
+        cache = DynamicCache(config=self.model.config)
+        if L:
+            self.model(input_ids=torch.tensor([rows[0].prompt_ids[:L]], device=device), past_key_values=cache,
+                       use_cache=True, logits_to_keep=1)
+            cache.batch_repeat_interleave(B)
+        P = max(len(r.prompt_ids) for r in rows) - L
         input_ids_BP = torch.full((B, P), self._pad_id, dtype=torch.long)
         mask_BP = torch.zeros((B, P), dtype=torch.long)
         for b, row in enumerate(rows):  # left padding: every row's next token goes in the last column
-            input_ids_BP[b, P - len(row.prompt_ids):] = torch.tensor(row.prompt_ids)
-            mask_BP[b, P - len(row.prompt_ids):] = 1
-        pos_BP = (mask_BP.cumsum(-1) - 1).clamp(min=0)
+            suffix = row.prompt_ids[L:]
+            input_ids_BP[b, P - len(suffix):] = torch.tensor(suffix)
+            mask_BP[b, P - len(suffix):] = 1
+        pos_BP = L + (mask_BP.cumsum(-1) - 1).clamp(min=0)
         temp_B = torch.tensor([r.sampling.temperature for r in rows], device=device)
         top_p_B = torch.tensor([r.sampling.top_p for r in rows], device=device)
         top_k_B = torch.tensor([r.sampling.top_k for r in rows], device=device)
@@ -140,8 +149,7 @@ class HFPolicy:
         out_logps: list[list[float]] = [[] for _ in rows]
         finish: list[FinishReason] = ["length"] * B
 
-        cache = DynamicCache(config=self.model.config)
-        mask_BT = mask_BP.to(device)
+        mask_BT = torch.cat([torch.ones((B, L), dtype=torch.long), mask_BP], dim=1).to(device)  # [B, L + P]
         logits_BV = self.model(input_ids=input_ids_BP.to(device), attention_mask=mask_BT,
                                position_ids=pos_BP.to(device), past_key_values=cache, use_cache=True,
                                logits_to_keep=1).logits[:, -1].float()
@@ -205,6 +213,16 @@ def _sample(logits_BV: torch.Tensor, temp_B: torch.Tensor, top_p_B: torch.Tensor
     tokens_B = (probs_BV / noise_BV).argmax(-1)
     tokens_B = torch.where(temp_B == 0, logits_BV.argmax(-1), tokens_B)
     return tokens_B, logp_BV.gather(1, tokens_B[:, None]).squeeze(1)
+
+
+def _shared_prefix_len(prompts: list[list[int]]) -> int:
+    """Length of the common prefix of all prompts, leaving every prompt at least one token after it."""
+    limit = min(len(p) for p in prompts) - 1
+    first = prompts[0]
+    for i in range(limit):
+        if any(p[i] != first[i] for p in prompts):
+            return i
+    return max(limit, 0)
 
 
 def _eos_ids(model, tokenizer) -> frozenset[int]:

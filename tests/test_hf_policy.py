@@ -152,3 +152,19 @@ async def test_closed_policy_refuses(policy: HFPolicy, prompts) -> None:
     await policy.close()  # idempotent
     with pytest.raises(PolicyError, match="closed"):
         await policy.generate(prompts[0], GREEDY)
+
+
+async def test_shared_prefix_batch_matches_a_full_forward_pass(policy: HFPolicy, model_and_tokenizer) -> None:
+    """Rows sharing a long system prompt reuse its KV; their logprobs must not change because of it."""
+    model, tok = model_and_tokenizer
+    system = {"role": "system", "content": "You are a careful assistant who uses tools. " * 8}
+    prompts = [tok.apply_chat_template([system, {"role": "user", "content": q}], add_generation_prompt=True,
+                                       tokenize=False) for q in ["Hi", "What is 2 + 2?", "Name three colours, please."]]
+    ids = [tok.encode(t, add_special_tokens=False) for t in prompts]
+    sampling = SamplingParams(max_tokens=16, seed=5)
+    alone = [await policy.generate(p, sampling) for p in ids]
+    batched = await asyncio.gather(*(policy.generate(p, sampling) for p in ids))
+    for prompt, [one], [many] in zip(ids, alone, batched):
+        assert many.token_ids == one.token_ids
+        torch.testing.assert_close(torch.tensor(many.logprobs), forward_logprobs(model, prompt, many.token_ids),
+                                   atol=1e-4, rtol=0)
