@@ -29,7 +29,7 @@ setup-vllm: $(VENV)/.vllm
 demo: setup
 	$(VENV)/bin/agentrl model init $(MODEL)
 	$(VENV)/bin/agentrl envs check math/arith-v0
-	$(VENV)/bin/agentrl rollout --env math/arith-v0 --model $(MODEL) --n 64 --out runs/demo/rollout.jsonl
+	$(VENV)/bin/agentrl rollout --config recipes/cpu_demo.toml --model $(MODEL)
 
 # All tests, the real components included (vLLM on CPU).
 test: setup setup-vllm

@@ -6,6 +6,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Optional
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -66,50 +67,63 @@ def model_init(out_dir: Path, seed: int = 0) -> None:
 
 @app.command()
 def rollout(
-    env: str = typer.Option(..., help="Environment id, e.g. math/arith-v0."),
-    model: str = typer.Option(..., help="Model directory or hub name (transformers backend)."),
-    n: int = typer.Option(64, help="Number of tasks."),
-    out: Path = typer.Option(Path("runs/rollout.jsonl"), help="Trajectories are written here as JSONL."),
-    group_size: int = typer.Option(1, help="Samples per task (same env seed)."),
-    split: str = typer.Option("train"),
-    concurrency: int = typer.Option(32),
-    max_tokens: int = typer.Option(128, help="Max sampled tokens per turn."),
-    max_total_tokens: int = typer.Option(1024, help="Max tokens per episode (prompt included)."),
-    temperature: float = typer.Option(1.0),
-    seed: int = typer.Option(0),
+    config: Optional[Path] = typer.Option(None, help="TOML recipe (a RolloutJob); options below override it."),
+    env: Optional[str] = typer.Option(None, help="Environment id, e.g. math/arith-v0."),
+    model: Optional[str] = typer.Option(None, help="Model directory or hub name (transformers backend)."),
+    n: Optional[int] = typer.Option(None, help="Number of tasks [default: 64]."),
+    out: Optional[Path] = typer.Option(None, help="Trajectories are written here as JSONL, as they finish."),
+    group_size: Optional[int] = typer.Option(None, help="Samples per task (same env seed) [default: 1]."),
+    split: Optional[str] = typer.Option(None, help="Task split [default: train]."),
+    concurrency: Optional[int] = typer.Option(None, help="Episodes in flight [default: 32]."),
+    max_tokens: Optional[int] = typer.Option(None, help="Max sampled tokens per turn [default: 256]."),
+    max_total_tokens: Optional[int] = typer.Option(None, help="Max tokens per episode, prompt included."),
+    temperature: Optional[float] = typer.Option(None, help="Sampling temperature [default: 1.0]."),
+    seed: Optional[int] = typer.Option(None, help="Seeds env resets and sampling [default: 0]."),
 ) -> None:
-    """Run episodes of ENV with MODEL and write exact-token trajectories."""
+    """Run episodes of an env with a model and write exact-token trajectories as JSONL."""
+    from agentrl.config import ConfigError, load_config
     from agentrl.hf_policy import HFPolicy
-    from agentrl.policy import SamplingParams
     from agentrl.registration import make
     from agentrl.renderer import Renderer
-    from agentrl.rollout import JsonlWriter, RolloutConfig, RolloutEngine, summarize
+    from agentrl.rollout import JsonlWriter, RolloutEngine, RolloutJob, summarize
 
-    probe = _make_or_exit(env, split=split)
-    tasks = list(probe.tasks)[:n]
-    if len(tasks) < n:
-        console.print(f"[yellow]{env} has only {len(tasks)} {split} tasks; running those.[/]")
-    policy = HFPolicy.load(model)
-    config = RolloutConfig(group_size=group_size, concurrency=concurrency, max_total_tokens=max_total_tokens,
-                           seed=seed, sampling=SamplingParams(max_tokens=max_tokens, temperature=temperature))
-    engine = RolloutEngine(lambda: make(env, split=split), policy, Renderer(policy.tokenizer), config)
+    overrides = _given(env=env, model=model, n=n, out=str(out) if out else None, split=split, rollout=_given(
+        group_size=group_size, concurrency=concurrency, max_total_tokens=max_total_tokens, seed=seed,
+        sampling=_given(max_tokens=max_tokens, temperature=temperature)))
+    try:
+        job = load_config(RolloutJob, config, overrides)
+    except ConfigError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(2)
+    probe = _make_or_exit(job.env, split=job.split, **job.env_kwargs)
+    tasks = list(probe.tasks)[:job.n]
+    if len(tasks) < job.n:
+        console.print(f"[yellow]{job.env} has only {len(tasks)} {job.split} tasks; running those.[/]")
+    policy = HFPolicy.load(job.model)
+    engine = RolloutEngine(lambda: make(job.env, split=job.split, **job.env_kwargs), policy,
+                           Renderer(policy.tokenizer), job.rollout)
     with Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as bar, JsonlWriter(out) as writer:
-        job = bar.add_task("episodes", total=len(tasks) * group_size)
+                  console=console) as bar, JsonlWriter(job.out) as writer:
+        progress = bar.add_task("episodes", total=len(tasks) * job.rollout.group_size)
 
         def done(trajectory):
             writer.write(trajectory)
-            bar.advance(job)
+            bar.advance(progress)
 
         start = time.perf_counter()
         groups = asyncio.run(engine.run(tasks, on_episode=done))
         seconds = time.perf_counter() - start
     engine.close()
     summary = summarize([t for g in groups for t in g.trajectories], seconds)
-    table = Table("metric", "value", title=f"{env} · {summary['episodes']} episodes → {out}")
+    table = Table("metric", "value", title=f"{job.env} · {summary['episodes']} episodes → {job.out}")
     for key, value in summary.items():
         table.add_row(key, f"{value:.4g}" if isinstance(value, float) else json.dumps(value))
     console.print(table)
+
+
+def _given(**options):
+    """The options the user gave (not None, not empty), as a nested override dict."""
+    return {k: v for k, v in options.items() if v is not None and v != {}}
 
 
 def _make_or_exit(env_id: str, **kwargs):

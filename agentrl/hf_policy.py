@@ -12,6 +12,7 @@ log-softmax at the sampled token: what the trainer's forward pass computes.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,8 +59,9 @@ class HFPolicy:
              max_batch_size: int = 64) -> HFPolicy:
         from transformers import AutoModelForCausalLM
 
+        model_dir_or_name = os.path.expanduser(str(model_dir_or_name))
         tokenizer = load_tokenizer(model_dir_or_name)  # raises with a hint if the model is missing
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir_or_name), dtype=dtype).to(device)
+        model = AutoModelForCausalLM.from_pretrained(model_dir_or_name, dtype=dtype).to(device)
         return cls(model, tokenizer, max_batch_size)
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:

@@ -9,6 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol, Sequence, runtime_checkable
 
+from pydantic import with_config
+
+from agentrl.config import STRICT
+
 FinishReason = Literal["stop", "length"]
 
 
@@ -16,6 +20,7 @@ class PolicyError(RuntimeError):
     """The policy backend failed (server down, bad request). The episode ends with status `error`."""
 
 
+@with_config(STRICT)
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 256

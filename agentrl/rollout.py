@@ -16,12 +16,16 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from pydantic import with_config
+
+from agentrl.config import STRICT
 from agentrl.env import TextEnv
 from agentrl.policy import Policy, SamplingParams
 from agentrl.renderer import Renderer
 from agentrl.types import Group, Message, Status, Task, Trajectory, Turn
 
 
+@with_config(STRICT)
 @dataclass(frozen=True)
 class RolloutConfig:
     group_size: int = 1  # G trajectories per task, same env seed, different sampling seeds
@@ -32,6 +36,30 @@ class RolloutConfig:
     env_workers: int = 16  # threads for env calls
     seed: int = 0
     sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        for name in ("group_size", "concurrency", "max_turns", "env_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sampling.n != 1:
+            raise ValueError("sampling.n must be 1 in a rollout: use group_size for several samples per task")
+        if self.sampling.max_tokens >= self.max_total_tokens:
+            raise ValueError(f"sampling.max_tokens ({self.sampling.max_tokens}) must be below max_total_tokens "
+                             f"({self.max_total_tokens}), which also holds the prompt")
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class RolloutJob:
+    """`agentrl rollout`: which env and model, how many tasks, where the trajectories go."""
+
+    env: str  # env id, e.g. "math/arith-v0"
+    model: str  # model directory or hub name (transformers backend)
+    n: int = 64  # tasks; each gives `rollout.group_size` episodes
+    split: str = "train"
+    out: str = "runs/rollout.jsonl"
+    env_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to agentrl.make
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
 
 class EnvTimeout(TimeoutError):

@@ -1,0 +1,50 @@
+"""Typed configs from TOML recipes: one dataclass per entry point, validated at load time.
+
+Unknown keys, wrong types and impossible combinations (checked in the dataclasses' `__post_init__`) are
+errors that name the key, not silent no-ops. Validation is pydantic's; the configs stay plain dataclasses.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import ConfigDict, TypeAdapter, ValidationError
+
+T = TypeVar("T")
+
+# Put on every config dataclass: `@with_config(STRICT)`. Extra keys are errors; numbers are not parsed from strings.
+STRICT = ConfigDict(extra="forbid", strict=False, arbitrary_types_allowed=False)
+
+
+class ConfigError(ValueError):
+    """A recipe does not describe a valid config; the message names the offending keys."""
+
+
+def load_config(cls: type[T], source: str | Path | dict[str, Any] | None = None,
+                overrides: dict[str, Any] | None = None) -> T:
+    """Build `cls` from a TOML file (or a dict), with `overrides` (nested dicts) applied on top."""
+    if source is None or isinstance(source, dict):
+        data, where = dict(source or {}), "config"
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"No recipe at {path}.")
+        try:
+            data, where = tomllib.loads(path.read_text()), str(path)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    data = _merge(data, overrides or {})
+    try:
+        return TypeAdapter(cls).validate_python(data)
+    except ValidationError as e:
+        problems = "\n".join(f"  {'.'.join(map(str, err['loc'])) or '(top)'}: {err['msg']}" for err in e.errors())
+        raise ConfigError(f"{where} is not a valid {cls.__name__}:\n{problems}") from None
+
+
+def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out

@@ -1,0 +1,38 @@
+"""Typed configs from TOML: recipes load; unknown keys, bad types and impossible combinations are errors."""
+
+from pathlib import Path
+
+import pytest
+
+from agentrl.config import ConfigError, load_config
+from agentrl.rollout import RolloutJob
+
+RECIPES = Path(__file__).parents[1] / "recipes"
+
+
+def test_cpu_demo_recipe_loads_with_overrides():
+    job = load_config(RolloutJob, RECIPES / "cpu_demo.toml", {"n": 8, "rollout": {"sampling": {"temperature": 0.5}}})
+    assert job.env == "math/arith-v0" and job.n == 8 and job.env_kwargs == {"max_turns": 4}
+    assert job.rollout.sampling.temperature == 0.5 and job.rollout.sampling.max_tokens == 64  # untouched
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"env": "e"}, "model: Field required"),
+    ({"env": "e", "model": "m", "rollout": {"sampling": {"max_tokenz": 3}}}, "rollout.sampling.max_tokenz: Unexpected"),
+    ({"env": "e", "model": "m", "n": "many"}, "n: Input should be a valid integer"),
+    ({"env": "e", "model": "m", "rollout": {"max_total_tokens": 100, "sampling": {"max_tokens": 200}}},
+     "must be below max_total_tokens"),
+    ({"env": "e", "model": "m", "rollout": {"sampling": {"n": 4}}}, "use group_size"),
+])
+def test_invalid_configs_name_the_problem(data, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(RolloutJob, data)
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("env = ")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(RolloutJob, bad)
+    with pytest.raises(ConfigError, match="No recipe"):
+        load_config(RolloutJob, tmp_path / "missing.toml")
