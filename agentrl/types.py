@@ -101,6 +101,7 @@ class Trajectory:
     messages: tuple[Message, ...] = ()  # the conversation as parsed messages, for viewers and SFT
     group: int = 0  # index of the group (task sample) this trajectory belongs to
     seed: int | None = None
+    weight_version: int = 0  # the policy weights that sampled it (bumped by each weight sync)
     info: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
