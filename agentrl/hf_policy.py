@@ -53,6 +53,7 @@ class HFPolicy:
         self._worker: asyncio.Task | None = None
         self._unseeded = random.Random()  # seeds for requests that bring none
         self._closed = False
+        self.weight_version = 0
 
     @classmethod
     def load(cls, model_dir_or_name: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -81,6 +82,12 @@ class HFPolicy:
         self._pending.extend(rows)
         self._ensure_worker(loop)
         return list(await asyncio.gather(*(row.future for row in rows)))
+
+    async def sync_weights(self, model, version: int) -> None:
+        """In-process: the trainer's model is usually this very object; otherwise copy its weights."""
+        if model is not self.model:
+            await asyncio.to_thread(self.model.load_state_dict, model.state_dict())
+        self.weight_version = version
 
     async def close(self) -> None:
         self._closed = True

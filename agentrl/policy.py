@@ -7,7 +7,7 @@ Two backends implement it: in-process transformers (`agentrl.hf_policy.HFPolicy`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol, Sequence, runtime_checkable
+from typing import Any, Literal, Protocol, Sequence, runtime_checkable
 
 from pydantic import with_config
 
@@ -55,8 +55,14 @@ class Sample:
 
 @runtime_checkable
 class Policy(Protocol):
+    weight_version: int  # bumped by each sync; trajectories record the version that sampled them
+
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
         """Return `sampling.n` samples continuing `prompt_ids`."""
+        ...
+
+    async def sync_weights(self, model: Any, version: int) -> None:
+        """Make the engine sample from `model`'s current weights (a transformers causal LM), as `version`."""
         ...
 
     async def close(self) -> None: ...

@@ -99,7 +99,7 @@ class RolloutEngine:
             raise EnvTimeout(f"{getattr(fn, '__name__', fn)} took more than {self.config.step_timeout}s") from None
 
     async def run_episode(self, task: Task, env_seed: int, sample_seed: int, group: int = 0) -> Trajectory:
-        ep, env = _Episode(), None
+        ep, env, version = _Episode(), None, self.policy.weight_version
         status, reason, prompt_len = Status.OK, "", 0
         try:
             env = self.make_env()
@@ -111,7 +111,7 @@ class RolloutEngine:
                 env.close()
         return Trajectory(task.id, tuple(ep.ids), tuple(ep.mask), tuple(ep.logprobs), prompt_len,
                           tuple(ep.turns), ep.reward, ep.components, status, reason, tuple(ep.messages),
-                          group, env_seed)
+                          group, env_seed, version)
 
     async def _play(self, env: TextEnv, task: Task, env_seed: int, sample_seed: int,
                     ep: _Episode) -> tuple[Status, str, int]:

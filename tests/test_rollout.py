@@ -42,6 +42,8 @@ class ScriptedPolicy:
     """Plays a fixed script per task: finds which task the prompt is about and how many assistant turns
     it holds, and emits the script's next text as canonical token ids plus the turn-end token."""
 
+    weight_version = 0
+
     def __init__(self, renderer: Renderer, scripts: dict[str, list[str]], finish_reason: str = "stop"):
         self.r, self.scripts, self.finish_reason = renderer, scripts, finish_reason
         self.calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (prompt ids, sampled ids)
@@ -149,6 +151,8 @@ def test_limits_end_as_truncated_with_reasons(renderer):
 
 
 class BrokenPolicy:
+    weight_version = 3
+
     async def generate(self, prompt_ids, sampling):
         raise PolicyError("server at http://127.0.0.1:1 refused the connection")
 
@@ -166,6 +170,7 @@ def test_policy_and_env_failures_are_data(renderer, tmp_path: Path):
     broken = run(RolloutEngine(lambda: ArithmeticEnv(n_tasks=3), BrokenPolicy(), renderer), list(env.tasks))
     assert all(g.trajectories[0].status is Status.ERROR and "PolicyError" in g.trajectories[0].reason for g in broken)
     assert all(len(g.trajectories[0].token_ids) > 0 for g in broken)  # the prompt is kept for debugging
+    assert all(g.trajectories[0].weight_version == 3 for g in broken)
     assert all(g.valid == () for g in broken)
 
     stuck = run(RolloutEngine(lambda: StuckEnv(n_tasks=3), ScriptedPolicy(renderer, gold_scripts(env)), renderer,
