@@ -121,6 +121,28 @@ def rollout(
     console.print(table)
 
 
+@app.command()
+def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see recipes/)."),
+          model: Optional[str] = typer.Option(None, help="Override the recipe's model."),
+          out_dir: Optional[str] = typer.Option(None, help="Override the recipe's output directory."),
+          steps: Optional[int] = typer.Option(None, help="Override grpo.steps.")) -> None:
+    """SFT warm start (optional) → held-out eval → GRPO → held-out eval; resumes from the latest checkpoint."""
+    from agentrl.config import ConfigError, load_config
+    from agentrl.trainers.pipeline import TrainJob, run
+
+    try:
+        job = load_config(TrainJob, recipe, _given(model=model, out_dir=out_dir, grpo=_given(steps=steps)))
+    except ConfigError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(2)
+    _make_or_exit(job.env, **job.env_kwargs)
+    summary = run(job, log=console.print)
+    if "before" in summary and "after" in summary:
+        b, a = summary["before"]["success"], summary["after"]["success"]
+        console.print(f"[bold]held-out success: {b:.3f} → {a:.3f} ({100 * (a - b):+.1f} points)[/]")
+    console.print(f"metrics, checkpoints and reward_curve.png in {job.out_dir}")
+
+
 def _given(**options):
     """The options the user gave (not None, not empty), as a nested override dict."""
     return {k: v for k, v in options.items() if v is not None and v != {}}

@@ -10,6 +10,7 @@ a gold solution (for `validate()`).
 from __future__ import annotations
 
 import abc
+import random
 from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
@@ -141,6 +142,11 @@ class TextEnv(gym.Env[Observation, str]):
     @abc.abstractmethod
     def gold_actions(self, task: Task) -> list[str]:
         """Assistant texts that solve `task`; `validate()` feeds them through the env."""
+
+    def demonstration(self, task: Task, rng: random.Random, error_rate: float = 0.0) -> list[str]:
+        """Assistant texts of an expert for SFT warm starts: the gold solution, and with probability
+        `error_rate` a plausible mistake where the env knows how to make one."""
+        return self.gold_actions(task)
 
     def on_reset(self, task: Task) -> None:
         """Hook for per-episode state."""

@@ -113,6 +113,13 @@ class Renderer:
         return delta
 
     @property
+    def generation_prompt(self) -> str:
+        """The text that opens an assistant turn (e.g. "<|im_start|>assistant\n")."""
+        probe = [Message("user", "Hi")]
+        with_prompt = self.render(probe, tools=[], add_generation_prompt=True)
+        return with_prompt[len(self.render(probe, tools=[])):]
+
+    @property
     def stop_token_ids(self) -> tuple[int, ...]:
         """Token ids that end an assistant turn; pass them to the sampler."""
         return self.turn_end_ids

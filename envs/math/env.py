@@ -10,6 +10,7 @@ The env's scalar reward is `outcome_weight * outcome + process_weight * process`
 
 from __future__ import annotations
 
+import random
 import re
 from typing import Sequence
 
@@ -107,3 +108,11 @@ class ArithmeticEnv(ToolEnv):
         call = self.parser.format_call(ToolCall("calculator", {"expression": solution}))
         return [f"Let me compute {solution}.\n{call}",
                 f"{solution} = {answer}\n{self.parser.format_answer(answer)}"]
+
+    def demonstration(self, task: Task, rng: random.Random, error_rate: float = 0.0) -> list[str]:
+        """The gold solution; with probability `error_rate`, a mental-arithmetic slip instead: no calculator,
+        a wrong equation and a wrong answer (what RL should learn to avoid)."""
+        if rng.random() >= error_rate:
+            return self.gold_actions(task)
+        wrong = str(int(task.data["answer"]) + rng.choice([-10, -2, -1, 1, 2, 10]))
+        return [f"{task.data['solution']} = {wrong}\n{self.parser.format_answer(wrong)}"]

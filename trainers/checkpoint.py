@@ -1,0 +1,51 @@
+"""Checkpoints that resume a run exactly: model (loadable with `from_pretrained`), optimizer, scheduler,
+RNG states, step, data position and weight version.
+
+Each checkpoint is written to a temporary directory and renamed into place, so a run killed while
+saving leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def save_checkpoint(out_dir: Path, step: int, model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer,
+                    scheduler: Any, state: dict[str, Any]) -> Path:
+    final = Path(out_dir) / "checkpoints" / f"step-{step:06d}"
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    torch.save({
+        "step": step, "state": state, "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+    }, tmp / "trainer_state.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final
+
+
+def latest_checkpoint(out_dir: Path) -> Path | None:
+    done = sorted(p for p in (Path(out_dir) / "checkpoints").glob("step-*") if not p.name.endswith(".tmp"))
+    return done[-1] if done else None
+
+
+def load_trainer_state(checkpoint: Path, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
+    """Restores optimizer, scheduler and RNGs in place (the model is loaded from the same directory with
+    `from_pretrained`); returns {"step": ..., "state": ...}."""
+    saved = torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False)
+    optimizer.load_state_dict(saved["optimizer"])
+    if scheduler is not None and saved["scheduler"] is not None:
+        scheduler.load_state_dict(saved["scheduler"])
+    random.setstate(saved["rng"]["python"])
+    np.random.set_state(saved["rng"]["numpy"])
+    torch.set_rng_state(saved["rng"]["torch"])
+    return {"step": saved["step"], "state": saved["state"]}

@@ -1,0 +1,181 @@
+"""GRPO for multi-turn tool-using agents, top to bottom.
+
+Each step: collect `tasks_per_step` groups of `group_size` episodes with the rollout engine → drop error
+trajectories from the baselines (and, with dynamic sampling, groups whose rewards do not vary) →
+group-relative advantages, broadcast onto the sampled tokens → `epochs` passes of minibatch updates of
+the chosen policy loss, with the sampler's logprobs as the old logprobs (+ optional KL to a frozen
+reference) → weight sync into the engine → metrics and checkpoints. Observation tokens never
+contribute: every loss is masked by the trajectory's loss mask.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from pydantic import with_config
+
+from agentrl.config import STRICT
+from agentrl.env import TextEnv
+from agentrl.policy import Policy
+from agentrl.renderer import Renderer
+from agentrl.rollout import RolloutConfig, RolloutEngine
+from agentrl.trainers.advantages import ADVANTAGES
+from agentrl.trainers.batch import Batch, make_batch, token_logprobs
+from agentrl.trainers.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+from agentrl.trainers.losses import POLICY_LOSSES, PolicyLossConfig, kl_loss, masked_mean
+from agentrl.trainers.metrics import MetricsLogger, rollout_metrics
+from agentrl.types import Group, Task
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class GRPOConfig:
+    steps: int = 20
+    tasks_per_step: int = 8
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(group_size=8))
+    advantage: str = "grpo"  # a key of agentrl.trainers.advantages.ADVANTAGES
+    loss: str = "ppo"  # a key of agentrl.trainers.losses.POLICY_LOSSES
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    kl_coef: float = 0.0  # > 0: KL to a frozen copy of the initial policy, as a loss term
+    kl_kind: str = "k3"
+    lr: float = 1e-5
+    epochs: int = 1  # passes over each step's batch
+    minibatch_size: int = 16  # trajectories per optimizer step
+    max_grad_norm: float = 1.0
+    dynamic_sampling: bool = False  # skip groups whose rewards are all equal, and refill
+    max_refills: int = 2  # extra collection rounds per step when dynamic sampling drops groups
+    checkpoint_every: int = 0  # steps; 0 = only at the end
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.advantage not in ADVANTAGES:
+            raise ValueError(f"advantage must be one of {sorted(ADVANTAGES)}, got {self.advantage!r}")
+        if self.loss not in POLICY_LOSSES:
+            raise ValueError(f"loss must be one of {sorted(POLICY_LOSSES)}, got {self.loss!r}")
+        if self.rollout.group_size < 2:
+            raise ValueError("GRPO needs rollout.group_size >= 2 to compare samples of one task")
+
+
+class TaskStream:
+    """Tasks in a seeded order, reshuffled each pass; `position` is the data position saved in checkpoints."""
+
+    def __init__(self, tasks: list[Task], seed: int, position: int = 0):
+        self.tasks, self.seed, self.position = tasks, seed, position
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.tasks)))
+        random.Random(self.seed * 7919 + epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[Task]:
+        out = []
+        for _ in range(n):
+            epoch, i = divmod(self.position, len(self.tasks))
+            if i == 0 or not out:
+                order = self._order(epoch)
+            out.append(self.tasks[order[i]])
+            self.position += 1
+        return out
+
+
+def collect(engine: RolloutEngine, stream: TaskStream, cfg: GRPOConfig) -> tuple[list[Group], list[Group]]:
+    """(groups to train on, all groups collected). Dynamic sampling drops zero-variance groups and
+    collects more, up to `max_refills` extra rounds."""
+    collected, kept = [], []
+    for round_ in range(1 + (cfg.max_refills if cfg.dynamic_sampling else 0)):
+        groups = asyncio.run(engine.run(stream.take(cfg.tasks_per_step - len(kept))))
+        collected += groups
+        kept += [g for g in groups if len(g.valid) >= 2
+                 and (not cfg.dynamic_sampling or len({t.reward for t in g.valid}) > 1)]
+        if len(kept) >= cfg.tasks_per_step:
+            break
+    return kept, collected
+
+
+def to_batch(groups: list[Group], advantage: str) -> Batch:
+    """Errors are left out entirely: they are neither in the baseline nor trained on. One call over the
+    whole batch, so batch-level estimators (REINFORCE++) see every group."""
+    trajectories = [t for g in groups for t in g.valid]
+    group_ids_B = torch.tensor([i for i, g in enumerate(groups) for _ in g.valid])
+    adv_B = ADVANTAGES[advantage](torch.tensor([t.reward for t in trajectories]), None, group_ids_B)
+    return make_batch(trajectories, adv_B.tolist())
+
+
+def update(model: torch.nn.Module, ref: torch.nn.Module | None, optimizer: torch.optim.Optimizer, batch: Batch,
+           cfg: GRPOConfig, generator: torch.Generator) -> dict[str, float]:
+    """`epochs` passes of minibatch steps; returns the mean of each metric over the steps."""
+    loss_fn, totals, n = POLICY_LOSSES[cfg.loss], {}, 0
+    model.train()
+    for _ in range(cfg.epochs):
+        order = torch.randperm(len(batch), generator=generator)
+        for start in range(0, len(batch), cfg.minibatch_size):
+            mb = batch.select(order[start:start + cfg.minibatch_size])
+            logp_BT, entropy_BT = token_logprobs(model, mb.ids_BT, mb.attention_BT, with_entropy=True)
+            loss, metrics = loss_fn(logp_BT, mb.old_logp_BT, mb.adv_BT, mb.mask_BT, cfg.policy_loss)
+            if ref is not None:
+                with torch.no_grad():
+                    ref_logp_BT, _ = token_logprobs(ref, mb.ids_BT, mb.attention_BT)
+                kl, kl_metrics = kl_loss(logp_BT, ref_logp_BT, mb.mask_BT, cfg.kl_kind, cfg.policy_loss.agg,
+                                         norm_const=cfg.policy_loss.norm_const)
+                loss = loss + cfg.kl_coef * kl
+                metrics.update(kl_metrics)
+            optimizer.zero_grad()
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            metrics.update(loss=loss.item(), grad_norm=grad_norm.item(),
+                           entropy=masked_mean(entropy_BT.detach(), mb.mask_BT).item())
+            for k, v in metrics.items():
+                totals[k] = totals.get(k, 0.0) + float(v)
+            n += 1
+    model.eval()
+    return {k: v / max(n, 1) for k, v in totals.items()}
+
+
+def train(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy, make_env: Callable[[], TextEnv],
+          tasks: list[Task], out_dir: Path, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
+    """Runs (or resumes, from the latest checkpoint in `out_dir`) GRPO on `model`, which `policy` samples
+    from after each sync. Returns the metrics of the steps run now."""
+    torch.manual_seed(cfg.seed)
+    renderer = Renderer(tokenizer)
+    ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    stream, start = TaskStream(tasks, cfg.seed), 0
+    if (checkpoint := latest_checkpoint(out_dir)) is not None:  # resume: weights, optimizer, RNGs, data
+        model.load_state_dict(type(model).from_pretrained(checkpoint).state_dict())
+        resumed = load_trainer_state(checkpoint, optimizer, None)
+        start, stream.position = resumed["step"], resumed["state"]["data_position"]
+    asyncio.run(policy.sync_weights(model, start))
+    max_reward = make_env().max_reward
+    logger, history = MetricsLogger(out_dir), []
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        engine = RolloutEngine(make_env, policy, renderer, replace(cfg.rollout, seed=cfg.seed * 100_003 + step))
+        kept, collected = collect(engine, stream, cfg)
+        engine.close()
+        t1 = time.perf_counter()
+        metrics = rollout_metrics(collected, max_reward)
+        if kept:
+            batch = to_batch(kept, cfg.advantage)
+            metrics.update(update(model, ref, optimizer, batch, cfg, torch.Generator().manual_seed(cfg.seed + step)))
+        t2 = time.perf_counter()
+        asyncio.run(policy.sync_weights(model, step + 1))
+        t3 = time.perf_counter()
+        metrics.update(groups_trained=len(kept), time={"rollout": t1 - t0, "train": t2 - t1, "sync": t3 - t2},
+                       tokens_per_s=metrics["sampled_tokens"] / max(t1 - t0, 1e-9))
+        logger.log(step + 1, metrics)
+        history.append(metrics)
+        if on_step:
+            on_step(step + 1, metrics)
+        if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or step + 1 == cfg.steps:
+            save_checkpoint(out_dir, step + 1, model, tokenizer, optimizer, None,
+                            {"data_position": stream.position, "weight_version": step + 1})
+    logger.close()
+    return history

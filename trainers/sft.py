@@ -1,0 +1,62 @@
+"""Supervised fine-tuning on trajectories, with the same loss mask as RL: only sampled (assistant) tokens
+are trained on. With a filter it is rejection-sampling distillation: keep the trajectories that pass
+(e.g. outcome reward 1) and imitate them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from pydantic import with_config
+
+from agentrl.config import STRICT
+from agentrl.types import Status, Trajectory
+from agentrl.trainers.batch import make_batch, token_logprobs
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class SFTConfig:
+    epochs: int = 2
+    lr: float = 1e-3
+    batch_size: int = 16  # trajectories per optimizer step
+    max_grad_norm: float = 1.0
+    min_outcome: float | None = None  # rejection sampling: keep trajectories whose outcome is at least this
+    seed: int = 0
+
+
+def passes(t: Trajectory, min_outcome: float | None) -> bool:
+    if t.status is Status.ERROR:
+        return False
+    return min_outcome is None or t.reward_components.get("outcome", t.reward) >= min_outcome
+
+
+def sft(model: torch.nn.Module, trajectories: Sequence[Trajectory], cfg: SFTConfig,
+        on_step: Callable[[dict], None] | None = None) -> list[dict]:
+    """Trains `model` in place on the masked tokens of the trajectories that pass the filter."""
+    kept = [t for t in trajectories if passes(t, cfg.min_outcome)]
+    if not kept:
+        raise ValueError(f"No trajectory passes the SFT filter (min_outcome={cfg.min_outcome}).")
+    batch = make_batch(kept, [0.0] * len(kept))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    history = []
+    model.train()
+    for epoch in range(cfg.epochs):
+        order = torch.randperm(len(batch), generator=generator)
+        for start in range(0, len(batch), cfg.batch_size):
+            mb = batch.select(order[start:start + cfg.batch_size])
+            logp_BT, _ = token_logprobs(model, mb.ids_BT, mb.attention_BT)
+            loss = -(logp_BT * mb.mask_BT).sum() / mb.mask_BT.sum()  # token-mean NLL of assistant tokens
+            optimizer.zero_grad()
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            row = {"epoch": epoch, "loss": loss.item(), "grad_norm": grad_norm.item(), "kept": len(kept)}
+            history.append(row)
+            if on_step:
+                on_step(row)
+    model.eval()
+    return history
