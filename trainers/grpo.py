@@ -111,21 +111,24 @@ def to_batch(groups: list[Group], advantage: str) -> Batch:
 def update(model: torch.nn.Module, ref: torch.nn.Module | None, optimizer: torch.optim.Optimizer, batch: Batch,
            cfg: GRPOConfig, generator: torch.Generator) -> dict[str, float]:
     """`epochs` passes of minibatch steps; returns the mean of each metric over the steps."""
-    loss_fn, totals, n = POLICY_LOSSES[cfg.loss], {}, 0
+    loss_fn, totals, n, parity = POLICY_LOSSES[cfg.loss], {}, 0, {}
     model.train()
     for _ in range(cfg.epochs):
         order = torch.randperm(len(batch), generator=generator)
         for start in range(0, len(batch), cfg.minibatch_size):
-            mb = batch.select(order[start:start + cfg.minibatch_size])
-            logp_BT, entropy_BT = token_logprobs(model, mb.ids_BT, mb.attention_BT, with_entropy=True)
+            mb = batch.select(order[start:start + cfg.minibatch_size]).to(next(model.parameters()).device)
+            logp_BT, entropy_BT = token_logprobs(model, mb.ids_BT, mb.attention_BT, True, mb.mask_BT)
             loss, metrics = loss_fn(logp_BT, mb.old_logp_BT, mb.adv_BT, mb.mask_BT, cfg.policy_loss)
             if ref is not None:
                 with torch.no_grad():
-                    ref_logp_BT, _ = token_logprobs(ref, mb.ids_BT, mb.attention_BT)
+                    ref_logp_BT, _ = token_logprobs(ref, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
                 kl, kl_metrics = kl_loss(logp_BT, ref_logp_BT, mb.mask_BT, cfg.kl_kind, cfg.policy_loss.agg,
                                          norm_const=cfg.policy_loss.norm_const)
                 loss = loss + cfg.kl_coef * kl
                 metrics.update(kl_metrics)
+            if n == 0:  # before any update the trainer must reproduce the sampler's logprobs
+                diff_BT = (logp_BT.detach() - mb.old_logp_BT).abs() * mb.mask_BT
+                parity = {"sampler_logprob_diff_max": diff_BT.max().item()}
             optimizer.zero_grad()
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
@@ -136,7 +139,7 @@ def update(model: torch.nn.Module, ref: torch.nn.Module | None, optimizer: torch
                 totals[k] = totals.get(k, 0.0) + float(v)
             n += 1
     model.eval()
-    return {k: v / max(n, 1) for k, v in totals.items()}
+    return {**{k: v / max(n, 1) for k, v in totals.items()}, **parity}
 
 
 def train(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy, make_env: Callable[[], TextEnv],

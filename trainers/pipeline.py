@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 from pydantic import with_config
 
 from agentrl.config import STRICT
@@ -51,6 +52,8 @@ class EvalConfig:
 class TrainJob:
     env: str  # env id
     model: str  # model directory or hub name
+    device: str = "cpu"  # where the trainer and the in-process sampler run, e.g. "cuda"
+    dtype: str = "float32"  # or "bfloat16"
     out_dir: str = "runs/train"
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     train_tasks: int | None = None  # cap on training-split tasks (None: all)
@@ -58,13 +61,17 @@ class TrainJob:
     eval: EvalConfig | None = field(default_factory=EvalConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
 
 def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     out = Path(os.path.expanduser(job.out_dir))
     out.mkdir(parents=True, exist_ok=True)
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    policy = HFPolicy.load(job.model)
+    policy = HFPolicy.load(job.model, device=job.device, dtype=getattr(torch, job.dtype))
     model, tokenizer, renderer = policy.model, policy.tokenizer, Renderer(policy.tokenizer)
     make_env = lambda split="train": make(job.env, split=split, **job.env_kwargs)  # noqa: E731
     tasks = list(make_env().tasks)[:job.train_tasks]

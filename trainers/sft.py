@@ -47,8 +47,8 @@ def sft(model: torch.nn.Module, trajectories: Sequence[Trajectory], cfg: SFTConf
     for epoch in range(cfg.epochs):
         order = torch.randperm(len(batch), generator=generator)
         for start in range(0, len(batch), cfg.batch_size):
-            mb = batch.select(order[start:start + cfg.batch_size])
-            logp_BT, _ = token_logprobs(model, mb.ids_BT, mb.attention_BT)
+            mb = batch.select(order[start:start + cfg.batch_size]).to(next(model.parameters()).device)
+            logp_BT, _ = token_logprobs(model, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
             loss = -(logp_BT * mb.mask_BT).sum() / mb.mask_BT.sum()  # token-mean NLL of assistant tokens
             optimizer.zero_grad()
             loss.backward()
