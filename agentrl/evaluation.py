@@ -14,13 +14,7 @@ from agentrl.env import TextEnv
 from agentrl.policy import Policy
 from agentrl.renderer import Renderer
 from agentrl.rollout import RolloutConfig, RolloutEngine, summarize
-from agentrl.types import Status, Task, Trajectory
-
-
-def is_success(t: Trajectory, max_reward: float) -> bool:
-    if "outcome" in t.reward_components:
-        return t.reward_components["outcome"] >= 1.0
-    return t.reward >= max_reward - 1e-9
+from agentrl.types import Task, Trajectory
 
 
 def evaluate(policy: Policy, renderer: Renderer, make_env: Callable[[], TextEnv], tasks: Sequence[Task],
@@ -31,8 +25,4 @@ def evaluate(policy: Policy, renderer: Renderer, make_env: Callable[[], TextEnv]
         trajectories = [g.trajectories[0] for g in asyncio.run(engine.run(tasks))]
     finally:
         engine.close()
-    max_reward = make_env().max_reward
-    valid = [t for t in trajectories if t.status is not Status.ERROR]
-    metrics = summarize(trajectories)
-    metrics["success"] = sum(is_success(t, max_reward) for t in valid) / len(valid) if valid else float("nan")
-    return metrics, trajectories
+    return summarize(trajectories, max_reward=make_env().max_reward), trajectories

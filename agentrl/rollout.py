@@ -203,18 +203,33 @@ def read_jsonl(path: str | Path) -> list[Trajectory]:
         return [Trajectory.from_dict(json.loads(line)) for line in f if line.strip()]
 
 
-def summarize(trajectories: Sequence[Trajectory], seconds: float | None = None) -> dict[str, Any]:
-    """Counts and means for a batch; rewards are averaged over non-error episodes only."""
+def is_success(t: Trajectory, max_reward: float) -> bool:
+    """Outcome reward 1, or for envs without an outcome component, the env's maximum reward."""
+    if "outcome" in t.reward_components:
+        return t.reward_components["outcome"] >= 1.0
+    return t.reward >= max_reward - 1e-9
+
+
+def summarize(trajectories: Sequence[Trajectory], max_reward: float | None = None,
+              seconds: float | None = None) -> dict[str, Any]:
+    """Counts and means for a batch. Rewards and success are over non-error episodes only; errors and
+    truncations are counted with their most common reasons."""
     valid = [t for t in trajectories if t.status is not Status.ERROR]
-    n = len(trajectories)
+    n, n_valid = len(trajectories), max(len(valid), 1)
+    components: Counter[str] = Counter()
+    for t in valid:
+        components.update(t.reward_components)
     out: dict[str, Any] = {
         "episodes": n,
         "status": dict(Counter(t.status.value for t in trajectories)),
-        "mean_reward": sum(t.reward for t in valid) / len(valid) if valid else float("nan"),
+        "mean_reward": sum(t.reward for t in valid) / n_valid if valid else float("nan"),
+        "reward_components": {k: v / n_valid for k, v in components.items()},
         "mean_turns": sum(len(t.turns) for t in trajectories) / n if n else 0.0,
         "sampled_tokens": sum(t.num_sampled for t in trajectories),
         "reasons": dict(Counter(t.reason for t in trajectories if t.reason).most_common(5)),
     }
+    if max_reward is not None:
+        out["success"] = sum(is_success(t, max_reward) for t in valid) / n_valid if valid else float("nan")
     if seconds:
         out["seconds"] = round(seconds, 2)
         out["episodes_per_s"] = round(n / seconds, 3)

@@ -33,7 +33,7 @@ def test_grpo_runs_and_resumes_exactly(tiny_model_dir, tmp_path):
     straight = run(tiny_model_dir, tmp_path / "straight", 4)
     assert len(straight) == 4
     m = straight[0]
-    for key in ("reward", "success", "loss", "grad_norm", "entropy", "clip_frac", "approx_kl", "ratio_mean",
+    for key in ("mean_reward", "success", "loss", "grad_norm", "entropy", "clip_frac", "approx_kl", "ratio_mean",
                 "zero_variance_groups", "error_frac", "truncated_frac", "tokens_per_s", "time"):
         assert key in m, key
     assert m["groups_trained"] == 2 and m["error_frac"] == 0
@@ -44,7 +44,7 @@ def test_grpo_runs_and_resumes_exactly(tiny_model_dir, tmp_path):
     resumed = run(tiny_model_dir, tmp_path / "resumed", 4)
     assert len(resumed) == 2
     for a, b in zip(straight[2:], resumed):
-        assert a["reward"] == b["reward"] and a["sampled_tokens"] == b["sampled_tokens"]
+        assert a["mean_reward"] == b["mean_reward"] and a["sampled_tokens"] == b["sampled_tokens"]
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
     lines = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]

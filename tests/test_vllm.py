@@ -250,6 +250,7 @@ async def test_server_killed_mid_rollout(vllm_server: VLLMServer, hf_model, toke
     engine.close()
     trajectories = [t for g in groups for t in g.trajectories]
     errors = [t for t in trajectories if t.status is Status.ERROR]
+    print(f"after the kill: {len(errors)} errors of {len(trajectories)} episodes; {errors[0].reason if errors else ''}")
     assert len(trajectories) == 24  # nothing lost
     assert errors and all("server died" in t.reason for t in errors), [t.reason for t in errors]
     assert len(errors) <= 8 and len(errors) < len(trajectories)  # only those in flight; the rest ran after

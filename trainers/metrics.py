@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-from collections import Counter
 from pathlib import Path
 from typing import Any, Sequence
 
-from agentrl.types import Group, Status
+from agentrl.rollout import summarize
+from agentrl.types import Group
 
 
 class MetricsLogger:
@@ -34,28 +34,16 @@ class MetricsLogger:
 
 
 def rollout_metrics(groups: Sequence[Group], max_reward: float) -> dict[str, Any]:
-    """Reward (mean and per component, over non-error episodes), success, zero-variance group fraction,
-    error and truncation fractions with their reasons."""
-    from agentrl.evaluation import is_success
-
+    """`summarize` of every episode collected, plus the fraction of groups whose rewards do not vary
+    (no learning signal) and the error and truncation fractions."""
     trajectories = [t for g in groups for t in g.trajectories]
-    valid = [t for t in trajectories if t.status is not Status.ERROR]
-    n, n_valid = len(trajectories), max(len(valid), 1)
-    components: dict[str, float] = Counter()
-    for t in valid:
-        components.update(t.reward_components)
-    zero_var = [g for g in groups if len(g.valid) > 1 and len({t.reward for t in g.valid}) == 1]
-    return {
-        "reward": sum(t.reward for t in valid) / n_valid,
-        "reward_components": {k: v / n_valid for k, v in components.items()},
-        "success": sum(is_success(t, max_reward) for t in valid) / n_valid,
-        "zero_variance_groups": len(zero_var) / max(len(groups), 1),
-        "error_frac": sum(t.status is Status.ERROR for t in trajectories) / n,
-        "truncated_frac": sum(t.status is Status.TRUNCATED for t in trajectories) / n,
-        "reasons": dict(Counter(t.reason for t in trajectories if t.reason).most_common(3)),
-        "turns": sum(len(t.turns) for t in trajectories) / n,
-        "sampled_tokens": sum(t.num_sampled for t in trajectories),
-    }
+    out = summarize(trajectories, max_reward)
+    n = max(len(trajectories), 1)
+    out["zero_variance_groups"] = sum(len(g.valid) > 1 and len({t.reward for t in g.valid}) == 1
+                                      for g in groups) / max(len(groups), 1)
+    out["error_frac"] = out["status"].get("error", 0) / n
+    out["truncated_frac"] = out["status"].get("truncated", 0) / n
+    return out
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

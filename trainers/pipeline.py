@@ -125,7 +125,7 @@ def plot_reward_curve(metrics_path: Path, png: Path) -> None:
 
     rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in rows], [r["reward"] for r in rows], label="mean reward")
+    ax.plot([r["step"] for r in rows], [r["mean_reward"] for r in rows], label="mean reward")
     ax.plot([r["step"] for r in rows], [r["success"] for r in rows], label="success")
     ax.set_xlabel("GRPO step")
     ax.legend()
@@ -135,6 +135,6 @@ def plot_reward_curve(metrics_path: Path, png: Path) -> None:
 
 
 def _progress_line(step: int, steps: int, m: dict[str, Any]) -> str:
-    return (f"step {step}/{steps}  reward {m['reward']:.3f}  success {m['success']:.3f}  "
+    return (f"step {step}/{steps}  reward {m['mean_reward']:.3f}  success {m['success']:.3f}  "
             f"entropy {m.get('entropy', float('nan')):.3f}  kl {m.get('approx_kl', float('nan')):.4f}  "
             f"rollout {m['time']['rollout']:.1f}s train {m['time']['train']:.1f}s")
