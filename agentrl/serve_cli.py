@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Optional
 
@@ -44,6 +45,7 @@ def policy(
         console.print(f"[red]{e}[/]")
         raise typer.Exit(2)
     server = VLLMServer(config)
+    _interrupt_on_signals()
     try:
         server.start(progress=True)
         console.print(f"[green]vLLM serves[/] {config.name} at [bold]{server.url}[/] (log: {server.log_path})\n"
@@ -58,3 +60,14 @@ def policy(
         console.print("stopping the vLLM server...")
     finally:
         server.stop()
+
+
+def _interrupt_on_signals() -> None:
+    """Ctrl-C, `kill` and a closed terminal all stop the server: it runs in its own process group, so
+    without this a killed CLI would leave it running. (A process started in the background with `&`
+    ignores SIGINT unless it asks for it.)"""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)

@@ -117,8 +117,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 class VLLMServer:
     """One vLLM server process. `start()` blocks until it answers; `stop()` is idempotent.
 
-    Use as a context manager, or call `stop()`; a server left running is stopped at interpreter exit
-    only if its owner does so (it is a separate process group, so Ctrl-C in a terminal does not reach it).
+    The server runs in its own process group, so a Ctrl-C meant for its owner does not reach it (the owner
+    stops it in order); the owner must call `stop()`, or use the server as a context manager.
     """
 
     def __init__(self, config: ServerConfig):
@@ -170,11 +170,11 @@ class VLLMServer:
         if proc is None:
             return
         _signal_group(proc, signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-        # The API server may be gone while its engine-core child lives on (e.g. after a SIGKILL).
+        deadline = time.monotonic() + timeout
+        # Wait for the whole group: the engine-core children release their shared memory as they exit.
+        while _group_alive(proc) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        # What is left (a hung server, or an engine core orphaned by a SIGKILL of the API server) is killed.
         _signal_group(proc, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=timeout)
@@ -213,6 +213,15 @@ class VLLMServer:
                     last = self.log_tail(1)[-100:]
                     status.update(f"starting vLLM ({time.monotonic() - began:.0f} s): {escape(last)}")
                 time.sleep(1.0)
+
+
+def _group_alive(proc: subprocess.Popen) -> bool:
+    proc.poll()  # reap the server itself, or its zombie keeps the group alive
+    try:
+        os.killpg(proc.pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -26,7 +26,7 @@ LHS_CHARS = frozenset("0123456789 .+-*/()\t")
 
 SYSTEM_PROMPT = (
     "You solve arithmetic problems. Use the calculator tool for any computation, show each step as an "
-    "equation like `3 * 4 = 12`, and finish with the answer as a plain integer: <answer>12</answer>.\n{fmt}"
+    "equation like `3 * 4 = 12`, and finish with the answer as a plain integer: {example}\n{fmt}"
 )
 
 
@@ -80,11 +80,12 @@ def process_reward(texts: Sequence[str]) -> float:
 class ArithmeticEnv(ToolEnv):
     def __init__(self, split: str = "train", n_tasks: int | None = None, seed: int = 0, parser: str = "hermes",
                  max_turns: int = 6, max_invalid: int = 3, outcome_weight: float = 1.0,
-                 process_weight: float = 0.0, extra_tools: Sequence = ()):
+                 process_weight: float = 0.0, kinds: Sequence[str] = ("expression", "word"), max_ops: int = 3,
+                 extra_tools: Sequence = ()):
         if parser not in ("hermes", "react"):
             raise ValueError(f"parser must be 'hermes' or 'react' for the math env, got {parser!r}")
         self.n_tasks = n_tasks or (2000 if split == "train" else 200)
-        self.task_seed = seed
+        self.task_seed, self.kinds, self.max_ops = seed, tuple(kinds), max_ops
         parser_obj = PARSERS[parser](default_args={"calculator": "expression"}) if parser == "react" \
             else PARSERS[parser]()
         super().__init__(ToolSet([calculator, *extra_tools]), parser_obj, split=split, max_turns=max_turns,
@@ -92,10 +93,11 @@ class ArithmeticEnv(ToolEnv):
                          reward_weights={"outcome": outcome_weight, "process": process_weight})
 
     def load_tasks(self, split: str) -> Sequence[Task]:
-        return make_tasks(split, self.n_tasks, self.task_seed)
+        return make_tasks(split, self.n_tasks, self.task_seed, self.kinds, self.max_ops)
 
     def first_messages(self, task: Task) -> Sequence[Message]:
-        return (Message("system", SYSTEM_PROMPT.format(fmt=self.parser.instructions)),
+        prompt = SYSTEM_PROMPT.format(example=self.parser.format_answer("12"), fmt=self.parser.instructions)
+        return (Message("system", prompt),
                 Message("user", task.data["question"]))
 
     def score(self, task: Task, answer: str, transcript: Sequence[ParsedAction]) -> Score:
@@ -106,8 +108,7 @@ class ArithmeticEnv(ToolEnv):
     def gold_actions(self, task: Task) -> list[str]:
         solution, answer = task.data["solution"], task.data["answer"]
         call = self.parser.format_call(ToolCall("calculator", {"expression": solution}))
-        return [f"Let me compute {solution}.\n{call}",
-                f"{solution} = {answer}\n{self.parser.format_answer(answer)}"]
+        return [call, f"{solution} = {answer}\n{self.parser.format_answer(answer)}"]
 
     def demonstration(self, task: Task, rng: random.Random, error_rate: float = 0.0) -> list[str]:
         """The gold solution; with probability `error_rate`, a mental-arithmetic slip instead: no calculator,

@@ -59,22 +59,31 @@ def _split_of(question: str) -> str:
 
 
 @lru_cache(maxsize=8)
-def make_tasks(split: str, n: int, seed: int = 0) -> tuple[Task, ...]:
-    """The first `n` distinct problems of `split` ("train" or "heldout") for this seed."""
+def make_tasks(split: str, n: int, seed: int = 0, kinds: tuple[str, ...] = ("expression", "word"),
+               max_ops: int = 3) -> tuple[Task, ...]:
+    """The first `n` distinct problems of `split` ("train" or "heldout") for this seed: expression
+    problems with 1..`max_ops` operators and/or two-step word problems."""
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    if not kinds or set(kinds) - {"expression", "word"}:
+        raise ValueError(f"kinds must be a non-empty subset of ('expression', 'word'), got {kinds!r}")
     rng, seen, tasks = random.Random(seed), set(), []
-    while len(tasks) < n:
-        if rng.random() < 0.5:
-            n_ops = rng.randint(1, 3)
+    for _ in range(200 * n):  # enough draws for any n the space allows; a small space is an error
+        if len(tasks) == n:
+            return tuple(tasks)
+        if kinds == ("word",) or ("word" in kinds and rng.random() < 0.5):
+            (question, solution), kind, n_ops = _word_problem(rng), "word", 2
+        else:
+            n_ops = rng.randint(1, max_ops)
             solution = _expression(rng, n_ops)
             question, kind = f"Compute {solution}.", "expression"
-        else:
-            (question, solution), kind, n_ops = _word_problem(rng), "word", 2
         if question in seen or _split_of(question) != split:
             continue
         seen.add(question)
         answer = format_number(evaluate(solution))
         tasks.append(Task(id=f"math-{split}-{len(tasks):05d}", split=split, data={
             "question": question, "answer": answer, "solution": solution, "kind": kind, "difficulty": n_ops}))
+    if len(tasks) < n:
+        raise ValueError(f"Only {len(tasks)} distinct {split} problems exist for kinds={kinds}, max_ops={max_ops}; "
+                         f"ask for fewer tasks or allow more kinds / operators.")
     return tuple(tasks)

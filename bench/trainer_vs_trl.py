@@ -1,0 +1,263 @@
+"""Wall time per GRPO step: agentrl against TRL's `GRPOTrainer`, on the same work, both on CPU, in one run.
+
+Each step of both trainers does the same work on the same model (a ~3.3 M-parameter tiny Qwen2, built
+into ~/.cache/agentrl/models/tiny-3m if missing) from the same initial weights:
+  - sample 8 samples for each of 8 fixed chat prompts (64 completions, temperature 1, no top-p/top-k),
+    up to `max_new_tokens` each, stopping at EOS, with transformers in the trainer's own process;
+  - score every completion with the same reward (the fraction of its characters that are digits);
+  - group-normalized advantages (mean and Bessel-corrected std per group of 8);
+  - one epoch of the PPO-clipped loss (clip 0.2, token-mean over the batch, i.e. TRL's `dapo`), no KL
+    and no reference model, on-policy (the sampler's logprobs are the old logprobs: no extra forward
+    pass in either), entropy computed in both, gradient clipping at 1.0, AdamW.
+By default the whole batch of 64 is one minibatch and one optimizer step in both. With `--minibatch M`
+(< 64) TRL accumulates gradients over 64/M micro-batches into one optimizer step, while agentrl's
+`update` takes one optimizer step per minibatch of M: the same forward/backward work, more (cheap) AdamW steps.
+
+agentrl's step is the body of `trainers.grpo.train` without its rollout engine: `HFPolicy.generate`
+(one batched decode of all 64 rows), trajectories built from prompt + sampled ids (loss mask 1 on the
+sampled tokens), `to_batch`, `update`, `sync_weights`. The engine is left out because it scores an
+episode only when the model ends its turn, and a random model almost never does within the token limit,
+while TRL scores truncated completions too: driving the policy directly keeps the reward identical.
+TRL's step is one optimizer step of `GRPOTrainer.train()` (generation every optimizer step). TRL's
+defaults that would add work agentrl does not do are turned off: gradient checkpointing (TRL's default
+is on), bf16 autocast, logging, evaluation, checkpoints.
+
+The two trainers take turns, a TRL step then an agentrl step (run from a TRL callback, outside TRL's
+timing), so that load from other processes on the machine falls on both alike. Each step is timed on its
+own, wall clock; the first step of each trainer is a warm-up and is not counted. Goal (issue #4):
+agentrl / TRL <= 0.5.
+
+    python bench/trainer_vs_trl.py [--quick] [--steps N] [--max-new-tokens N] [--minibatch M] [--threads T]
+
+Needs `trl==1.16.0` beside the pinned torch/transformers (`make setup-bench`). The last line printed is
+one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from agentrl.hf_policy import HFPolicy
+from agentrl.policy import Sample, SamplingParams
+from agentrl.renderer import Renderer
+from agentrl.rollout import RolloutConfig
+from agentrl.tiny_model import build_tiny_model, load_tokenizer
+from agentrl.trainers.grpo import GRPOConfig, to_batch, update
+from agentrl.trainers.losses import PolicyLossConfig
+from agentrl.types import Group, Message, Task, Trajectory, Turn
+
+MODEL_DIR = Path.home() / ".cache" / "agentrl" / "models" / "tiny-3m"
+# hidden 256, 4 layers, head_dim 64 as the default tiny model; a smaller vocab and MLP give ~3.3 M parameters.
+MODEL_SETTINGS = dict(vocab_size=1024, hidden_size=256, num_layers=4, intermediate_size=640)
+PROMPTS = (
+    "How many days are there in a leap year?",
+    "Write the year the first person walked on the moon.",
+    "What is 12 times 12?",
+    "List the first five prime numbers.",
+    "Give me a phone number format for France.",
+    "How many seconds are in one hour?",
+    "What is the population of Oslo, roughly?",
+    "Count from one to ten.",
+)
+GROUP = 8  # samples per prompt
+BATCH = len(PROMPTS) * GROUP
+GOAL = 0.5
+
+
+@dataclass(frozen=True)
+class Settings:
+    steps: int  # measured steps per trainer, after one warm-up step
+    max_new_tokens: int
+    minibatch: int  # sequences per forward/backward pass
+    lr: float = 1e-6  # TRL's default; the speed does not depend on it
+    seed: int = 0
+
+
+def digit_fraction(text: str) -> float:
+    """The shared reward: the fraction of the completion's characters that are digits (0 if empty)."""
+    return sum(c.isdigit() for c in text) / len(text) if text else 0.0
+
+
+def load_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+@dataclass
+class StepLog:
+    """Wall times of one trainer's steps; step 0 is the warm-up."""
+
+    name: str
+    seconds: list[float] = field(default_factory=list)  # the whole step
+    generate: list[float] = field(default_factory=list)  # from the step's start until its completions are scored
+    tokens: list[int] = field(default_factory=list)  # sampled tokens of every completion
+
+    def add(self, seconds: float, generate: float) -> None:
+        self.seconds.append(seconds)
+        self.generate.append(generate)
+        label = "warm-up" if len(self.seconds) == 1 else f"step {len(self.seconds) - 1}"
+        print(f"{self.name:8s} {label:8s} {seconds:6.2f} s (generate {generate:6.2f} s)", file=sys.stderr, flush=True)
+
+    def mean(self, what: str = "seconds") -> float:
+        return statistics.mean(getattr(self, what)[1:])
+
+
+# ---------------------------------------------------------------------------------------------- agentrl
+
+class AgentrlGRPO:
+    """agentrl's GRPO step: the body of `trainers.grpo.train` with the sampling done directly by the policy
+    (see the module docstring). One call of `step()` per step."""
+
+    def __init__(self, model_dir: Path, prompts: list[str], s: Settings):
+        self.model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
+        self.policy = HFPolicy(self.model, tokenizer, max_batch_size=BATCH)
+        self.prompt_ids = [Renderer(tokenizer).encode(p) for p in prompts]
+        self.cfg = GRPOConfig(
+            steps=1 + s.steps, tasks_per_step=len(PROMPTS), lr=s.lr, epochs=1, minibatch_size=s.minibatch,
+            rollout=RolloutConfig(group_size=GROUP, sampling=SamplingParams(max_tokens=s.max_new_tokens)),
+            advantage="grpo", loss="ppo", policy_loss=PolicyLossConfig(agg="token-mean"), seed=s.seed)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr)
+        self.log, self.parity = StepLog("agentrl"), []
+
+    def step(self) -> None:
+        step, cfg = len(self.log.seconds), self.cfg
+        start = time.perf_counter()
+        groups = asyncio.run(self.sample_groups(step))
+        scored = time.perf_counter()
+        metrics = update(self.model, None, self.optimizer, to_batch(groups, cfg.advantage), cfg,
+                         torch.Generator().manual_seed(cfg.seed + step))
+        asyncio.run(self.policy.sync_weights(self.model, step + 1))  # in-process: it samples from this very model
+        self.log.add(time.perf_counter() - start, scored - start)
+        self.log.tokens += [t.num_sampled for g in groups for t in g.trajectories]
+        self.parity.append(metrics["sampler_logprob_diff_max"])
+
+    async def sample_groups(self, step: int) -> list[Group]:
+        """GROUP samples of every prompt, all requested at once (the policy decodes them as one batch), scored."""
+        sampling = self.cfg.rollout.sampling
+        requests = [self.policy.generate(ids, replace(sampling, n=GROUP, seed=(step * len(PROMPTS) + i) * GROUP))
+                    for i, ids in enumerate(self.prompt_ids)]
+        groups = []
+        for i, (ids, samples) in enumerate(zip(self.prompt_ids, await asyncio.gather(*requests))):
+            task = Task(f"prompt-{i}")
+            groups.append(Group(task, tuple(self.trajectory(task.id, ids, s, i) for s in samples)))
+        return groups
+
+    def trajectory(self, task_id: str, prompt_ids: list[int], sample: Sample, group: int) -> Trajectory:
+        """One single-turn trajectory: the prompt (loss mask 0), then the sampled ids (loss mask 1), scored."""
+        P, n = len(prompt_ids), len(sample.token_ids)
+        reward = digit_fraction(self.policy.tokenizer.decode(sample.token_ids, skip_special_tokens=True))
+        return Trajectory(task_id, tuple(prompt_ids) + sample.token_ids, (0,) * P + (1,) * n,
+                          (0.0,) * P + sample.logprobs, P, (Turn(P, P + n, P + n, reward, sample.finish_reason),),
+                          reward, group=group)
+
+
+# ---------------------------------------------------------------------------------------------- TRL
+
+def run_trl(model_dir: Path, prompts: list[str], s: Settings, between_steps: Callable[[], None]) -> StepLog:
+    """`1 + s.steps` optimizer steps of TRL's GRPOTrainer; `between_steps` runs after each, outside its timing."""
+    # TRL warns that it was tested up to vLLM 0.31; it does not use vLLM here (use_vllm=False).
+    warnings.filterwarnings("ignore", message="TRL currently supports vLLM versions")
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer
+
+    log, scored = StepLog("trl"), []  # TRL scores right after generating: `scored` marks the end of generation
+
+    def reward(completions: list[str], completion_ids: list[list[int]], **_) -> list[float]:
+        scored.append(time.perf_counter())
+        log.tokens.extend(len(ids) for ids in completion_ids)
+        return [digit_fraction(c) for c in completions]
+
+    class Interleave(TrainerCallback):
+        start = 0.0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            log.add(time.perf_counter() - self.start, scored[-1] - self.start)
+            between_steps()
+            self.start = time.perf_counter()  # TRL's work after this hook counts towards its next step
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        args = TRLConfig(
+            output_dir=out_dir, max_steps=1 + s.steps, learning_rate=s.lr, seed=s.seed,
+            per_device_train_batch_size=s.minibatch, gradient_accumulation_steps=BATCH // s.minibatch,
+            num_generations=GROUP, max_completion_length=s.max_new_tokens, num_iterations=1,
+            temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
+            max_grad_norm=1.0, use_vllm=False, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
+            report_to=[], logging_strategy="no", save_strategy="no", eval_strategy="no", disable_tqdm=True,
+            log_completions=False, dataloader_num_workers=0,
+        )
+        trainer = GRPOTrainer(model=load_model(model_dir), reward_funcs=reward, args=args,
+                              train_dataset=Dataset.from_dict({"prompt": prompts}),
+                              processing_class=load_tokenizer(model_dir), callbacks=[Interleave()])
+        trainer.train()
+    return log
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 steps of 64 new tokens (about a minute)")
+    parser.add_argument("--steps", type=int, help="measured steps per trainer (default 3; 2 with --quick)")
+    parser.add_argument("--max-new-tokens", type=int, help="default 256; 64 with --quick")
+    parser.add_argument("--minibatch", type=int, default=BATCH, help=f"sequences per forward pass (divides {BATCH})")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    a = parser.parse_args()
+    if importlib.util.find_spec("trl") is None:
+        sys.exit("TRL is not installed: `make setup-bench` (pip install trl==1.16.0 beside the pinned torch).")
+    if BATCH % a.minibatch:
+        parser.error(f"--minibatch must divide {BATCH}")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    s = Settings(steps=a.steps or (2 if a.quick else 3), max_new_tokens=a.max_new_tokens or (64 if a.quick else 256),
+                 minibatch=a.minibatch)
+
+    model_dir = build_tiny_model(MODEL_DIR, **MODEL_SETTINGS)
+    n_params = sum(p.numel() for p in load_model(model_dir).parameters())
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [tokenizer.apply_chat_template([Message("user", p).to_dict()], tokenize=False,
+                                             add_generation_prompt=True) for p in PROMPTS]
+    print(f"model: {n_params / 1e6:.2f} M parameters; {len(PROMPTS)} prompts x {GROUP} samples, up to "
+          f"{s.max_new_tokens} new tokens; minibatch {s.minibatch}; torch threads {torch.get_num_threads()}; "
+          f"1 warm-up + {s.steps} steps each", file=sys.stderr)
+
+    torch.manual_seed(s.seed)
+    ours = AgentrlGRPO(model_dir, prompts, s)
+    trl = run_trl(model_dir, prompts, s, between_steps=ours.step)  # alternating steps share any background load
+    ours_s, trl_s = ours.log.mean(), trl.mean()
+    print(json.dumps({
+        "ratio": round(ours_s / trl_s, 3), "goal": f"<= {GOAL}", "met": ours_s / trl_s <= GOAL,
+        "agentrl_s_per_step": round(ours_s, 2), "trl_s_per_step": round(trl_s, 2),
+        "agentrl_steps_s": [round(t, 2) for t in ours.log.seconds[1:]],
+        "trl_steps_s": [round(t, 2) for t in trl.seconds[1:]],
+        "agentrl_generate_s_per_step": round(ours.log.mean("generate"), 2),
+        "trl_generate_s_per_step": round(trl.mean("generate"), 2),
+        "agentrl_mean_completion_tokens": round(statistics.mean(ours.log.tokens), 1),
+        "trl_mean_completion_tokens": round(statistics.mean(trl.tokens), 1),
+        "agentrl_sampler_logprob_diff_max": max(ours.parity),
+        "params_m": round(n_params / 1e6, 2), "prompts": len(PROMPTS), "samples": GROUP,
+        "max_new_tokens": s.max_new_tokens, "minibatch": s.minibatch, "steps": s.steps,
+        "threads": torch.get_num_threads(),
+    }))
+
+
+if __name__ == "__main__":
+    main()
