@@ -17,6 +17,7 @@ from pydantic import with_config
 
 from agentrl.config import STRICT
 from agentrl.policy import Policy, Sample, SamplingParams
+from agentrl.trainers.batch import token_logprobs
 
 
 class ParityError(RuntimeError):
@@ -59,17 +60,16 @@ class ParityCheck:
 
 @torch.no_grad()
 def trainer_logprobs(model: Any, prompt_ids: Sequence[int], sampled_ids: Sequence[int]) -> torch.Tensor:
-    """log p(sampled[i] | prompt + sampled[:i]) from one forward pass of `model`, in float32. Returns [T]."""
+    """log p(sampled[i] | prompt + sampled[:i]) as the trainer computes it (`token_logprobs`). Returns [T]."""
     device = next(model.parameters()).device
-    ids_T = torch.tensor([*prompt_ids, *sampled_ids], device=device)
+    ids_BT = torch.tensor([[*prompt_ids, *sampled_ids]], device=device)
     was_training = model.training
     model.eval()  # dropout off: the engine has none
     try:
-        logits_TV = model(ids_T[None]).logits[0].float()
+        logp_BT, _ = token_logprobs(model, ids_BT, torch.ones_like(ids_BT))
     finally:
         model.train(was_training)
-    logp_TV = logits_TV[len(prompt_ids) - 1 : -1].log_softmax(-1)
-    return logp_TV.gather(1, ids_T[len(prompt_ids):, None]).squeeze(1).cpu()
+    return logp_BT[0, len(prompt_ids):].float().cpu()
 
 
 def compare(model: Any, prompts: Sequence[Sequence[int]], samples: Sequence[Sample]) -> ParityReport:
