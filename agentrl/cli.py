@@ -114,7 +114,7 @@ def rollout(
         groups = asyncio.run(engine.run(tasks, on_episode=done))
         seconds = time.perf_counter() - start
     engine.close()
-    summary = summarize([t for g in groups for t in g.trajectories], seconds)
+    summary = summarize([t for g in groups for t in g.trajectories], probe.max_reward, seconds)
     table = Table("metric", "value", title=f"{job.env} · {summary['episodes']} episodes → {job.out}")
     for key, value in summary.items():
         table.add_row(key, f"{value:.4g}" if isinstance(value, float) else json.dumps(value))

@@ -55,10 +55,10 @@ class VLLMPolicy:
         self.weight_version = 0
         self.syncs = 0  # successful syncs; `parity.every` counts these
         self.restarts = 0
-        self._owns_checkpoints = checkpoint_dir is None
-        self._checkpoints = Path(checkpoint_dir or tempfile.mkdtemp(prefix="agentrl-weights-"))
+        self._owns_checkpoints = checkpoint_dir is None  # then a temp dir, made at the first sync
+        self._checkpoints = Path(checkpoint_dir) if checkpoint_dir else None
         self._checkpoint: Path | None = None  # the synced weights the engine serves (None: the model's own)
-        self._max_model_len: int | None = None
+        self._model_info: dict | None = None  # our entry of GET /v1/models, read once
         self._client: httpx.AsyncClient | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
         self._restart: asyncio.Task | None = None
@@ -107,6 +107,8 @@ class VLLMPolicy:
 
         Requests in flight finish on the old weights first; new ones wait until the new weights are in."""
         refuse_tied_embeddings(model)
+        if self._checkpoints is None:
+            self._checkpoints = Path(tempfile.mkdtemp(prefix="agentrl-weights-"))
         path, previous = self._checkpoints / f"v{version}-{self.syncs + 1}", self._checkpoint
         try:
             await asyncio.to_thread(save_checkpoint, model, path)
@@ -133,8 +135,9 @@ class VLLMPolicy:
         self._client = None
         if self._stop_server_on_close and self.server is not None:
             await asyncio.to_thread(self.server.stop)
-        if self._owns_checkpoints:
+        if self._owns_checkpoints and self._checkpoints is not None:
             shutil.rmtree(self._checkpoints, ignore_errors=True)
+            self._checkpoints, self._checkpoint = None, None
 
     # ------------------------------------------------------------------ HTTP with retries
 
@@ -247,17 +250,17 @@ class VLLMPolicy:
         return (await self._models())["root"]
 
     async def _model_len(self) -> int:
-        if self._max_model_len is None:
-            self._max_model_len = int((await self._models())["max_model_len"])
-        return self._max_model_len
+        return int((await self._models())["max_model_len"])
 
     async def _models(self) -> dict:
-        """This policy's entry of `GET /v1/models` (max_model_len, root = the served weights)."""
-        data = (await self._request("GET", "/v1/models")).json()
-        models = {m["id"]: m for m in data["data"]}
-        if self.model_name not in models:
-            raise PolicyError(f"the server at {self.base_url} serves {sorted(models)}, not {self.model_name!r}")
-        return models[self.model_name]
+        """This policy's entry of `GET /v1/models` (max_model_len, root = the weights the server started with)."""
+        if self._model_info is None:
+            data = (await self._request("GET", "/v1/models")).json()
+            models = {m["id"]: m for m in data["data"]}
+            if self.model_name not in models:
+                raise PolicyError(f"the server at {self.base_url} serves {sorted(models)}, not {self.model_name!r}")
+            self._model_info = models[self.model_name]
+        return self._model_info
 
 
 def completion_body(model_name: str, prompt: list[int], sampling: SamplingParams, max_tokens: int) -> dict:
