@@ -12,11 +12,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from agentrl.serve_cli import serve_app
+
 app = typer.Typer(help="Train tool-using LLM agents with RL.", no_args_is_help=True)
 envs_app = typer.Typer(help="List, inspect and check environments.", no_args_is_help=True)
 model_app = typer.Typer(help="Build models.", no_args_is_help=True)
 app.add_typer(envs_app, name="envs")
 app.add_typer(model_app, name="model")
+app.add_typer(serve_app, name="serve")
 console = Console()
 
 
@@ -69,7 +72,9 @@ def model_init(out_dir: Path, seed: int = 0) -> None:
 def rollout(
     config: Optional[Path] = typer.Option(None, help="TOML recipe (a RolloutJob); options below override it."),
     env: Optional[str] = typer.Option(None, help="Environment id, e.g. math/arith-v0."),
-    model: Optional[str] = typer.Option(None, help="Model directory or hub name (transformers backend)."),
+    model: Optional[str] = typer.Option(None, help="Model directory or hub name."),
+    engine: Optional[str] = typer.Option(None, help="transformers (in-process, default) or vllm."),
+    vllm_url: Optional[str] = typer.Option(None, help="Attach to a running vLLM server (`agentrl serve policy`)."),
     n: Optional[int] = typer.Option(None, help="Number of tasks [default: 64]."),
     out: Optional[Path] = typer.Option(None, help="Trajectories are written here as JSONL, as they finish."),
     group_size: Optional[int] = typer.Option(None, help="Samples per task (same env seed) [default: 1]."),
@@ -82,14 +87,16 @@ def rollout(
 ) -> None:
     """Run episodes of an env with a model and write exact-token trajectories as JSONL."""
     from agentrl.config import ConfigError, load_config
-    from agentrl.hf_policy import HFPolicy
+    from agentrl.engines import open_policy
     from agentrl.registration import make
     from agentrl.renderer import Renderer
     from agentrl.rollout import JsonlWriter, RolloutEngine, RolloutJob, summarize
+    from agentrl.tiny_model import load_tokenizer
 
     overrides = _given(env=env, model=model, n=n, out=str(out) if out else None, split=split, rollout=_given(
         group_size=group_size, concurrency=concurrency, max_total_tokens=max_total_tokens, seed=seed,
-        sampling=_given(max_tokens=max_tokens, temperature=temperature)))
+        sampling=_given(max_tokens=max_tokens, temperature=temperature)),
+        engine=_given(kind="vllm" if vllm_url else engine, url=vllm_url))
     try:
         job = load_config(RolloutJob, config, overrides)
     except ConfigError as e:
@@ -99,9 +106,9 @@ def rollout(
     tasks = list(probe.tasks)[:job.n]
     if len(tasks) < job.n:
         console.print(f"[yellow]{job.env} has only {len(tasks)} {job.split} tasks; running those.[/]")
-    policy = HFPolicy.load(job.model)
-    engine = RolloutEngine(lambda: make(job.env, split=job.split, **job.env_kwargs), policy,
-                           Renderer(policy.tokenizer), job.rollout)
+    policy = open_policy(job.model, job.engine)
+    runner = RolloutEngine(lambda: make(job.env, split=job.split, **job.env_kwargs), policy,
+                           Renderer(load_tokenizer(job.model)), job.rollout)
     with Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as bar, JsonlWriter(job.out) as writer:
         progress = bar.add_task("episodes", total=len(tasks) * job.rollout.group_size)
@@ -111,9 +118,10 @@ def rollout(
             bar.advance(progress)
 
         start = time.perf_counter()
-        groups = asyncio.run(engine.run(tasks, on_episode=done))
+        groups = asyncio.run(runner.run(tasks, on_episode=done))
         seconds = time.perf_counter() - start
-    engine.close()
+    runner.close()
+    asyncio.run(policy.close())
     summary = summarize([t for g in groups for t in g.trajectories], probe.max_reward, seconds)
     table = Table("metric", "value", title=f"{job.env} · {summary['episodes']} episodes → {job.out}")
     for key, value in summary.items():

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Sequence
 from pydantic import with_config
 
 from agentrl.config import STRICT
+from agentrl.engines import EngineConfig
 from agentrl.env import TextEnv
 from agentrl.policy import Policy, SamplingParams
 from agentrl.renderer import Renderer
@@ -54,12 +55,13 @@ class RolloutJob:
     """`agentrl rollout`: which env and model, how many tasks, where the trajectories go."""
 
     env: str  # env id, e.g. "math/arith-v0"
-    model: str  # model directory or hub name (transformers backend)
+    model: str  # model directory or hub name
     n: int = 64  # tasks; each gives `rollout.group_size` episodes
     split: str = "train"
     out: str = "runs/rollout.jsonl"
     env_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to agentrl.make
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)  # transformers in-process, or vLLM
 
 
 class EnvTimeout(TimeoutError):

@@ -12,6 +12,7 @@ embeddings (with tied ones, vLLM's in-place weight reload silently leaves a mixe
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 import random
 from contextlib import nullcontext
@@ -323,7 +324,7 @@ def load_tokenizer(model_dir_or_name: str | Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(model_dir_or_name))
+        return AutoTokenizer.from_pretrained(os.path.expanduser(str(model_dir_or_name)))
     except (OSError, ValueError) as e:
         raise FileNotFoundError(
             f"No tokenizer at {model_dir_or_name!r}: {e}\n"

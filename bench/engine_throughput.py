@@ -3,7 +3,8 @@
 1. Generated tokens/s of 64 concurrent multi-turn episodes of the math env. The tiny model's weights are
    random: it writes no valid action (each turn gets a corrective observation) and almost never ends its
    turn, so turns end at the stop string "k" (in ~5% of its tokens: turns of ~20 tokens, of varied lengths,
-   as real turns are) or at the per-turn token limit, which ends the episode. Goal: vLLM / transformers >= 2.
+   as real turns are) or at the per-turn token limit, which ends the episode. The transformers baseline runs
+   with 1 and with 2 torch threads, and the faster counts. Goal: vLLM / transformers >= 2.
 2. Wall time of one 16-turn math episode (24 sampled tokens per turn, env steps and rendering included;
    its context grows to ~2,000 tokens) against 16 single-turn requests from the episode's first prompt
    that sample the same numbers of tokens, both through vLLM. Prefix caching and appending ids (never
@@ -24,9 +25,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 from contextlib import ExitStack
 from pathlib import Path
+
+import torch
 
 from agentrl.envs.math import ArithmeticEnv
 from agentrl.hf_policy import HFPolicy
@@ -114,10 +118,26 @@ def multi_vs_single_turn(policy: Policy, renderer: Renderer, turns: int, tokens:
             "single_turn_tokens": single_tokens, "prompt_tokens": len(prompt)}
 
 
+def best_hf_throughput(hf: HFPolicy, renderer: Renderer, n: int, turns: int, max_tokens: int, quick: bool) -> dict:
+    """The baseline at its best: 1 torch thread and 2 (all cores). With other work on the cores, 2 threads
+    spin-wait on each other and can be 10x slower than 1; alone, 2 are faster. `--quick` measures 1 only."""
+    results = {}
+    for threads in (1,) if quick else (1, 2):
+        torch.set_num_threads(threads)
+        results[threads] = tokens_per_second(hf, renderer, n, turns, max_tokens)
+    threads = max(results, key=lambda k: results[k]["tokens_per_s"])
+    torch.set_num_threads(max(results))
+    return {**results[threads], "torch_threads": threads,
+            "tokens_per_s_by_threads": {k: v["tokens_per_s"] for k, v in results.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer, shorter episodes (under a minute with --url)")
     parser.add_argument("--url", help="a running vLLM server on the same model (else one is started)")
+    parser.add_argument("--vllm-all-cores", action="store_true",
+                        help="bind the started server's engine to every core (by default vLLM keeps one for its "
+                             "HTTP front end: on 2 cores, half the machine)")
     args = parser.parse_args()
     # 16 turns of <= 24 tokens + 15 observations of ~80 tokens + a ~415-token prompt fit the 2048-token context.
     n, turns, max_tokens = (16, 3, 32) if args.quick else (64, 6, 48)
@@ -130,14 +150,17 @@ def main() -> None:
         if args.url:
             vllm = VLLMPolicy.attach(args.url)
         else:
-            server = stack.enter_context(VLLMServer(ServerConfig(model=str(model_dir))))
+            env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+            config = ServerConfig(model=str(model_dir), env=env if args.vllm_all_cores else {})
+            server = stack.enter_context(VLLMServer(config))
             vllm = VLLMPolicy(server.url, server.model_name)
         startup_s = time.perf_counter() - started
         for policy in (hf, vllm):  # warm-up: first forward passes (and vLLM's first batch shapes) are slower
             rollout(policy, renderer, 4, 2, 8, concurrency=4)
-        throughput = {name: tokens_per_second(p, renderer, n, turns, max_tokens) for name, p in
-                      (("transformers", hf), ("vllm", vllm))}
+        throughput = {"transformers": best_hf_throughput(hf, renderer, n, turns, max_tokens, args.quick),
+                      "vllm": tokens_per_second(vllm, renderer, n, turns, max_tokens)}
         contrast = () if args.quick else (("transformers", hf),)  # it takes ~30 s
+        torch.set_num_threads(throughput["transformers"]["torch_threads"])
         turn_cost = {name: multi_vs_single_turn(p, renderer, 16, 24) for name, p in (("vllm", vllm), *contrast)}
         for policy in (hf, vllm):
             asyncio.run(policy.close())
@@ -152,6 +175,7 @@ def main() -> None:
         "transformers_tokens_per_s": throughput["transformers"]["tokens_per_s"],
         "episodes": n, "turns": turns, "max_tokens_per_turn": max_tokens,
         "server_startup_s": None if args.url else round(startup_s, 1), "quick": args.quick,
+        "vllm_all_cores": args.vllm_all_cores,
     }))
 
 

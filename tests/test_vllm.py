@@ -231,6 +231,55 @@ class InFlight:
         await self.policy.close()
 
 
+def test_cli_rollout_and_train_use_the_vllm_engine(vllm_server: VLLMServer, tiny_model_dir: Path, hf_model,
+                                                   tmp_path: Path) -> None:
+    """The rollout command attaches to the server; a GRPO step through the train pipeline syncs its
+    weights into vLLM (parity-checked) and the trajectories carry the new weight version."""
+    from agentrl.cli import app
+    from agentrl.rollout import read_jsonl
+
+    out = tmp_path / "vllm.jsonl"
+    result = CliRunner().invoke(app, ["rollout", "--env", "math/arith-v0", "--model", str(tiny_model_dir),
+                                      "--vllm-url", vllm_server.url, "--n", "4", "--max-tokens", "16",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert len(read_jsonl(out)) == 4 and all(t.status is not Status.ERROR for t in read_jsonl(out))
+
+    recipe = tmp_path / "train.toml"
+    recipe.write_text(f"""
+env = "math/arith-v0"
+model = "{tiny_model_dir}"
+out_dir = "{tmp_path / 'run'}"
+env_kwargs = {{ n_tasks = 8 }}
+[engine]
+kind = "vllm"
+url = "{vllm_server.url}"
+[eval]
+n = 4
+[eval.rollout.sampling]
+max_tokens = 8
+temperature = 0.0
+[grpo]
+steps = 1
+tasks_per_step = 2
+lr = 1e-3
+[grpo.rollout]
+group_size = 2
+[grpo.rollout.sampling]
+max_tokens = 8
+""")
+    trained = CliRunner().invoke(app, ["train", str(recipe)])
+    assert trained.exit_code == 0, trained.output
+    assert "step 1/1" in trained.output
+    asyncio.run(_restore(vllm_server, hf_model))  # the tests after this one expect the original weights
+
+
+async def _restore(server: VLLMServer, model) -> None:
+    policy = VLLMPolicy.attach(server.url)
+    await policy.sync_weights(model, version=0)
+    await policy.close()
+
+
 async def test_server_killed_mid_rollout(vllm_server: VLLMServer, hf_model, tokenizer, prompts) -> None:
     """SIGKILL the server while episodes wait on it: those end as `error`, the policy restarts the server
     with the synced weights, and the episodes that follow in the same run succeed."""

