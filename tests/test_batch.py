@@ -1,6 +1,5 @@
 """Training tensors from trajectories, and the trainer's logprobs (with and without prefix sharing)."""
 
-import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
