@@ -102,7 +102,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
 
     log(f"GRPO: {job.grpo.steps} steps × {job.grpo.tasks_per_step} tasks × {job.grpo.rollout.group_size}")
     train_grpo(job.grpo, model, tokenizer, policy, make_env, tasks, out,
-                       on_step=lambda step, m: log(_progress_line(step, job.grpo.steps, m)))
+               on_step=lambda step, m: log(_progress_line(step, job.grpo.steps, m)))
     if job.eval:
         summary["after"] = heldout(job, policy, renderer, make_env, log, "after GRPO")
     summary_path.write_text(json.dumps(summary, indent=2))
