@@ -89,7 +89,7 @@ def collect(engine: RolloutEngine, stream: TaskStream, cfg: GRPOConfig) -> tuple
     """(groups to train on, all groups collected). Dynamic sampling drops zero-variance groups and
     collects more, up to `max_refills` extra rounds."""
     collected, kept = [], []
-    for round_ in range(1 + (cfg.max_refills if cfg.dynamic_sampling else 0)):
+    for _ in range(1 + (cfg.max_refills if cfg.dynamic_sampling else 0)):
         groups = asyncio.run(engine.run(stream.take(cfg.tasks_per_step - len(kept))))
         collected += groups
         kept += [g for g in groups if len(g.valid) >= 2
