@@ -180,12 +180,19 @@ class ToolEnv(TextEnv):
     Malformed actions (bad call syntax, unknown tool, wrong argument types, too many calls, no action at
     all) become a corrective user message; `max_invalid` of them in a row end the episode with reward 0.
     Reward = sum of `reward_weights[k] * component[k]` over the scorer's components.
+
+    `answer_tool` names a tool whose call is the final answer (its one argument is the answer), for
+    envs whose answers go through the tool-call format rather than the parser's answer syntax.
     """
 
     def __init__(self, toolset: ToolSet, parser, split: str = "train", max_turns: int = 8,
-                 max_invalid: int = 3, reward_weights: dict[str, float] | None = None):
+                 max_invalid: int = 3, reward_weights: dict[str, float] | None = None,
+                 answer_tool: str | None = None):
         super().__init__(split=split, max_turns=max_turns)
+        if answer_tool is not None and answer_tool not in toolset:
+            raise ValueError(f"answer_tool {answer_tool!r} is not one of the tools: {toolset.names}")
         self.toolset, self.parser, self.max_invalid = toolset, parser, max_invalid
+        self.answer_tool = answer_tool
         self.reward_weights = dict(reward_weights or {"outcome": 1.0})
         self.max_reward = sum(w for w in self.reward_weights.values() if w > 0)
         self.transcript: list[ParsedAction] = []
@@ -216,6 +223,12 @@ class ToolEnv(TextEnv):
             problem = self.toolset.check(parsed.tool_calls)
         if problem is None and not parsed.tool_calls:
             problem = f"No tool call or final answer found. {self.parser.instructions}"
+        answering = any(call.name == self.answer_tool for call in parsed.tool_calls)
+        if problem is None and answering:
+            if len(parsed.tool_calls) > 1:
+                problem = f"Call {self.answer_tool} alone, in a turn without other tool calls."
+            else:
+                return self._finish(str(next(iter(parsed.tool_calls[0].arguments.values()))))
         if problem is not None:
             return self._invalid(problem)
         self.invalid_in_a_row = 0

@@ -9,13 +9,13 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-serve_app = typer.Typer(help="Run servers (the vLLM policy engine).", no_args_is_help=True)
+serve_app = typer.Typer(help="Run servers (the vLLM policy engine, the retriever).", no_args_is_help=True)
 console = Console()
 
 
 @serve_app.callback()
 def serve() -> None:
-    """Run servers (the vLLM policy engine)."""  # a callback keeps `policy` a subcommand even when it is alone
+    """Run servers (the vLLM policy engine, the retriever)."""  # a callback keeps `policy` a subcommand even when it is alone
 
 
 @serve_app.command("policy")
@@ -60,6 +60,35 @@ def policy(
         console.print("stopping the vLLM server...")
     finally:
         server.stop()
+
+
+@serve_app.command("retriever")
+def retriever(
+    corpus: Optional[Path] = typer.Option(None, help="JSONL corpus ({id, contents}); indexed once, then cached."),
+    index: Optional[Path] = typer.Option(None, help="A saved BM25 index directory (instead of --corpus)."),
+    world_seed: int = typer.Option(0, help="Without --corpus/--index: the generated world of this seed."),
+    port: int = typer.Option(8001, help="Port of the /retrieve server."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0: all)."),
+    topk: int = typer.Option(3, help="Documents per query when a request gives no topk."),
+) -> None:
+    """Serve BM25 search over Search-R1's `POST /retrieve` API until Ctrl-C."""
+    import uvicorn
+
+    from agentrl.envs.search.bm25 import BM25Index
+    from agentrl.envs.search.data import cached_index, read_corpus
+    from agentrl.envs.search.server import create_app
+    from agentrl.envs.search.world import build_world
+
+    if corpus and index:
+        console.print("[red]Give --corpus or --index, not both.[/]")
+        raise typer.Exit(2)
+    with console.status("loading the index..."):
+        if index:
+            search_index = BM25Index.load(index)
+        else:
+            search_index = cached_index(list(read_corpus(corpus)) if corpus else build_world(world_seed).documents())
+    console.print(f"[green]retriever[/]: {len(search_index)} documents at [bold]http://{host}:{port}/retrieve[/]")
+    uvicorn.run(create_app(search_index, topk), host=host, port=port, log_level="warning")
 
 
 def _interrupt_on_signals() -> None:

@@ -1,0 +1,235 @@
+"""Search environments: answer questions by searching a corpus through a real BM25 index (or a server).
+
+Action formats (the `parser` argument):
+- `search_r1`: Search-R1's tags. `<search> q </search>` returns `<information>Doc 1(Title: ..) ..</information>`
+  as the observation; `<answer> a </answer>` ends the episode. The prompt is Search-R1's.
+- `hermes` / `react`: tool calls through the chat template: `search(query)`, `open(doc_id)` (the whole
+  document) and `answer(text)` (a final answer; the parser's own answer syntax works too).
+
+Reward components (the weights are arguments; the default is plain EM, as Search-R1):
+    R = answer + citation_weight * citation - search_cost_weight * search_cost
+        - unsupported_weight * unsupported_answer
+- `answer`: exact match after SQuAD normalization (`answer_metric="f1"`: token F1 instead);
+- `f1`, `format` (1 if every action of the episode was well-formed): reported, weight 0;
+- `citation`: 1 if a supporting document was shown to the model (retrieval hit);
+- `search_cost`: searches beyond the question's hop count (every search when the hop count is unknown);
+- `unsupported_answer`: 1 if the answer occurs in no document the model was shown.
+Only the text inside the final answer action is scored.
+
+Data: a generated knowledge world by default (`world.py`: train and held-out suites); or the user's own
+corpus JSONL and QA files (`corpus=`, `questions={split: path}`).
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from agentrl.env import Score, ToolEnv
+from agentrl.envs.search.bm25 import BM25Index, SearchHit
+from agentrl.envs.search.data import cached_index, load_qa, read_corpus
+from agentrl.envs.search.retriever import RemoteRetriever, Retriever, format_passages
+from agentrl.envs.search.rewards import exact_match, is_supported, token_f1
+from agentrl.envs.search.questions import make_questions
+from agentrl.envs.search.world import build_world
+from agentrl.tools import PARSERS, ParsedAction, ToolSet, tool
+from agentrl.types import Message, Task, ToolCall
+
+# Search-R1's prompt (Jin et al., 2025), verbatim but for the question's placement.
+SEARCH_R1_PROMPT = (
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you "
+    "get new information. After reasoning, if you find you lack some knowledge, you can call a search engine "
+    "by <search> query </search> and it will return the top searched results between <information> and "
+    "</information>. You can search as many times as your want. If you find no further external knowledge "
+    "needed, you can directly provide the answer inside <answer> and </answer>, without detailed "
+    "illustrations. For example, <answer> Beijing </answer>. Question: {question}\n"
+)
+TOOLS_PROMPT = ("Answer the question by searching. Search for the names in the question, read the documents, "
+                "search again for names you find there if needed, and answer with a short phrase copied from "
+                "the documents.")
+_WORD = re.compile(r"\S+")
+
+
+class SearchEnv(ToolEnv):
+    def __init__(self, split: str = "train", n_tasks: int | None = None, seed: int = 0, world_seed: int = 0,
+                 parser: str = "search_r1", topk: int = 3, max_obs_words: int = 300, max_turns: int = 6,
+                 max_invalid: int = 3, answer_metric: str = "em", answer_weight: float = 1.0,
+                 citation_weight: float = 0.0, search_cost_weight: float = 0.0, unsupported_weight: float = 0.0,
+                 corpus: str | None = None, questions: dict[str, str] | None = None,
+                 index: str | None = None, retriever_url: str | None = None, tool_timeout: float = 10.0):
+        if parser not in ("search_r1", "hermes", "react"):
+            raise ValueError(f"parser must be 'search_r1', 'hermes' or 'react', got {parser!r}")
+        if answer_metric not in ("em", "f1"):
+            raise ValueError(f"answer_metric must be 'em' or 'f1', got {answer_metric!r}")
+        if (corpus is None) != (questions is None):
+            raise ValueError("Give both `corpus` (a JSONL corpus) and `questions` ({split: QA file}), or neither "
+                             "(the generated world).")
+        self.n_tasks, self.task_seed, self.world_seed = n_tasks, seed, world_seed
+        self.topk, self.max_obs_words, self.answer_metric = topk, max_obs_words, answer_metric
+        self.corpus, self.questions, self.index_path, self.retriever_url = corpus, questions, index, retriever_url
+        self._retriever: Retriever | None = None
+        self.parser_name = parser
+        tools = [self._search_tool(tool_timeout)]
+        if parser == "search_r1":
+            parser_obj = PARSERS[parser]()
+        else:
+            tools += [self._open_tool(tool_timeout), _answer]
+            parser_obj = PARSERS[parser]() if parser == "hermes" else \
+                PARSERS[parser](default_args={"search": "query", "open": "doc_id", "answer": "text"})
+        super().__init__(ToolSet(tools), parser_obj, split=split, max_turns=max_turns, max_invalid=max_invalid,
+                         answer_tool=None if parser == "search_r1" else "answer",
+                         reward_weights={"answer": answer_weight, "citation": citation_weight,
+                                         "search_cost": -search_cost_weight,
+                                         "unsupported_answer": -unsupported_weight})
+        self._shown: dict[str, str] = {}  # doc id -> contents of every document the model was shown
+        self._searches = 0
+
+    # ---- data ----
+    @property
+    def retriever(self) -> Retriever:
+        if self._retriever is None:  # lazy: `make` stays cheap for `envs list/show`
+            if self.retriever_url:
+                self._retriever = RemoteRetriever(self.retriever_url)
+            elif self.index_path:
+                self._retriever = _load_index(self.index_path)
+            else:
+                self._retriever = _corpus_index(self.corpus, self.world_seed)
+        return self._retriever
+
+    def load_tasks(self, split: str) -> Sequence[Task]:
+        if self.questions is not None:
+            if split not in self.questions:
+                raise ValueError(f"no questions file for split {split!r}; `questions` has {sorted(self.questions)}")
+            tasks = load_qa(self.questions[split], split)
+            return tasks[: self.n_tasks] if self.n_tasks else tasks
+        n = self.n_tasks or (2000 if split == "train" else 200)
+        return make_questions(_world(self.world_seed), split, n, self.task_seed)
+
+    # ---- tools ----
+    def _search_tool(self, timeout: float):
+        @tool(timeout=timeout)
+        def search(query: str) -> str:
+            """Search the corpus with BM25 and return the top documents.
+
+            Args:
+                query: Keywords, e.g. a name from the question.
+            """
+            hits = self.retriever.search([query], self.topk)[0]
+            self._searches += 1
+            return self._observation(format_passages(hits, with_ids=self.parser_name != "search_r1"), hits)
+
+        return search
+
+    def _open_tool(self, timeout: float):
+        @tool(name="open", timeout=timeout)
+        def open_document(doc_id: str) -> str:
+            """Read a whole document by its id.
+
+            Args:
+                doc_id: The id of a document that a search returned.
+            """
+            try:
+                doc = self.retriever.document(doc_id)
+            except KeyError:
+                return f"No document with id {doc_id!r}."
+            return self._observation(doc["contents"], [SearchHit(doc["id"], doc["contents"], 0.0)])
+
+        return open_document
+
+    def _observation(self, text: str, hits: Sequence[SearchHit]) -> str:
+        for hit in hits:
+            self._shown[hit.id] = hit.contents
+        text = _truncate_words(text, self.max_obs_words)
+        return f"<information>{text}</information>" if self.parser_name == "search_r1" else text
+
+    # ---- episode ----
+    def on_reset(self, task: Task) -> None:
+        super().on_reset(task)
+        self._shown, self._searches = {}, 0
+
+    def first_messages(self, task: Task) -> Sequence[Message]:
+        question = task.data["question"]
+        if self.parser_name == "search_r1":
+            return (Message("user", SEARCH_R1_PROMPT.format(question=question)),)
+        prompt = TOOLS_PROMPT + (f" {self.parser.instructions}" if self.parser_name == "react" else "")
+        return (Message("system", prompt), Message("user", question))
+
+    def score(self, task: Task, answer: str, transcript: Sequence[ParsedAction]) -> Score:
+        golds = task.data["answers"]
+        em, f1 = exact_match(answer, golds), token_f1(answer, golds)
+        hops = task.data.get("hops")
+        components = {
+            "answer": f1 if self.answer_metric == "f1" else em,
+            "f1": f1,
+            "format": float(all(p.error is None for p in transcript)),
+            "citation": float(any(d in self._shown for d in task.data.get("supporting_docs", ()))),
+            "search_cost": float(max(0, self._searches - hops) if hops else self._searches),
+            "unsupported_answer": float(not is_supported(answer, list(self._shown.values()))),
+        }
+        return Score(components, detail=f"gold={golds[0]!r} searches={self._searches}")
+
+    def gold_actions(self, task: Task) -> list[str]:
+        chain = task.data.get("chain")
+        if not chain:
+            raise ValueError(f"task {task.id} has no search chain (user QA data): it has no gold solution")
+        searches = [self._format_search(hop["query"]) for hop in chain]
+        return [*searches, self._format_answer(task.data["answers"][0])]
+
+    def demonstration(self, task: Task, rng: random.Random, error_rate: float = 0.0) -> list[str]:
+        """The gold chain; with probability `error_rate`, a plausible mistake: stop one hop early and answer
+        the intermediate entity, or (1-hop questions) answer without searching."""
+        if rng.random() >= error_rate:
+            return self.gold_actions(task)
+        chain = task.data["chain"]
+        if len(chain) == 1:
+            return [self._format_answer(chain[0]["query"])]
+        early = rng.randrange(1, len(chain))
+        return [*(self._format_search(hop["query"]) for hop in chain[:early]),
+                self._format_answer(chain[early - 1]["answer"])]
+
+    def _format_search(self, query: str) -> str:
+        return self.parser.format_call(ToolCall("search", {"query": query}))
+
+    def _format_answer(self, answer: str) -> str:
+        if self.parser_name == "hermes":
+            return self.parser.format_call(ToolCall("answer", {"text": answer}))
+        return self.parser.format_answer(answer)
+
+
+@tool(name="answer")
+def _answer(text: str) -> str:
+    """Give the final answer and end the episode.
+
+    Args:
+        text: The answer, a short phrase.
+    """
+    raise AssertionError("the env ends the episode on an answer call; it never runs")  # see ToolEnv.answer_tool
+
+
+
+def _truncate_words(text: str, max_words: int) -> str:
+    """The text up to its `max_words`-th word, whitespace kept (a model-independent token budget)."""
+    words = list(_WORD.finditer(text))
+    if len(words) <= max_words:
+        return text
+    return text[: words[max_words - 1].end()] + " ..."
+
+
+@functools.lru_cache(maxsize=4)
+def _world(seed: int):
+    return build_world(seed)
+
+
+@functools.lru_cache(maxsize=4)
+def _corpus_index(corpus: str | None, world_seed: int) -> BM25Index:
+    """One index per corpus per process, shared by every env instance of a rollout."""
+    docs = list(read_corpus(corpus)) if corpus else _world(world_seed).documents()
+    return cached_index(docs)
+
+
+@functools.lru_cache(maxsize=4)
+def _load_index(path: str) -> BM25Index:
+    return BM25Index.load(path)

@@ -1,0 +1,103 @@
+"""The retrieval server speaks Search-R1's /retrieve API over the real index, and our client talks to it.
+
+A real uvicorn server on a loopback port; the client is `RemoteRetriever` (httpx)."""
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import uvicorn
+
+from agentrl.envs.search.bm25 import BM25Index
+from agentrl.envs.search.retriever import RemoteRetriever, RetrieverError, format_passages
+from agentrl.envs.search.server import create_app
+from agentrl.envs.search.world import build_world
+
+
+@pytest.fixture(scope="module")
+def index():
+    return BM25Index.build(build_world(0).documents())
+
+
+@pytest.fixture(scope="module")
+def server_url(index):
+    server = uvicorn.Server(uvicorn.Config(create_app(index), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the retrieval server did not start"
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def queries(index):
+    docs = build_world(0).documents()
+    titles = [d["contents"].partition("\n")[0].strip('"') for d in docs[:: max(1, len(docs) // 40)]]
+    return titles + ["capital of the country", "zzzz unknown words", ""]
+
+
+def test_server_and_in_process_index_return_identical_results(index, server_url, queries):
+    remote = RemoteRetriever(server_url)
+    assert remote.search(queries, 5) == index.search(queries, 5)
+    assert len(remote) == len(index)
+    some_id = index.search(queries[:1], 1)[0][0].id
+    assert remote.document(some_id) == index.document(some_id)
+    with pytest.raises(KeyError, match="no document"):
+        remote.document("no-such-id")
+
+
+def test_wire_format_is_search_r1s(index, server_url, queries):
+    with_scores = httpx.post(f"{server_url}/retrieve",
+                             json={"queries": queries[:2], "topk": 3, "return_scores": True}).json()
+    assert list(with_scores) == ["result"] and len(with_scores["result"]) == 2
+    item = with_scores["result"][0][0]
+    assert set(item) == {"document", "score"} and set(item["document"]) == {"id", "contents"}
+    bare = httpx.post(f"{server_url}/retrieve", json={"queries": queries[:1]}).json()
+    assert bare["result"][0] == [i["document"] for i in with_scores["result"][0]]  # default topk 3
+    # Search-R1's client formats passages from ['document']['contents']: the same text as ours
+    expected = format_passages(index.search(queries[:1], 3)[0])
+    lines = []
+    for i, doc in enumerate(bare["result"][0]):
+        title, text = doc["contents"].split("\n")[0], "\n".join(doc["contents"].split("\n")[1:])
+        lines.append(f"Doc {i + 1}(Title: {title}) {text}")
+    assert "\n".join(lines) == expected
+
+
+def test_concurrent_batched_requests(index, server_url, queries):
+    expected = index.search(queries, 3)
+    remote = RemoteRetriever(server_url, batch_size=7)  # several requests per call
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda _: remote.search(queries, 3), range(32)))
+    assert all(r == expected for r in results)
+
+
+@pytest.mark.parametrize("body, headers", [
+    (b'{"queries": ["a"', {"content-type": "application/json"}),  # truncated JSON
+    (b'{"queries": "not a list"}', {"content-type": "application/json"}),
+    (b'{"queries": ["a"], "topk": 0}', {"content-type": "application/json"}),
+    (b'{"queries": ["a"], "topk": "three"}', {"content-type": "application/json"}),
+    (b'{"queries": ["a"], "top_k": 3}', {"content-type": "application/json"}),  # a misspelled field is not ignored
+    (b'{"queries": [1, null]}', {"content-type": "application/json"}),
+    (b"\xff\xfe", {"content-type": "application/json"}),
+])
+def test_bad_requests_get_422_and_the_server_keeps_serving(server_url, body, headers):
+    response = httpx.post(f"{server_url}/retrieve", content=body, headers=headers)
+    assert response.status_code == 422, response.text
+    assert "detail" in response.json()
+    assert httpx.get(f"{server_url}/health").json()["status"] == "ok"
+
+
+def test_client_retries_then_says_how_to_fix():
+    remote = RemoteRetriever("http://127.0.0.1:9", timeout=0.5, retries=2, backoff=0.01)  # nothing listens
+    start = time.monotonic()
+    with pytest.raises(RetrieverError, match=r"failed 3 times.*agentrl serve retriever"):
+        remote.search(["a"])
+    assert time.monotonic() - start < 5

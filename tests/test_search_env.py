@@ -1,0 +1,184 @@
+"""The search envs over the real BM25 index: formats, rewards by hand, held-out suites, user data."""
+
+import json
+import random
+from collections import Counter
+
+import pytest
+
+from agentrl.envs.search.env import SearchEnv
+from agentrl.envs.search.questions import SUITES
+from agentrl.registration import check, make
+from agentrl.types import Task
+
+SEARCH_ENVS = ["search/r1-v0", "search/tools-v0", "search/react-v0"]
+
+
+@pytest.mark.parametrize("env_id", SEARCH_ENVS)
+def test_envs_check_passes_and_gold_gets_the_maximum_reward(env_id):
+    assert check(env_id, n_tasks=16) == []
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_gold_solutions_of_held_out_suites_get_the_maximum_reward(suite):
+    env = make("search/r1-v0", split=suite, n_tasks=40)
+    assert env.validate(n_tasks=40) == []
+
+
+def test_search_r1_format_returns_information_blocks():
+    env = make("search/r1-v0")
+    obs, _ = env.reset(seed=0)
+    assert len(obs) == 1 and obs[0].role == "user" and obs[0].content.endswith(
+        f"Question: {env.task.data['question']}\n")
+    query = env.task.data["chain"][0]["query"]
+    obs, reward, terminated, _, info = env.step(f"<think>I need {query}.</think>\n<search> {query} </search>")
+    assert (reward, terminated, info["tool_calls"]) == (0.0, False, 1)
+    [message] = obs
+    assert message.role == "tool"
+    assert message.content.startswith(f'<information>Doc 1(Title: "{query}") {query}')
+    assert message.content.endswith("</information>") and "Doc 3(" in message.content
+
+
+def test_tool_format_shows_ids_and_open_reads_a_document():
+    env = make("search/tools-v0")
+    env.reset(seed=0)
+    hop = env.task.data["chain"][0]
+    obs, *_ = env.step(f'<tool_call>\n{{"name": "search", "arguments": {{"query": "{hop["query"]}"}}}}\n</tool_call>')
+    assert obs[0].content.startswith(f'Doc 1(id: {hop["doc_id"]}, Title: "{hop["query"]}")')
+    obs, *_ = env.step(f'<tool_call>\n{{"name": "open", "arguments": {{"doc_id": "{hop["doc_id"]}"}}}}\n</tool_call>')
+    assert obs[0].content.startswith(f'"{hop["query"]}"\n')
+    obs, reward, terminated, _, info = env.step('<tool_call>\n{"name": "open", "arguments": {"doc_id": "x"}}\n</tool_call>')
+    assert obs[0].content == "No document with id 'x'." and not terminated
+
+
+def test_malformed_actions_get_corrective_messages():
+    env = make("search/r1-v0")
+    env.reset(seed=0)
+    obs, reward, terminated, _, info = env.step("<search>unclosed")
+    assert (reward, terminated) == (0.0, False)
+    assert obs[0].role == "user" and "Unclosed <search>" in obs[0].content
+    env = make("search/tools-v0")
+    env.reset(seed=0)
+    obs, *_ = env.step('<tool_call>\n{"name": "answer", "arguments": {"text": "a"}}\n</tool_call>\n'
+                       '<tool_call>\n{"name": "search", "arguments": {"query": "a"}}\n</tool_call>')
+    assert "Only 1 tool call is allowed" in obs[0].content
+
+
+def one_hop_task(env):
+    return next(t for t in env.tasks if t.data["hops"] == 1)
+
+
+def test_reward_components_combine_with_their_weights():
+    env = make("search/r1-v0", citation_weight=0.5, search_cost_weight=0.1, unsupported_weight=0.2)
+    task = one_hop_task(env)
+    env.reset(options={"task": task})
+    for query in ["unrelated words", "more unrelated words", task.data["chain"][0]["query"]]:
+        env.step(f"<search>{query}</search>")
+    *_, info = env.step("<answer>Atlantis</answer>")
+    c = info["reward_components"]
+    assert c == {"answer": 0.0, "f1": 0.0, "format": 1.0, "citation": 1.0, "search_cost": 2.0,
+                 "unsupported_answer": 1.0}
+    # R = answer + 0.5 citation - 0.1 search_cost - 0.2 unsupported = 0 + 0.5 - 0.2 - 0.2
+    env.reset(options={"task": task})
+    for query in ["unrelated words", "more unrelated words", task.data["chain"][0]["query"]]:
+        env.step(f"<search>{query}</search>")
+    assert env.step("<answer>Atlantis</answer>")[1] == pytest.approx(0.1)
+    assert env.max_reward == 1.5
+
+
+def test_only_the_final_answer_counts_and_f1_metric():
+    env = make("search/r1-v0", answer_metric="f1")
+    task = one_hop_task(env)
+    gold = task.data["answers"][0]
+    env.reset(options={"task": task})
+    env.step(f"<think>It is {gold}.</think>")  # no action: corrective message, not an answer
+    _, reward, terminated, _, info = env.step(f"<answer>{gold} indeed</answer>")
+    c = info["reward_components"]
+    n = len(gold.split())
+    assert c["answer"] == c["f1"] == pytest.approx(2 * n / (2 * n + 1))  # precision n/(n+1), recall 1
+    assert c["format"] == 0.0 and c["citation"] == 0.0 and terminated
+
+
+def test_observations_are_truncated_to_the_word_budget():
+    env = make("search/r1-v0", max_obs_words=12)
+    env.reset(seed=0)
+    obs, *_ = env.step(f"<search>{env.task.data['chain'][0]['query']}</search>")
+    body = obs[0].content.removeprefix("<information>").removesuffix("</information>")
+    assert body.endswith(" ...") and len(body.removesuffix(" ...").split()) == 12
+
+
+def test_demonstrations_make_plausible_mistakes():
+    env = make("search/r1-v0")
+    rng = random.Random(0)
+    two_hop = next(t for t in env.tasks if t.data["hops"] == 2)
+    assert env.demonstration(two_hop, rng) == env.gold_actions(two_hop)
+    wrong = env.demonstration(two_hop, rng, error_rate=1.0)
+    assert wrong == [f"<search>{two_hop.data['chain'][0]['query']}</search>",
+                     f"<answer>{two_hop.data['chain'][0]['answer']}</answer>"]
+
+
+def play(env, task, actions_for):
+    """Total reward of a scripted policy: `actions_for(task, last_observation_text)` gives the next action."""
+    env.reset(options={"task": task})
+    total, seen = 0.0, ""
+    for _ in range(env.max_turns):
+        obs, reward, terminated, truncated, _ = env.step(actions_for(task, seen))
+        total += reward
+        seen += "".join(m.content for m in obs)
+        if terminated or truncated:
+            break
+    return total
+
+
+def test_searching_beats_answering_from_memory_on_every_held_out_suite():
+    """A policy that answers from what it memorized of the train split (the most frequent train answer for the
+    question's last relation) against one that searches each hop's name and answers only with what the
+    documents showed it. Held-out answers must not be guessable: the searcher must win clearly."""
+    train = make("search/r1-v0", split="train")
+    prior = {}
+    for relation, answers in _answers_by_relation(train.tasks).items():
+        prior[relation] = answers.most_common(1)[0][0]
+
+    def from_memory(task, seen):
+        return f"<answer>{prior.get(task.data['relations'][-1], 'unknown')}</answer>"
+
+    def searcher(task, seen):
+        searches = seen.count("<information>")
+        if searches < task.data["hops"]:
+            return f"<search>{task.data['chain'][searches]['query']}</search>"
+        gold = task.data["answers"][0]
+        return f"<answer>{gold if gold in seen else 'unknown'}</answer>"
+
+    for suite in SUITES:
+        env = make("search/r1-v0", split=suite, n_tasks=100)
+        memory = sum(play(env, t, from_memory) for t in env.tasks) / len(env.tasks)
+        search = sum(play(env, t, searcher) for t in env.tasks) / len(env.tasks)
+        assert search >= 0.95 and search - memory >= 0.5, (suite, memory, search)
+
+
+def _answers_by_relation(tasks):
+    by_relation = {}
+    for t in tasks:
+        by_relation.setdefault(t.data["relations"][-1], Counter())[t.data["answers"][0]] += 1
+    return by_relation
+
+
+def test_user_corpus_and_qa_files(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in [
+        {"id": "1", "contents": '"Aaron"\nAaron is a prophet, the brother of Moses.'},
+        {"id": "2", "contents": '"Abba"\nAbba is a Swedish pop band formed in Stockholm.'},
+    ]))
+    qa = tmp_path / "test.jsonl"
+    qa.write_text(json.dumps({"id": "q1", "question": "Where was Abba formed?", "golden_answers": ["Stockholm"]}))
+    env = SearchEnv(split="test", corpus=str(corpus), questions={"test": str(qa)})
+    [task] = env.tasks
+    assert isinstance(task, Task) and task.data["question"] == "Where was Abba formed?"
+    env.reset(options={"task": task})
+    obs, *_ = env.step("<search>Abba band</search>")
+    assert obs[0].content.startswith('<information>Doc 1(Title: "Abba") Abba is a Swedish')
+    assert env.step("<answer>stockholm</answer>")[1] == 1.0
+    with pytest.raises(ValueError, match="no gold solution"):
+        env.gold_actions(task)
+    with pytest.raises(ValueError, match="Give both"):
+        SearchEnv(corpus=str(corpus))
