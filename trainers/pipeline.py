@@ -45,8 +45,8 @@ class DemoSFT:
 @with_config(STRICT)
 @dataclass(frozen=True)
 class EvalConfig:
-    split: str = "heldout"
-    n: int = 200  # tasks, one episode each
+    split: str | list[str] = "heldout"  # one split, or several held-out suites (each reported, then averaged)
+    n: int = 200  # tasks per split, one episode each
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(sampling=SamplingParams(temperature=0.0)))
 
 
@@ -93,7 +93,8 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     if job.sft and not resuming:
         log(f"SFT: {job.sft.episodes} expert episodes (mistake rate {job.sft.error_rate})")
         demos = demonstrations(job, renderer, make_env, tasks, out / "sft_demos.jsonl")
-        history = sft(model, demos, job.sft.config)
+        steps = job.sft.config.epochs * -(-len(demos) // job.sft.config.batch_size)
+        history = sft(model, demos, job.sft.config, on_step=_sft_progress(steps, log))
         asyncio.run(policy.sync_weights(model, 0))
         summary["sft"] = {"steps": len(history), "final_loss": history[-1]["loss"], "kept": history[-1]["kept"]}
     if job.eval and "before" not in summary:
@@ -125,11 +126,19 @@ def demonstrations(job: TrainJob, renderer: Renderer, make_env, tasks, path: Pat
 
 
 def heldout(job: TrainJob, policy, renderer, make_env, log, label: str) -> dict[str, Any]:
-    tasks = list(make_env(job.eval.split).tasks)[:job.eval.n]
-    metrics, _ = evaluate(policy, renderer, lambda: make_env(job.eval.split), tasks, job.eval.rollout)
-    log(f"held-out ({job.eval.split}, {len(tasks)} tasks) {label}: success {metrics['success']:.3f}, "
-        f"mean reward {metrics['mean_reward']:.3f}")
-    return metrics
+    """Metrics of one split; for several, each split's under `suites` and their means on top."""
+    splits = [job.eval.split] if isinstance(job.eval.split, str) else job.eval.split
+    suites = {}
+    for split in splits:
+        tasks = list(make_env(split).tasks)[:job.eval.n]
+        metrics, _ = evaluate(policy, renderer, lambda: make_env(split), tasks, job.eval.rollout)
+        log(f"held-out ({split}, {len(tasks)} tasks) {label}: success {metrics['success']:.3f}, "
+            f"mean reward {metrics['mean_reward']:.3f}")
+        suites[split] = metrics
+    if len(suites) == 1:
+        return metrics
+    mean = {k: sum(m[k] for m in suites.values()) / len(suites) for k in ("success", "mean_reward")}
+    return {**mean, "suites": suites}
 
 
 def plot_reward_curve(metrics_path: Path, png: Path) -> None:
@@ -147,6 +156,19 @@ def plot_reward_curve(metrics_path: Path, png: Path) -> None:
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
+
+
+def _sft_progress(steps: int, log: Callable[[str], None]) -> Callable[[dict], None]:
+    """Logs the loss about every tenth of the SFT steps (an upper bound: the filter may drop some demos)."""
+    done = 0
+
+    def on_step(row: dict) -> None:
+        nonlocal done
+        done += 1
+        if done % max(1, steps // 10) == 0:
+            log(f"SFT step {done}/{steps}  epoch {row['epoch']}  loss {row['loss']:.3f}")
+
+    return on_step
 
 
 def _progress_line(step: int, steps: int, m: dict[str, Any]) -> str:
