@@ -207,7 +207,7 @@ class ToolEnv(TextEnv):
 
     def assistant_message(self, action: str) -> Message:
         parsed = self.parser.parse(action)
-        if parsed.error:
+        if parsed.error or not parsed.tool_calls:  # a final answer or a malformed turn: the text as written
             return Message("assistant", action)
         return Message("assistant", parsed.content, _with_ids(parsed.tool_calls))
 

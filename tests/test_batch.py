@@ -42,3 +42,16 @@ def test_shared_prefix_gives_the_same_logprobs_and_gradients(tiny_model_dir):
     for a, c in zip(g0, g1):
         torch.testing.assert_close(c, a, atol=1e-5, rtol=1e-4)
     assert (lp0 != 0).sum() == b.mask_BT.sum()  # every trained position has a logprob
+
+
+def test_masked_positions_only_match_the_full_forward_without_a_shared_prefix(tiny_model_dir):
+    """Rows with different prompts: no prefix to share, but the LM head still runs on masked positions only."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    g = torch.Generator().manual_seed(1)
+    rows = [torch.randint(10, 4000, (n,), generator=g).tolist() for n in (30, 45)]
+    b = make_batch([traj(rows[0], [0] * 10 + [1] * 5 + [0] * 10 + [1] * 5), traj(rows[1], [0] * 40 + [1] * 5)],
+                   [1.0, 1.0])
+    full_BT, full_ent_BT = token_logprobs(model, b.ids_BT, b.attention_BT, True)
+    masked_BT, masked_ent_BT = token_logprobs(model, b.ids_BT, b.attention_BT, True, b.mask_BT)
+    torch.testing.assert_close(masked_BT, full_BT * b.mask_BT, atol=1e-5, rtol=0)
+    torch.testing.assert_close(masked_ent_BT, full_ent_BT * b.mask_BT, atol=1e-5, rtol=0)

@@ -19,7 +19,7 @@ def test_registry_lists_and_makes_math_env():
 
 
 def test_unknown_id_suggests_close_matches():
-    with pytest.raises(KeyError, match=r"Did you mean 'math/arith-v0'\?.*Registered ids"):
+    with pytest.raises(KeyError, match=r"Did you mean 'math/arith-v0'.*Registered ids"):
         agentrl.make("math/arith-v1")
 
 

@@ -61,26 +61,45 @@ def token_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: t
     """logp_BT[t] = log p(ids[t] | ids[:t]) under `model` (0 at t = 0), and optionally the entropy of
     the distribution that predicted token t.
 
-    Given the loss mask, rows that start with the same prompt (a group, a shared system prompt) run that
-    prefix once: its keys and values are computed for one row and repeated, gradients included. Only
-    positions before every row's first masked token are shared, so every trained logprob comes from the
-    per-row pass; outputs at shared positions are 0 (they are never trained on)."""
-    L = _shared_prefix_len(ids_BT, mask_BT) if mask_BT is not None else 0
+    Given the loss mask, only masked positions are computed, and outputs elsewhere are 0 (they are never
+    trained on):
+    - the LM head runs only on the hidden states that predict masked tokens: in agent episodes most
+      tokens are prompt and observations, and the [B, T, vocab] logits would dominate time and memory;
+    - rows that start with the same prompt (a group, a shared system prompt) run that prefix once: its
+      keys and values are computed for one row and repeated, gradients included. Only positions before
+      every row's first masked token are shared, so every trained logprob comes from the per-row pass."""
+    if mask_BT is None:
+        logp_BTV = F.log_softmax(model(input_ids=ids_BT, attention_mask=attention_BT).logits[:, :-1].float(), -1)
+        logp_BT = F.pad(logp_BTV.gather(-1, ids_BT[:, 1:, None]).squeeze(-1), (1, 0))
+        return logp_BT, F.pad(-(logp_BTV.exp() * logp_BTV).sum(-1), (1, 0)) if with_entropy else None
+    L = _shared_prefix_len(ids_BT, mask_BT)
     if L:
-        prefix = model(input_ids=ids_BT[:1, :L], use_cache=True)
-        cache = prefix.past_key_values
+        cache = model.base_model(input_ids=ids_BT[:1, :L], use_cache=True).past_key_values
         cache.batch_repeat_interleave(ids_BT.shape[0])
         positions_BT = torch.arange(L, ids_BT.shape[1], device=ids_BT.device).expand(ids_BT.shape[0], -1)
-        logits_BTV = model(input_ids=ids_BT[:, L:], attention_mask=attention_BT, position_ids=positions_BT,
-                           past_key_values=cache).logits[:, :-1].float()
+        hidden_BTH = model.base_model(input_ids=ids_BT[:, L:], attention_mask=attention_BT,
+                                      position_ids=positions_BT, past_key_values=cache).last_hidden_state
     else:
-        logits_BTV = model(input_ids=ids_BT, attention_mask=attention_BT).logits[:, :-1].float()
-    logp_BTV = F.log_softmax(logits_BTV, dim=-1)
-    logp_BT = F.pad(logp_BTV.gather(-1, ids_BT[:, L + 1:, None]).squeeze(-1), (L + 1, 0))
+        hidden_BTH = model.base_model(input_ids=ids_BT, attention_mask=attention_BT).last_hidden_state
+    # Position t of the hidden states (offset by L) predicts token L + t + 1.
+    rows_N, cols_N = (mask_BT[:, L + 1:] > 0).nonzero(as_tuple=True)
+    logits_NV = _lm_head(model, hidden_BTH[rows_N, cols_N]).float()
+    logp_NV = F.log_softmax(logits_NV, dim=-1)
+    targets_N = cols_N + L + 1
+    logp_BT = torch.zeros(ids_BT.shape, dtype=logp_NV.dtype, device=ids_BT.device)
+    logp_BT = logp_BT.index_put((rows_N, targets_N), logp_NV.gather(-1, ids_BT[rows_N, targets_N, None]).squeeze(-1))
     if not with_entropy:
         return logp_BT, None
-    entropy_BT = -(logp_BTV.exp() * logp_BTV).sum(-1)
-    return logp_BT, F.pad(entropy_BT, (L + 1, 0))
+    entropy_BT = torch.zeros_like(logp_BT).index_put((rows_N, targets_N), -(logp_NV.exp() * logp_NV).sum(-1))
+    return logp_BT, entropy_BT
+
+
+def _lm_head(model: torch.nn.Module, hidden_NH: torch.Tensor) -> torch.Tensor:
+    """What the model's forward does after its base model: the output projection, and Gemma-2's final
+    logit soft-capping where the config has one."""
+    logits_NV = model.get_output_embeddings()(hidden_NH)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return cap * torch.tanh(logits_NV / cap) if cap else logits_NV
 
 
 MIN_SHARED_PREFIX = 32  # below this, a second forward pass costs more than it saves

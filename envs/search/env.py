@@ -108,6 +108,11 @@ class SearchEnv(ToolEnv):
         n = self.n_tasks or (2000 if split == "train" else 200)
         return make_questions(_world(self.world_seed), split, n, self.task_seed)
 
+    @property
+    def tool_schemas(self) -> list[dict[str, Any]]:
+        """Search-R1's tags are explained by its prompt; its template renders no tool schemas."""
+        return [] if self.parser_name == "search_r1" else super().tool_schemas
+
     # ---- tools ----
     def _search_tool(self, timeout: float):
         @tool(timeout=timeout)
