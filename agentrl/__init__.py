@@ -7,7 +7,8 @@
 
 from agentrl.env import TextEnv, ToolEnv
 from agentrl.registration import check, make, register, registry
+from agentrl.suites import Suite, SuiteEntry, register_suite
 from agentrl.types import Group, Message, Status, Task, ToolCall, Trajectory, Turn
 
-__all__ = ["TextEnv", "ToolEnv", "check", "make", "register", "registry",
+__all__ = ["TextEnv", "ToolEnv", "check", "make", "register", "registry", "Suite", "SuiteEntry", "register_suite",
            "Group", "Message", "Status", "Task", "ToolCall", "Trajectory", "Turn"]

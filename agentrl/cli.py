@@ -151,6 +151,105 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
     console.print(f"metrics, checkpoints and reward_curve.png in {job.out_dir}")
 
 
+@app.command("eval")
+def eval_suite(
+    suite: str = typer.Option(..., help="A registered suite (`agentrl suites`) or a suite TOML file."),
+    model: str = typer.Option(..., help="Model directory or hub name, or the URL of a vLLM server."),
+    k: str = typer.Option("1", help="pass@k for these k, e.g. 1,8; each task is sampled max(k) times."),
+    n: Optional[int] = typer.Option(None, help="At most N tasks per suite entry."),
+    out: Optional[Path] = typer.Option(None, help="Run directory [default: runs/eval/SUITE]. Rerun to resume."),
+    engine: str = typer.Option("transformers", help="transformers (in-process) or vllm (started for the eval)."),
+    tokenizer: Optional[str] = typer.Option(None, help="Tokenizer dir/name [default: the model's]."),
+    temperature: Optional[float] = typer.Option(None, help="[default: 0 when max k is 1, else 1.0]"),
+    max_tokens: int = typer.Option(256, help="Max sampled tokens per turn."),
+    max_total_tokens: int = typer.Option(2048, help="Max tokens per episode, prompt included."),
+    concurrency: int = typer.Option(32, help="Episodes in flight."),
+    seed: int = typer.Option(0, help="Seeds env resets and sampling; same seed, same episodes."),
+) -> None:
+    """Evaluate a model on a suite: success with 95% CIs, pass@k, maj@k, errors; a Markdown and an HTML
+    report and a trajectory viewer in the run directory. Interrupted, the same command resumes."""
+    from rich.markdown import Markdown
+
+    from agentrl.config import ConfigError
+    from agentrl.engines import EngineConfig, open_policy
+    from agentrl.evaluation import EvalRunMismatch, run_suite
+    from agentrl.policy import SamplingParams
+    from agentrl.renderer import Renderer
+    from agentrl.report import write_report
+    from agentrl.rollout import RolloutConfig
+    from agentrl.suites import get_suite
+    from agentrl.tiny_model import load_tokenizer
+    from agentrl.viewer import write_viewer
+
+    try:
+        ks = sorted({int(x) for x in k.split(",")})
+        if ks[0] < 1:
+            raise ValueError
+    except ValueError:
+        console.print(f"[red]--k takes positive integers separated by commas, e.g. 1,8; got {k!r}[/]")
+        raise typer.Exit(2)
+    try:
+        the_suite = get_suite(suite)
+    except (KeyError, ConfigError) as e:
+        console.print(f"[red]{e.args[0]}[/]")
+        raise typer.Exit(2)
+    remote = model.startswith(("http://", "https://"))
+    policy = open_policy(model, EngineConfig(kind="vllm" if remote or engine == "vllm" else "transformers",
+                                             url=model if remote else None, max_model_len=max_total_tokens))
+    tok = load_tokenizer(tokenizer or getattr(policy, "model_name", model))
+    config = RolloutConfig(concurrency=concurrency, max_total_tokens=max_total_tokens, seed=seed,
+                           sampling=SamplingParams(max_tokens=max_tokens, temperature=(
+                               temperature if temperature is not None else (0.0 if ks[-1] == 1 else 1.0))))
+    run_dir = out or Path("runs/eval") / the_suite.name.replace("/", "-")
+    total = sum(min(e.n_tasks, n or e.n_tasks) for e in the_suite.entries) * ks[-1]
+    with Progress(TextColumn(f"eval {the_suite.name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as bar:
+        progress = bar.add_task("episodes", total=total)
+        try:
+            run_suite(the_suite, policy, Renderer(tok), run_dir, model, ks, n, config,
+                      on_episode=lambda t: bar.advance(progress))
+        except EvalRunMismatch as e:
+            console.print(f"[red]{e}[/]")
+            raise typer.Exit(2)
+        finally:
+            asyncio.run(policy.close())
+    markdown, html = write_report(run_dir)
+    viewer = write_viewer(run_dir, tokenizer=tok)
+    console.print(Markdown(markdown.read_text()))
+    console.print(f"report: {html}\ntrajectories: {viewer}")
+
+
+@app.command()
+def report(run_dir: Path = typer.Argument(..., help="An eval run directory (from `agentrl eval`)."),
+           vs: Optional[Path] = typer.Option(None, help="Another eval run to compare with, side by side."),
+           train_dir: Optional[Path] = typer.Option(None, help="A training run: adds its reward curve."),
+           tokenizer: Optional[str] = typer.Option(None, help="Shows trajectories as tokens, coloured by mask.")
+           ) -> None:
+    """(Re)write RUN_DIR/report.md, report.html and viewer.html."""
+    from agentrl.report import write_report
+    from agentrl.tiny_model import load_tokenizer
+    from agentrl.viewer import write_viewer
+
+    if not (run_dir / "run.json").exists():
+        console.print(f"[red]{run_dir} is not an eval run directory (no run.json); make one with `agentrl eval`.[/]")
+        raise typer.Exit(2)
+    markdown, html = write_report(run_dir, vs=vs, train_dir=train_dir)
+    viewer = write_viewer(run_dir, tokenizer=load_tokenizer(tokenizer) if tokenizer else None)
+    console.print(f"{markdown}\n{html}\n{viewer}")
+
+
+@app.command("suites")
+def suites_list() -> None:
+    """Registered evaluation suites and their entries."""
+    from agentrl.suites import suites
+
+    table = Table("suite", "version", "entries (env:split × tasks)", "description")
+    for s in suites().values():
+        table.add_row(s.name, str(s.version), "\n".join(f"{e.name} × {e.n_tasks}" for e in s.entries),
+                      s.description)
+    console.print(table)
+
+
 def _given(**options):
     """The options the user gave (not None, not empty), as a nested override dict."""
     return {k: v for k, v in options.items() if v is not None and v != {}}

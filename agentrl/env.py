@@ -151,6 +151,10 @@ class TextEnv(gym.Env[Observation, str]):
     def on_reset(self, task: Task) -> None:
         """Hook for per-episode state."""
 
+    def difficulty(self, task: Task) -> dict[str, Any]:
+        """What makes this task harder than others (e.g. `{"hops": 3}`), for evaluation breakdowns."""
+        return {}
+
     def assistant_message(self, action: str) -> Message:
         """The assistant's text as a chat message (content + parsed tool calls), for the chat template."""
         return Message("assistant", action)
@@ -248,7 +252,8 @@ class ToolEnv(TextEnv):
     def _finish(self, answer: str):
         score = self.score(self.task, answer, self.transcript)
         reward = sum(self.reward_weights.get(k, 0.0) * v for k, v in score.components.items())
-        return [], reward, True, {"reward_components": dict(score.components), "detail": score.detail}
+        return [], reward, True, {"reward_components": dict(score.components), "detail": score.detail,
+                                  "answer": answer}
 
     @abc.abstractmethod
     def score(self, task: Task, answer: str, transcript: Sequence[ParsedAction]) -> Score:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -79,6 +80,8 @@ class _Episode:
     messages: list[Message] = field(default_factory=list)
     reward: float = 0.0
     components: dict[str, float] = field(default_factory=dict)
+    tool_calls: int = 0
+    answer: str | None = None  # the final answer, when the env reports one (ToolEnv does)
 
     def extend(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None = None) -> None:
         self.ids += ids
@@ -103,6 +106,7 @@ class RolloutEngine:
     async def run_episode(self, task: Task, env_seed: int, sample_seed: int, group: int = 0) -> Trajectory:
         ep, env, version = _Episode(), None, self.policy.weight_version
         status, reason, prompt_len = Status.OK, "", 0
+        start = time.perf_counter()
         try:
             env = self.make_env()
             status, reason, prompt_len = await self._play(env, task, env_seed, sample_seed, ep)
@@ -113,7 +117,9 @@ class RolloutEngine:
                 env.close()
         return Trajectory(task.id, tuple(ep.ids), tuple(ep.mask), tuple(ep.logprobs), prompt_len,
                           tuple(ep.turns), ep.reward, ep.components, status, reason, tuple(ep.messages),
-                          group, env_seed, version)
+                          group, env_seed, version,
+                          {"tool_calls": ep.tool_calls, "answer": ep.answer,
+                           "seconds": round(time.perf_counter() - start, 3)})
 
     async def _play(self, env: TextEnv, task: Task, env_seed: int, sample_seed: int,
                     ep: _Episode) -> tuple[Status, str, int]:
@@ -143,6 +149,8 @@ class RolloutEngine:
             assistant = env.assistant_message(text)
             ep.reward += reward
             ep.components.update(info.get("reward_components", {}))
+            ep.tool_calls += info.get("tool_calls", 0)
+            ep.answer = info.get("answer", ep.answer)
             end = len(ep.ids)
             if terminated or truncated or turn + 1 == cfg.max_turns:
                 ep.turns.append(Turn(start, end, end, reward))

@@ -1,8 +1,16 @@
 """agentrl's own environment families. Importing this package registers their ids."""
 
 from agentrl.registration import register
+from agentrl.suites import Suite, SuiteEntry, register_suite
 
 register("math/arith-v0", "agentrl.envs.math:ArithmeticEnv")
 register("search/r1-v0", "agentrl.envs.search.env:SearchEnv", parser="search_r1")
 register("search/tools-v0", "agentrl.envs.search.env:SearchEnv", parser="hermes")
 register("search/react-v0", "agentrl.envs.search.env:SearchEnv", parser="react")
+
+register_suite(Suite("math/heldout", (SuiteEntry("math/arith-v0", "heldout", 200),),
+                     description="Arithmetic expression and word problems the training split never holds."))
+register_suite(Suite("search/heldout", tuple(
+    SuiteEntry("search/r1-v0", split, 100)
+    for split in ("unseen_entities", "unseen_compositions", "more_hops", "paraphrase")),
+    description="Search-R1 agents on the generated world's four held-out suites."))

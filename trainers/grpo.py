@@ -143,9 +143,11 @@ def update(model: torch.nn.Module, ref: torch.nn.Module | None, optimizer: torch
 
 
 def train(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy, make_env: Callable[[], TextEnv],
-          tasks: list[Task], out_dir: Path, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
+          tasks: list[Task], out_dir: Path, on_step: Callable[[int, dict], None] | None = None,
+          periodic_eval: Callable[[int], dict] | None = None) -> list[dict]:
     """Runs (or resumes, from the latest checkpoint in `out_dir`) GRPO on `model`, which `policy` samples
-    from after each sync. Returns the metrics of the steps run now."""
+    from after each sync. Returns the metrics of the steps run now. `periodic_eval(step)` runs after each
+    sync; what it returns (e.g. held-out metrics, or {} when not due) is logged under `heldout`."""
     torch.manual_seed(cfg.seed)
     renderer = Renderer(tokenizer)
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
@@ -173,6 +175,8 @@ def train(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Polic
         t3 = time.perf_counter()
         metrics.update(groups_trained=len(kept), time={"rollout": t1 - t0, "train": t2 - t1, "sync": t3 - t2},
                        tokens_per_s=metrics["sampled_tokens"] / max(t1 - t0, 1e-9))
+        if periodic_eval is not None and (heldout := periodic_eval(step + 1)):
+            metrics["heldout"] = heldout
         logger.log(step + 1, metrics)
         history.append(metrics)
         if on_step:

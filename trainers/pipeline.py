@@ -47,6 +47,7 @@ class DemoSFT:
 class EvalConfig:
     split: str | list[str] = "heldout"  # one split, or several held-out suites (each reported, then averaged)
     n: int = 200  # tasks per split, one episode each
+    every: int = 0  # also evaluate every this many GRPO steps, logged with the training metrics (0: never)
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(sampling=SamplingParams(temperature=0.0)))
 
 
@@ -102,8 +103,12 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         summary_path.write_text(json.dumps(summary, indent=2))
 
     log(f"GRPO: {job.grpo.steps} steps × {job.grpo.tasks_per_step} tasks × {job.grpo.rollout.group_size}")
+    def periodic_eval(step: int) -> dict[str, Any]:
+        due = job.eval and job.eval.every and step % job.eval.every == 0 and step < job.grpo.steps
+        return heldout(job, policy, renderer, make_env, log, f"at step {step}") if due else {}
+
     train_grpo(job.grpo, model, tokenizer, policy, make_env, tasks, out,
-               on_step=lambda step, m: log(_progress_line(step, job.grpo.steps, m)))
+               on_step=lambda step, m: log(_progress_line(step, job.grpo.steps, m)), periodic_eval=periodic_eval)
     if job.eval:
         summary["after"] = heldout(job, policy, renderer, make_env, log, "after GRPO")
     summary_path.write_text(json.dumps(summary, indent=2))

@@ -105,6 +105,9 @@ class ArithmeticEnv(ToolEnv):
         process = process_reward([p.content for p in transcript])
         return Score({"outcome": outcome, "process": process}, detail=f"gold={task.data['answer']}")
 
+    def difficulty(self, task: Task) -> dict[str, object]:
+        return {"operators": task.data["difficulty"], "kind": task.data["kind"]}
+
     def gold_actions(self, task: Task) -> list[str]:
         solution, answer = task.data["solution"], task.data["answer"]
         call = self.parser.format_call(ToolCall("calculator", {"expression": solution}))

@@ -176,6 +176,9 @@ class SearchEnv(ToolEnv):
         }
         return Score(components, detail=f"gold={golds[0]!r} searches={self._searches}")
 
+    def difficulty(self, task: Task) -> dict[str, Any]:
+        return {"hops": task.data["hops"]} if task.data.get("hops") else {}
+
     def gold_actions(self, task: Task) -> list[str]:
         chain = task.data.get("chain")
         if not chain:
