@@ -65,17 +65,17 @@ def policy(
 @serve_app.command("retriever")
 def retriever(
     corpus: Optional[Path] = typer.Option(None, help="JSONL corpus ({id, contents}); indexed once, then cached."),
-    index: Optional[Path] = typer.Option(None, help="A saved BM25 index directory (instead of --corpus)."),
+    index: Optional[Path] = typer.Option(None, help="A saved index directory, BM25 or dense (instead of --corpus)."),
     world_seed: int = typer.Option(0, help="Without --corpus/--index: the generated world of this seed."),
     port: int = typer.Option(8001, help="Port of the /retrieve server."),
     host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0: all)."),
     topk: int = typer.Option(3, help="Documents per query when a request gives no topk."),
 ) -> None:
-    """Serve BM25 search over Search-R1's `POST /retrieve` API until Ctrl-C."""
+    """Serve search (BM25, or a dense index built with `DenseIndex`) over Search-R1's `POST /retrieve` API
+    until Ctrl-C."""
     import uvicorn
 
-    from agentrl.envs.search.bm25 import BM25Index
-    from agentrl.envs.search.data import cached_index, read_corpus
+    from agentrl.envs.search.data import cached_index, load_index, read_corpus
     from agentrl.envs.search.server import create_app
     from agentrl.envs.search.world import build_world
 
@@ -84,7 +84,7 @@ def retriever(
         raise typer.Exit(2)
     with console.status("loading the index..."):
         if index:
-            search_index = BM25Index.load(index)
+            search_index = load_index(index)
         else:
             search_index = cached_index(list(read_corpus(corpus)) if corpus else build_world(world_seed).documents())
     console.print(f"[green]retriever[/]: {len(search_index)} documents at [bold]http://{host}:{port}/retrieve[/]")

@@ -2,6 +2,11 @@
 
 A real uvicorn server on a loopback port; the client is `RemoteRetriever` (httpx)."""
 
+import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -101,3 +106,30 @@ def test_client_retries_then_says_how_to_fix():
     with pytest.raises(RetrieverError, match=r"failed 3 times.*agentrl serve retriever"):
         remote.search(["a"])
     assert time.monotonic() - start < 5
+
+
+def test_serve_retriever_command(tmp_path, index):
+    """`agentrl serve retriever` on a user's corpus file: starts, answers, and stops on SIGTERM."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps(d) + "\n" for d in [
+        {"id": "1", "contents": '"Aaron"\nAaron is a prophet.'}, {"id": "2", "contents": '"Abba"\nAbba is a band.'}]))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "serve", "retriever", "--corpus", str(corpus),
+                               "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              env={**os.environ, "HOME": str(tmp_path)})  # the index cache goes here
+    try:
+        remote, deadline = RemoteRetriever(f"http://127.0.0.1:{port}", retries=0), time.monotonic() + 60
+        while True:
+            try:
+                assert len(remote) == 2
+                break
+            except RetrieverError:
+                assert server.poll() is None and time.monotonic() < deadline, server.stdout.read().decode()
+                time.sleep(0.2)
+        [[hit]] = remote.search(["band"], 1)
+        assert (hit.id, hit.contents) == ("2", '"Abba"\nAbba is a band.')
+    finally:
+        server.terminate()
+        server.wait(10)

@@ -78,6 +78,16 @@ def _answers(row: dict[str, Any]) -> list[str]:
     return [str(a) for a in answers] if answers is not None else []
 
 
+def load_index(path: str | Path) -> BM25Index:
+    """A saved index directory: BM25, or dense (faiss) when its params.json says so."""
+    params = Path(path) / "params.json"
+    if params.exists() and json.loads(params.read_text()).get("index_type") == "dense":
+        from agentrl.envs.search.dense import DenseIndex  # optional extra: faiss + sentence-transformers
+
+        return DenseIndex.load(path)
+    return BM25Index.load(path)
+
+
 def cached_index(docs: list[dict[str, str]], cache_dir: str | Path = DEFAULT_CACHE, **build_kwargs: Any) -> BM25Index:
     """The BM25 index of `docs`, built once and then loaded (memory-mapped) from a directory named by a hash
     of the documents and the build settings, so a changed corpus never meets a stale index."""

@@ -30,7 +30,7 @@ from typing import Any
 
 from agentrl.env import Score, ToolEnv
 from agentrl.envs.search.bm25 import BM25Index, SearchHit
-from agentrl.envs.search.data import cached_index, load_qa, read_corpus
+from agentrl.envs.search.data import cached_index, load_index, load_qa, read_corpus
 from agentrl.envs.search.retriever import RemoteRetriever, Retriever, format_passages
 from agentrl.envs.search.rewards import exact_match, is_supported, token_f1
 from agentrl.envs.search.questions import make_questions
@@ -239,5 +239,5 @@ def _corpus_index(corpus: str | None, world_seed: int) -> BM25Index:
 
 
 @functools.lru_cache(maxsize=4)
-def _load_index(path: str) -> BM25Index:
-    return BM25Index.load(path)
+def _load_index(path: str) -> Retriever:
+    return load_index(path)
