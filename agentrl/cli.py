@@ -168,8 +168,6 @@ def eval_suite(
 ) -> None:
     """Evaluate a model on a suite: success with 95% CIs, pass@k, maj@k, errors; a Markdown and an HTML
     report and a trajectory viewer in the run directory. Interrupted, the same command resumes."""
-    from rich.markdown import Markdown
-
     from agentrl.config import ConfigError
     from agentrl.engines import EngineConfig, open_policy
     from agentrl.evaluation import EvalRunMismatch, run_suite
@@ -213,10 +211,23 @@ def eval_suite(
             raise typer.Exit(2)
         finally:
             asyncio.run(policy.close())
+        results = None
     markdown, html = write_report(run_dir)
     viewer = write_viewer(run_dir, tokenizer=tok)
-    console.print(Markdown(markdown.read_text()))
-    console.print(f"report: {html}\ntrajectories: {viewer}")
+    _print_results(json.loads((run_dir / "results.json").read_text()))
+    console.print(f"report: {markdown} · {html}\ntrajectories: {viewer}")
+
+
+def _print_results(results: dict) -> None:
+    """Success with its 95% CI and pass@k per entry, and errors: the rest is in the report."""
+    table = Table("entry", "success [95% CI]", *(f"pass@{k}" for k in results["ks"]), "errors")
+    for name, m in [*results["entries"].items(), ("all", results["all"])]:
+        s = m["success"]
+        success = f"{s['rate']:.3f} [{s['low']:.3f}, {s['high']:.3f}]" if s["rate"] is not None else "-"
+        passes = [f"{m['pass_at_k'][str(k)]['value']:.3f}" if m["pass_at_k"].get(str(k), {}).get("value")
+                  is not None else "-" for k in results["ks"]]
+        table.add_row(name, success, *passes, str(m["errors"]["count"]))
+    console.print(table)
 
 
 @app.command()

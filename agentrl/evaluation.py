@@ -52,7 +52,7 @@ class _Episode:
     sample_seed: int
 
 
-def run_suite(suite: Suite, policy: Policy, renderer: Renderer, out_dir: str | Path, model: str,
+def run_suite(suite: Suite, policy: Policy, renderer: Renderer, out_dir: str | Path, model: str | Path,
               ks: Sequence[int] = (1,), n_tasks: int | None = None, config: RolloutConfig = RolloutConfig(),
               on_episode: Callable[[Trajectory], None] | None = None) -> dict[str, Any]:
     """Evaluates `policy` on every entry of `suite` with max(ks) samples per task; returns results.json."""
@@ -60,10 +60,11 @@ def run_suite(suite: Suite, policy: Policy, renderer: Renderer, out_dir: str | P
     out.mkdir(parents=True, exist_ok=True)
     n_samples = max(ks)
     entries = [replace(e, n_tasks=min(e.n_tasks, n_tasks or e.n_tasks)) for e in suite.entries]
-    run = {"suite": suite.name, "version": suite.version, "model": model, "k": sorted(set(ks)), "n": n_samples,
+    run = {"suite": suite.name, "version": suite.version, "model": str(model), "k": sorted(set(ks)), "n": n_samples,
            "seed": config.seed, "sampling": asdict(config.sampling),
            "entries": [{"name": e.name, "env": e.env, "split": e.split, "n_tasks": e.n_tasks,
                         "env_kwargs": e.env_kwargs} for e in entries]}
+    run = json.loads(json.dumps(run))  # as it reads back from run.json (tuples become lists)
     run_path, log_path = out / "run.json", out / "trajectories.jsonl"
     previous = json.loads(run_path.read_text()) if run_path.exists() else None
     if previous is not None:

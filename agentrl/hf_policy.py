@@ -107,6 +107,15 @@ class HFPolicy:
         self._wakeup.set()
 
     async def _serve(self) -> None:
+        try:
+            await self._serve_batches()
+        finally:  # a cancelled worker (its loop is closing) must not leave requests waiting forever
+            for row in self._pending + self._running:
+                if not row.future.done():
+                    row.future.set_exception(PolicyError("the HFPolicy worker stopped before this request finished"))
+            self._pending.clear()
+
+    async def _serve_batches(self) -> None:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()

@@ -98,8 +98,9 @@ class RolloutEngine:
     async def _call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
-        try:
-            return await asyncio.wait_for(future, self.config.step_timeout)
+        try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation that races the result
+            async with asyncio.timeout(self.config.step_timeout):
+                return await future
         except TimeoutError:
             raise EnvTimeout(f"{getattr(fn, '__name__', fn)} took more than {self.config.step_timeout}s") from None
 

@@ -182,3 +182,10 @@ def test_user_corpus_and_qa_files(tmp_path):
         env.gold_actions(task)
     with pytest.raises(ValueError, match="Give both"):
         SearchEnv(corpus=str(corpus))
+
+
+def test_a_query_that_matches_nothing_says_so():
+    env = make("search/r1-v0")
+    env.reset(seed=0)
+    obs, *_ = env.step("<search>zzzqx vvvqx</search>")
+    assert obs[0].content == "<information>No results for 'zzzqx vvvqx'.</information>"

@@ -24,7 +24,7 @@ from agentrl.hf_policy import HFPolicy
 from agentrl.policy import SamplingParams
 from agentrl.registration import make
 from agentrl.renderer import Renderer
-from agentrl.rollout import JsonlWriter, RolloutConfig, RolloutEngine
+from agentrl.rollout import JsonlWriter, RolloutConfig, RolloutEngine, write_jsonl
 from agentrl.scripted_policy import ScriptedPolicy, playing
 from agentrl.tiny_model import load_tokenizer
 from agentrl.trainers.checkpoint import latest_checkpoint
@@ -136,7 +136,9 @@ def heldout(job: TrainJob, policy, renderer, make_env, log, label: str) -> dict[
     suites = {}
     for split in splits:
         tasks = list(make_env(split).tasks)[:job.eval.n]
-        metrics, _ = evaluate(policy, renderer, lambda: make_env(split), tasks, job.eval.rollout)
+        metrics, trajectories = evaluate(policy, renderer, lambda: make_env(split), tasks, job.eval.rollout)
+        write_jsonl(trajectories, Path(os.path.expanduser(job.out_dir)) / "heldout" / label.replace(" ", "_")
+                    / f"{split}.jsonl")  # for `agentrl report`'s viewer
         log(f"held-out ({split}, {len(tasks)} tasks) {label}: success {metrics['success']:.3f}, "
             f"mean reward {metrics['mean_reward']:.3f}")
         suites[split] = metrics

@@ -122,8 +122,11 @@ class SearchEnv(ToolEnv):
             Args:
                 query: Keywords, e.g. a name from the question.
             """
-            hits = self.retriever.search([query], self.topk)[0]
+            # A document that shares no word with the query (score 0) is not a result: say so instead.
+            hits = [h for h in self.retriever.search([query], self.topk)[0] if h.score > 0]
             self._searches += 1
+            if not hits:
+                return self._observation(f"No results for {query!r}.", [])
             return self._observation(format_passages(hits, with_ids=self.parser_name != "search_r1"), hits)
 
         return search
