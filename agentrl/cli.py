@@ -211,7 +211,6 @@ def eval_suite(
             raise typer.Exit(2)
         finally:
             asyncio.run(policy.close())
-        results = None
     markdown, html = write_report(run_dir)
     viewer = write_viewer(run_dir, tokenizer=tok)
     _print_results(json.loads((run_dir / "results.json").read_text()))

@@ -49,3 +49,14 @@ def test_registration_and_lookup_errors():
         register_suite(Suite("test/tiny", (SuiteEntry("math/arith-v0", "heldout", 4),)))
     with pytest.raises(KeyError, match="Did you mean 'search/heldout'"):
         get_suite("search/heldot")
+
+
+def test_suite_recipes_load():
+    from pathlib import Path
+
+    recipes = sorted((Path(__file__).parents[1] / "recipes").glob("*suite*.toml"))
+    assert recipes
+    for path in recipes:
+        suite = get_suite(str(path))
+        for entry in suite.entries:
+            assert len(make(entry.env, split=entry.split, **entry.env_kwargs).tasks) >= entry.n_tasks

@@ -136,7 +136,8 @@ def heldout(job: TrainJob, policy, renderer, make_env, log, label: str) -> dict[
     suites = {}
     for split in splits:
         tasks = list(make_env(split).tasks)[:job.eval.n]
-        metrics, trajectories = evaluate(policy, renderer, lambda: make_env(split), tasks, job.eval.rollout)
+        metrics, trajectories = evaluate(policy, renderer, lambda split=split: make_env(split), tasks,
+                                         job.eval.rollout)
         write_jsonl(trajectories, Path(os.path.expanduser(job.out_dir)) / "heldout" / label.replace(" ", "_")
                     / f"{split}.jsonl")  # for `agentrl report`'s viewer
         log(f"held-out ({split}, {len(tasks)} tasks) {label}: success {metrics['success']:.3f}, "
