@@ -9,7 +9,7 @@ from agentrl.config import load_config
 from agentrl.envs.math import ArithmeticEnv
 from agentrl.hf_policy import HFPolicy
 from agentrl.policy import SamplingParams
-from agentrl.rollout import RolloutConfig
+from agentrl.rollout import RolloutConfig, read_jsonl
 from agentrl.tiny_model import load_tokenizer
 from agentrl.trainers.checkpoint import latest_checkpoint
 from agentrl.trainers.grpo import GRPOConfig, TaskStream, train
@@ -66,3 +66,26 @@ def test_recipes_load():
 
     for recipe in sorted((Path(__file__).parents[1] / "recipes").glob("*train*.toml")):
         load_config(TrainJob, recipe)
+
+
+@pytest.mark.slow
+def test_train_pipeline_evaluates_periodically_and_per_split(tiny_model_dir, tmp_path):
+    from agentrl.trainers.pipeline import run as run_job
+
+    rollout = {"max_total_tokens": 512, "sampling": {"max_tokens": 8, "temperature": 0.0}}
+    job = load_config(TrainJob, {
+        "env": "math/arith-v0", "model": str(tiny_model_dir), "out_dir": str(tmp_path), "train_tasks": 8,
+        "eval": {"split": ["heldout", "train"], "n": 3, "every": 1, "rollout": rollout},
+        "grpo": {"steps": 2, "tasks_per_step": 2, "minibatch_size": 4,
+                 "rollout": {**rollout, "group_size": 2, "sampling": {"max_tokens": 8}}}})
+    lines = []
+    summary = run_job(job, log=lines.append)
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert "heldout" in rows[0] and "heldout" not in rows[1]  # every step, but the last is the final eval
+    assert set(rows[0]["heldout"]["suites"]) == {"heldout", "train"}
+    for label in ("before", "after"):
+        suites = summary[label]["suites"]
+        assert summary[label]["success"] == pytest.approx(
+            (suites["heldout"]["success"] + suites["train"]["success"]) / 2)
+    assert len(read_jsonl(tmp_path / "heldout" / "before_GRPO" / "heldout.jsonl")) == 3
+    assert any("held-out (train, 3 tasks) at step 1" in line for line in lines)
