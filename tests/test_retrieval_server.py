@@ -133,3 +133,15 @@ def test_serve_retriever_command(tmp_path, index):
     finally:
         server.terminate()
         server.wait(10)
+
+
+def test_env_over_the_server_sees_what_the_in_process_env_sees(server_url):
+    from agentrl.registration import make
+
+    local, remote = make("search/tools-v0"), make("search/tools-v0", retriever_url=server_url)
+    for env in (local, remote):
+        env.reset(seed=0)
+    hop = local.task.data["chain"][0]
+    for action in [f'<tool_call>\n{{"name": "search", "arguments": {{"query": "{hop["query"]}"}}}}\n</tool_call>',
+                   f'<tool_call>\n{{"name": "open", "arguments": {{"doc_id": "{hop["doc_id"]}"}}}}\n</tool_call>']:
+        assert remote.step(action)[0] == local.step(action)[0]

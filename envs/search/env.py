@@ -92,7 +92,7 @@ class SearchEnv(ToolEnv):
     def retriever(self) -> Retriever:
         if self._retriever is None:  # lazy: `make` stays cheap for `envs list/show`
             if self.retriever_url:
-                self._retriever = RemoteRetriever(self.retriever_url)
+                self._retriever = _remote(self.retriever_url)
             elif self.index_path:
                 self._retriever = _load_index(self.index_path)
             else:
@@ -239,6 +239,12 @@ def _corpus_index(corpus: str | None, world_seed: int) -> BM25Index:
     """One index per corpus per process, shared by every env instance of a rollout."""
     docs = list(read_corpus(corpus)) if corpus else _world(world_seed).documents()
     return cached_index(docs)
+
+
+@functools.lru_cache(maxsize=4)
+def _remote(url: str) -> RemoteRetriever:
+    """One client (one connection pool) per server, shared by every env instance."""
+    return RemoteRetriever(url)
 
 
 @functools.lru_cache(maxsize=4)
