@@ -100,7 +100,31 @@ class _Strings:
                    _load_array(directory, f"{name}.offsets.npy", mmap_mode))
 
 
-class BM25Index:
+class _Documents:
+    """The stored corpus of an index: `_ids`, `_contents` (`_Strings`) and `_ids_sorted` (rows ordered by id)."""
+
+    params: dict
+    _ids: _Strings
+    _contents: _Strings
+    _ids_sorted: np.ndarray
+
+    def __len__(self) -> int:
+        return self.params["n_docs"]
+
+    def document(self, doc_id: str) -> dict:
+        """The document with this id, as `{"id", "contents"}`."""
+        key = doc_id.encode()
+        # ids.sorted orders rows by id; UTF-8 byte order equals the str order it was sorted in
+        i = bisect.bisect_left(range(len(self)), key, key=lambda j: self._ids.bytes_at(self._ids_sorted[j]))
+        if i == len(self) or self._ids.bytes_at(self._ids_sorted[i]) != key:
+            raise KeyError(f"No document with id {doc_id!r} in this index of {len(self)} documents.")
+        return self._document(int(self._ids_sorted[i]))
+
+    def _document(self, row: int) -> dict:
+        return {"id": self._ids[row], "contents": self._contents[row]}
+
+
+class BM25Index(_Documents):
     """BM25 over a fixed corpus. Build it once (`build(...).save(dir)`), then `load(dir)` and `search`."""
 
     def __init__(self, params: dict, vocab: dict[str, int], data: np.ndarray, indices: np.ndarray,
@@ -198,21 +222,6 @@ class BM25Index:
             if len(arr) != length:
                 raise ValueError(f"{path} is a damaged BM25 index ({name} has {len(arr)} entries, "
                                  f"expected {length}). {rebuild}")
-
-    def __len__(self) -> int:
-        return self.params["n_docs"]
-
-    def document(self, doc_id: str) -> dict:
-        """The document with this id, as `{"id", "contents"}`."""
-        key = doc_id.encode()
-        # ids.sorted orders rows by id; UTF-8 byte order equals the str order it was sorted in
-        i = bisect.bisect_left(range(len(self)), key, key=lambda j: self._ids.bytes_at(self._ids_sorted[j]))
-        if i == len(self) or self._ids.bytes_at(self._ids_sorted[i]) != key:
-            raise KeyError(f"No document with id {doc_id!r} in this index of {len(self)} documents.")
-        return self._document(int(self._ids_sorted[i]))
-
-    def _document(self, row: int) -> dict:
-        return {"id": self._ids[row], "contents": self._contents[row]}
 
     def search(self, queries: Sequence[str], k: int = 3) -> list[list[SearchHit]]:
         """The top min(k, len(self)) documents for each query, best first. Equal scores go in corpus order,

@@ -19,7 +19,6 @@ Index directory (FORMAT_VERSION 1; "index_type": "dense" tells it apart from a B
 
 from __future__ import annotations
 
-import bisect
 import importlib
 import json
 import shutil
@@ -32,7 +31,7 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
-from agentrl.envs.search.bm25 import SearchHit, _load_array, _Strings, _swap_in
+from agentrl.envs.search.bm25 import SearchHit, _Documents, _load_array, _Strings, _swap_in
 from tqdm.auto import tqdm
 
 FORMAT_VERSION = 1
@@ -41,7 +40,7 @@ _ENCODE_CHUNK = 16384  # documents embedded per faiss.add: bounds the embeddings
 _QUERY_BATCH_SIZE = 64
 
 
-class DenseIndex:
+class DenseIndex(_Documents):
     """Cosine top-k over a fixed corpus. Build it once (`build(docs, model).save(dir)`), then `load(dir)`."""
 
     def __init__(self, params: dict, encoder: Any, vectors: Any, ids: _Strings, contents: _Strings,
@@ -151,21 +150,6 @@ class DenseIndex:
                              f"{dim}-dimensional vectors of {params['model']}: load it with the model it was "
                              f"built with.")
         return cls(params, encoder, vectors, ids, contents, ids_sorted)
-
-    def __len__(self) -> int:
-        return self.params["n_docs"]
-
-    def document(self, doc_id: str) -> dict:
-        """The document with this id, as `{"id", "contents"}`."""
-        key = doc_id.encode()
-        # ids.sorted orders rows by id; UTF-8 byte order equals the str order it was sorted in
-        i = bisect.bisect_left(range(len(self)), key, key=lambda j: self._ids.bytes_at(self._ids_sorted[j]))
-        if i == len(self) or self._ids.bytes_at(self._ids_sorted[i]) != key:
-            raise KeyError(f"No document with id {doc_id!r} in this index of {len(self)} documents.")
-        return self._document(int(self._ids_sorted[i]))
-
-    def _document(self, row: int) -> dict:
-        return {"id": self._ids[row], "contents": self._contents[row]}
 
     def search(self, queries: Sequence[str], k: int = 3) -> list[list[SearchHit]]:
         """The top min(k, len(self)) documents for each query by cosine similarity, best first; equal scores
