@@ -134,7 +134,8 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
           model: Optional[str] = typer.Option(None, help="Override the recipe's model."),
           out_dir: Optional[str] = typer.Option(None, help="Override the recipe's output directory."),
           steps: Optional[int] = typer.Option(None, help="Override grpo.steps.")) -> None:
-    """SFT warm start (optional) → held-out eval → GRPO → held-out eval; resumes from the latest checkpoint."""
+    """SFT warm start (optional) → held-out eval → RL (GRPO, tandem, tango or DPO) → held-out eval; resumes
+    from the latest checkpoint."""
     from agentrl.config import ConfigError, load_config
     from agentrl.trainers.pipeline import TrainJob, run
 

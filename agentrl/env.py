@@ -159,6 +159,11 @@ class TextEnv(gym.Env[Observation, str]):
         """The assistant's text as a chat message (content + parsed tool calls), for the chat template."""
         return Message("assistant", action)
 
+    def check_step(self, text: str) -> bool | None:
+        """The env's own process checker on one assistant turn: correct, incorrect, or None (nothing to
+        check, or no checker). Used to measure how well a learned process verifier agrees with it."""
+        return None
+
     # ---- the model-free check ----
     def validate(self, n_tasks: int = 8) -> list[str]:
         """Feed the gold solution of the first `n_tasks` tasks through the env; return the failures."""

@@ -51,6 +51,9 @@ class Sample:
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: FinishReason
+    # Per token, 1 if the trained policy wrote it. Empty: all of them. Tandem rollouts set 0 on the tokens
+    # of the frozen partner, which then keep loss mask 0 like observations (`agentrl.trainers.tandem`).
+    trainable: tuple[int, ...] = ()
 
 
 @runtime_checkable

@@ -255,7 +255,7 @@ def plot_difficulty(results: dict[str, Any], key: str) -> bytes:
 
 
 def plot_reward_curve(rows: Sequence[dict[str, Any]]) -> bytes:
-    """Mean reward and success per GRPO step (the training run's metrics.jsonl)."""
+    """Mean reward and success per RL step (the training run's metrics.jsonl)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 3.2))
     steps = [r["step"] for r in rows]
@@ -263,7 +263,7 @@ def plot_reward_curve(rows: Sequence[dict[str, Any]]) -> bytes:
         if any(key in r for r in rows):
             ax.plot(steps, [r.get(key, float("nan")) for r in rows], marker="." if len(rows) < 50 else None,
                     label=key.replace("_", " "))
-    ax.set_xlabel("GRPO step")
+    ax.set_xlabel("RL step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     return _png(fig)

@@ -82,10 +82,12 @@ class _Episode:
     components: dict[str, float] = field(default_factory=dict)
     tool_calls: int = 0
     answer: str | None = None  # the final answer, when the env reports one (ToolEnv does)
+    untrained: int = 0  # sampled tokens that a frozen partner wrote (tandem rollouts): loss mask 0
 
-    def extend(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None = None) -> None:
+    def extend(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None = None,
+               trainable: Sequence[int] = ()) -> None:
         self.ids += ids
-        self.mask += [int(sampled)] * len(ids)
+        self.mask += list(trainable) if sampled and trainable else [int(sampled)] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
 
 
@@ -120,7 +122,8 @@ class RolloutEngine:
                           tuple(ep.turns), ep.reward, ep.components, status, reason, tuple(ep.messages),
                           group, env_seed, version,
                           {"tool_calls": ep.tool_calls, "answer": ep.answer,
-                           "seconds": round(time.perf_counter() - start, 3)})
+                           "seconds": round(time.perf_counter() - start, 3),
+                           **({"untrained_tokens": ep.untrained} if ep.untrained else {})})
 
     async def _play(self, env: TextEnv, task: Task, env_seed: int, sample_seed: int,
                     ep: _Episode) -> tuple[Status, str, int]:
@@ -139,7 +142,8 @@ class RolloutEngine:
                                seed=sample_seed * 1_000_003 + turn, stop_token_ids=stop_ids)
             sample = (await self.policy.generate(ep.ids, sampling))[0]
             start = len(ep.ids)
-            ep.extend(sample.token_ids, sampled=True, logprobs=sample.logprobs)
+            ep.extend(sample.token_ids, sampled=True, logprobs=sample.logprobs, trainable=sample.trainable)
+            ep.untrained += len(sample.trainable) - sum(sample.trainable)
             if sample.finish_reason == "length":
                 ep.turns.append(Turn(start, len(ep.ids), len(ep.ids), 0.0, "length"))
                 limit = "max_total_tokens" if sampling.max_tokens < cfg.sampling.max_tokens else "max_tokens"

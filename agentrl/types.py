@@ -73,8 +73,9 @@ class Message:
 class Turn:
     """One assistant turn inside a trajectory's token sequence.
 
-    Tokens [start, end) were sampled by the policy (loss_mask 1); tokens [end, obs_end) were written by the
-    environment and the chat template (loss_mask 0). `obs_end == end` for the last turn of an episode.
+    Tokens [start, end) were sampled by the policy (loss_mask 1, except the tokens a frozen partner wrote in
+    a tandem rollout); tokens [end, obs_end) were written by the environment and the chat template
+    (loss_mask 0). `obs_end == end` for the last turn of an episode.
     """
 
     start: int
@@ -90,7 +91,7 @@ class Trajectory:
 
     task_id: str
     token_ids: tuple[int, ...]  # [T]
-    loss_mask: tuple[int, ...]  # [T] 1 exactly on sampled tokens
+    loss_mask: tuple[int, ...]  # [T] 1 exactly on the tokens the trained policy sampled
     logprobs: tuple[float, ...]  # [T] sampler logprob on sampled tokens, 0.0 elsewhere
     prompt_len: int
     turns: tuple[Turn, ...]

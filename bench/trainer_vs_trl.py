@@ -56,6 +56,7 @@ from agentrl.renderer import Renderer
 from agentrl.rollout import RolloutConfig
 from agentrl.tiny_model import build_tiny_model, load_tokenizer
 from agentrl.trainers.grpo import GRPOConfig, to_batch, update
+from agentrl.trainers.rewards import group_rewards
 from agentrl.trainers.losses import PolicyLossConfig
 from agentrl.types import Group, Message, Task, Trajectory, Turn
 
@@ -138,7 +139,8 @@ class AgentrlGRPO:
         start = time.perf_counter()
         groups = asyncio.run(self.sample_groups(step))
         scored = time.perf_counter()
-        metrics = update(self.model, None, self.optimizer, to_batch(groups, cfg.advantage), cfg,
+        batch = to_batch(groups, cfg.advantage, [group_rewards(g, cfg.reward) for g in groups])
+        metrics = update(self.model, None, self.optimizer, batch, cfg,
                          torch.Generator().manual_seed(cfg.seed + step))
         asyncio.run(self.policy.sync_weights(self.model, step + 1))  # in-process: it samples from this very model
         self.log.add(time.perf_counter() - start, scored - start)

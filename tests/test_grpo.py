@@ -87,5 +87,5 @@ def test_train_pipeline_evaluates_periodically_and_per_split(tiny_model_dir, tmp
         suites = summary[label]["suites"]
         assert summary[label]["success"] == pytest.approx(
             (suites["heldout"]["success"] + suites["train"]["success"]) / 2)
-    assert len(read_jsonl(tmp_path / "heldout" / "before_GRPO" / "heldout.jsonl")) == 3
+    assert len(read_jsonl(tmp_path / "heldout" / "before_RL" / "heldout.jsonl")) == 3
     assert any("held-out (train, 3 tasks) at step 1" in line for line in lines)

@@ -136,7 +136,7 @@ def test_report_markdown(runs):
     assert "## Success by hops" in md and "| hops=2 | hops=3 | hops=4 |" in md
     assert "(viewer.html)" in md and "finished 2025-01-01T10:05:00" in md
     # run.json names a training run: its reward curve and held-out before/after are reported
-    assert "## Training run" in md and "20 GRPO steps logged" in md and "held-out after GRPO: success 0.800" in md
+    assert "## Training run" in md and "20 RL steps logged" in md and "held-out after RL: success 0.800" in md
     for png in ("success", "difficulty_hops", "reward_curve"):
         assert (run_a / "report_files" / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
         assert f"](report_files/{png}.png)" in md

@@ -31,6 +31,7 @@ from agentrl.trainers.batch import Batch, make_batch, token_logprobs
 from agentrl.trainers.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
 from agentrl.trainers.losses import POLICY_LOSSES, PolicyLossConfig, kl_loss, masked_mean
 from agentrl.trainers.metrics import MetricsLogger, rollout_metrics
+from agentrl.trainers.rewards import RewardConfig, group_rewards, majority_vote_metrics
 from agentrl.types import Group, Task
 
 
@@ -41,6 +42,7 @@ class GRPOConfig:
     tasks_per_step: int = 8
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(group_size=8))
     advantage: str = "grpo"  # a key of agentrl.trainers.advantages.ADVANTAGES
+    reward: RewardConfig = field(default_factory=RewardConfig)  # the training reward: env's, or a mix of sources
     loss: str = "ppo"  # a key of agentrl.trainers.losses.POLICY_LOSSES
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     kl_coef: float = 0.0  # > 0: KL to a frozen copy of the initial policy, as a loss term
@@ -86,25 +88,27 @@ class TaskStream:
 
 
 def collect(engine: RolloutEngine, stream: TaskStream, cfg: GRPOConfig) -> tuple[list[Group], list[Group]]:
-    """(groups to train on, all groups collected). Dynamic sampling drops zero-variance groups and
-    collects more, up to `max_refills` extra rounds."""
+    """(groups to train on, all groups collected). Dynamic sampling drops groups whose training rewards
+    do not vary and collects more, up to `max_refills` extra rounds."""
     collected, kept = [], []
     for _ in range(1 + (cfg.max_refills if cfg.dynamic_sampling else 0)):
         groups = asyncio.run(engine.run(stream.take(cfg.tasks_per_step - len(kept))))
         collected += groups
         kept += [g for g in groups if len(g.valid) >= 2
-                 and (not cfg.dynamic_sampling or len({t.reward for t in g.valid}) > 1)]
+                 and (not cfg.dynamic_sampling or len(set(group_rewards(g, cfg.reward))) > 1)]
         if len(kept) >= cfg.tasks_per_step:
             break
     return kept, collected
 
 
-def to_batch(groups: list[Group], advantage: str) -> Batch:
-    """Errors are left out entirely: they are neither in the baseline nor trained on. One call over the
-    whole batch, so batch-level estimators (REINFORCE++) see every group."""
+def to_batch(groups: list[Group], advantage: str, rewards: list[list[float]]) -> Batch:
+    """Errors are left out entirely: they are neither in the baseline nor trained on. `rewards[i]` holds
+    the training reward of each of `groups[i]`'s valid trajectories. One call over the whole batch, so
+    batch-level estimators (REINFORCE++) see every group."""
     trajectories = [t for g in groups for t in g.valid]
     group_ids_B = torch.tensor([i for i, g in enumerate(groups) for _ in g.valid])
-    adv_B = ADVANTAGES[advantage](torch.tensor([t.reward for t in trajectories]), None, group_ids_B)
+    rewards_B = torch.tensor([r for group in rewards for r in group], dtype=torch.float)
+    adv_B = ADVANTAGES[advantage](rewards_B, None, group_ids_B)
     return make_batch(trajectories, adv_B.tolist())
 
 
@@ -167,8 +171,12 @@ def train(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Polic
         engine.close()
         t1 = time.perf_counter()
         metrics = rollout_metrics(collected, max_reward)
+        if "majority_vote" in cfg.reward.terms:
+            metrics.update(majority_vote_metrics(collected))
         if kept:
-            batch = to_batch(kept, cfg.advantage)
+            rewards = [group_rewards(g, cfg.reward) for g in kept]
+            metrics["train_reward"] = sum(map(sum, rewards)) / sum(map(len, rewards))
+            batch = to_batch(kept, cfg.advantage, rewards)
             metrics.update(update(model, ref, optimizer, batch, cfg, torch.Generator().manual_seed(cfg.seed + step)))
         t2 = time.perf_counter()
         asyncio.run(policy.sync_weights(model, step + 1))

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from pydantic import with_config
 from torch import Tensor
 
@@ -313,6 +314,28 @@ def value_loss(values_BT: Tensor, old_values_BT: Tensor, returns_BT: Tensor, mas
         metrics = {"value_clip_frac": masked_mean(clipped.float(), m).item(),
                    "value_mean": masked_mean(v, m).item(), "value_mse": masked_mean(unclipped, m).item()}
     return 0.5 * aggregate(loss_BT, m, agg, norm_const=norm_const), metrics
+
+
+def dpo_loss(logp_BT: Tensor, ref_logp_BT: Tensor, mask_BT: Tensor, *, beta: float = 0.1,
+             label_smoothing: float = 0.0) -> tuple[Tensor, dict[str, float]]:
+    """DPO (Rafailov et al. 2023) on pairs: rows 2i and 2i+1 of the batch are the chosen and the rejected
+    trajectory of pair i. With sequence log-probabilities s = sum_t m_t logp_t (sampled tokens only),
+
+        z_i  = beta * [(s_chosen - s_ref_chosen) - (s_rejected - s_ref_rejected)]
+        loss = mean_i [ -(1 - eps) * log sigmoid(z_i) - eps * log sigmoid(-z_i) ]     (eps: label_smoothing,
+                                                                                     cDPO; 0 = plain DPO)
+    `ref_logp_BT` is a constant. Metrics: reward_accuracy (z > 0), reward_margin (mean z / beta).
+    """
+    if logp_BT.shape[0] % 2:
+        raise ValueError(f"DPO needs (chosen, rejected) row pairs; got {logp_BT.shape[0]} rows")
+    m, logp, ref = _masked(mask_BT, logp_BT, ref_logp_BT)
+    s_B = torch.where(m, logp - ref, 0.0).sum(-1)  # implicit reward / beta of each row
+    margin_P = s_B[0::2] - s_B[1::2]
+    z_P = beta * margin_P
+    loss = -((1 - label_smoothing) * F.logsigmoid(z_P) + label_smoothing * F.logsigmoid(-z_P)).mean()
+    with torch.no_grad():
+        metrics = {"reward_accuracy": (z_P > 0).float().mean().item(), "reward_margin": margin_P.mean().item()}
+    return loss, metrics
 
 
 def entropy_from_logits(logits_BTV: Tensor) -> Tensor:

@@ -1,11 +1,17 @@
 """`agentrl train RECIPE.toml`: optional SFT warm start on expert demonstrations → held-out evaluation →
-GRPO → held-out evaluation, with a reward-curve plot and a summary. Resumable: a run killed during
-GRPO continues from its latest checkpoint; finished stages are not redone.
+RL → held-out evaluation, with a reward-curve plot and a summary. Resumable: a run killed during GRPO
+continues from its latest checkpoint; finished stages are not redone.
+
+The RL stage is GRPO, or one of the research methods, chosen by which section the recipe has:
+`[tandem]` (GRPO on senior/junior tandem rollouts, plus handoff-robustness evaluation), `[tango]`
+(GRPO with a co-trained process verifier) or `[dpo]` (offline DPO on pairs of the starting model's
+episodes). `[grpo.reward]` picks the reward sources (majority vote, format-only, controls...).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
 import random
@@ -21,15 +27,20 @@ from agentrl.config import STRICT
 from agentrl.engines import EngineConfig, open_policy
 from agentrl.evaluation import evaluate
 from agentrl.hf_policy import HFPolicy
-from agentrl.policy import SamplingParams
+from agentrl.policy import Policy, SamplingParams
 from agentrl.registration import make
 from agentrl.renderer import Renderer
 from agentrl.rollout import JsonlWriter, RolloutConfig, RolloutEngine, write_jsonl
 from agentrl.scripted_policy import ScriptedPolicy, playing
 from agentrl.tiny_model import load_tokenizer
 from agentrl.trainers.checkpoint import latest_checkpoint
+from agentrl.trainers import tango
+from agentrl.trainers.checkpoint import save_checkpoint
+from agentrl.trainers.dpo import DPOConfig, preference_pairs, train_dpo
 from agentrl.trainers.grpo import GRPOConfig, train as train_grpo
 from agentrl.trainers.sft import SFTConfig, sft
+from agentrl.trainers.tandem import TandemConfig, TandemPolicy, junior_cross_entropy
+from agentrl.trainers.tango import TangoConfig
 
 
 @with_config(STRICT)
@@ -64,11 +75,21 @@ class TrainJob:
     sft: DemoSFT | None = None
     eval: EvalConfig | None = field(default_factory=EvalConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    tandem: TandemConfig | None = None  # GRPO on tandem rollouts: a frozen junior writes some of each response
+    tango: TangoConfig | None = None  # GRPO with a co-trained process verifier (RL Tango)
+    dpo: DPOConfig | None = None  # instead of GRPO: DPO on pairs of the starting model's episodes
     engine: EngineConfig = field(default_factory=EngineConfig)  # transformers in-process, or vLLM
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        methods = [name for name in ("tandem", "tango", "dpo") if getattr(self, name) is not None]
+        if len(methods) > 1:
+            raise ValueError(f"choose one RL method per recipe, got sections {methods}")
+        if self.dpo is not None and self.grpo != GRPOConfig():
+            raise ValueError("[dpo] replaces GRPO: move its settings into [dpo] and remove [grpo]")
+        if self.tango is not None and self.engine.kind != "transformers":
+            raise ValueError("[tango] trains the verifier in-process: set engine.kind = 'transformers'")
 
 
 def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -93,47 +114,154 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     resuming = latest_checkpoint(out) is not None
     if job.sft and not resuming:
         log(f"SFT: {job.sft.episodes} expert episodes (mistake rate {job.sft.error_rate})")
-        demos = demonstrations(job, renderer, make_env, tasks, out / "sft_demos.jsonl")
+        picked = [tasks[i % len(tasks)] for i in range(job.sft.episodes)]
+        demos = demonstrations(make_env, picked, renderer, job.grpo.rollout, job.sft.error_rate, job.grpo.seed,
+                               out / "sft_demos.jsonl")
         steps = job.sft.config.epochs * -(-len(demos) // job.sft.config.batch_size)
         history = sft(model, demos, job.sft.config, on_step=_sft_progress(steps, log))
         asyncio.run(policy.sync_weights(model, 0))
         summary["sft"] = {"steps": len(history), "final_loss": history[-1]["loss"], "kept": history[-1]["kept"]}
+    handoff = Handoff(job, policy, tokenizer, model) if job.tandem else None
+    def evaluate_now(label: str) -> dict[str, Any]:
+        metrics, trajectories = heldout(job, policy, renderer, make_env, log, label)
+        return {**metrics, "handoff": handoff.evaluate(trajectories, renderer, make_env, log)} if handoff else metrics
+
     if job.eval and "before" not in summary:
-        summary["before"] = heldout(job, policy, renderer, make_env, log, "before GRPO")
+        summary["before"] = evaluate_now("before RL")
         summary_path.write_text(json.dumps(summary, indent=2))
 
-    log(f"GRPO: {job.grpo.steps} steps × {job.grpo.tasks_per_step} tasks × {job.grpo.rollout.group_size}")
-    def periodic_eval(step: int) -> dict[str, Any]:
-        due = job.eval and job.eval.every and step % job.eval.every == 0 and step < job.grpo.steps
-        return heldout(job, policy, renderer, make_env, log, f"at step {step}") if due else {}
+    if job.dpo:
+        summary["dpo"] = run_dpo(job, model, tokenizer, policy, renderer, make_env, tasks, out, log)
+    elif job.tango:
+        run_tango(job, model, tokenizer, policy, renderer, make_env, tasks, out, log)
+    else:
+        log(f"GRPO: {job.grpo.steps} steps × {job.grpo.tasks_per_step} tasks × {job.grpo.rollout.group_size}"
+            + (f" (tandem: junior writes each {job.tandem.unit} with p={job.tandem.p_junior})" if handoff else ""))
 
-    train_grpo(job.grpo, model, tokenizer, policy, make_env, tasks, out,
-               on_step=lambda step, m: log(_progress_line(step, job.grpo.steps, m)), periodic_eval=periodic_eval)
+        def periodic_eval(step: int) -> dict[str, Any]:
+            due = job.eval and job.eval.every and step % job.eval.every == 0 and step < job.grpo.steps
+            return heldout(job, policy, renderer, make_env, log, f"at step {step}")[0] if due else {}
+
+        train_grpo(job.grpo, model, tokenizer, handoff.training_policy() if handoff else policy, make_env, tasks,
+                   out, on_step=lambda step, m: log(_progress_line(step, job.grpo.steps, m)),
+                   periodic_eval=periodic_eval)
     if job.eval:
-        summary["after"] = heldout(job, policy, renderer, make_env, log, "after GRPO")
+        summary["after"] = evaluate_now("after RL")
     summary_path.write_text(json.dumps(summary, indent=2))
-    plot_reward_curve(out / "metrics.jsonl", out / "reward_curve.png")
+    if not job.dpo:
+        plot_reward_curve(out / "metrics.jsonl", out / "reward_curve.png")
     asyncio.run(policy.close())
+    if handoff:
+        asyncio.run(handoff.junior.close())
     return summary
 
 
-def demonstrations(job: TrainJob, renderer: Renderer, make_env, tasks, path: Path):
-    """Expert episodes played through the real env and renderer, so SFT sees exact tokens and masks."""
-    rng, env = random.Random(job.grpo.seed), make_env()
-    picked = [tasks[i % len(tasks)] for i in range(job.sft.episodes)]
-    scripts = {t.data["question"]: env.demonstration(t, rng, job.sft.error_rate) for t in picked}
+class Handoff:
+    """Tandem's partner and its evaluation: the frozen junior (a policy, and an in-process copy for its
+    cross-entropy), the training policy, and handoff robustness on the held-out split."""
+
+    def __init__(self, job: TrainJob, senior: Policy, tokenizer: Any, model: torch.nn.Module):
+        self.cfg, self.senior, self.tokenizer, self.job = job.tandem, senior, tokenizer, job
+        if job.tandem.junior is None:  # the senior's weights as RL starts (after any SFT), frozen
+            self.junior_model = copy.deepcopy(model).eval().requires_grad_(False)
+            if job.engine.kind == "transformers":
+                self.junior = HFPolicy(self.junior_model, tokenizer)
+            else:
+                junior_dir = Path(os.path.expanduser(job.out_dir)) / "junior"
+                self.junior_model.save_pretrained(junior_dir)
+                tokenizer.save_pretrained(junior_dir)
+                self.junior = open_policy(str(junior_dir), job.engine)
+        else:
+            self.junior = open_policy(job.tandem.junior, job.engine)
+            self.junior_model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(job.tandem.junior)).eval()
+
+    def policy(self, **schedule: Any) -> TandemPolicy:
+        return TandemPolicy(self.senior, self.junior, self.tokenizer, self.cfg.unit,
+                            lookahead=self.cfg.lookahead, **schedule)
+
+    def training_policy(self) -> TandemPolicy:
+        return self.policy(p_junior=self.cfg.p_junior)
+
+    def evaluate(self, solo: list, renderer: Renderer, make_env, log: Callable[[str], None]) -> dict[str, Any]:
+        """Success with the junior writing each unit with probability p / taking over after k units, and the
+        junior's cross-entropy on the senior's solo held-out tokens."""
+        out: dict[str, Any] = {"junior_xent": junior_cross_entropy(self.junior_model, solo)}
+        schedules = [(f"p={p}", {"p_junior": p}) for p in self.cfg.eval_p] + \
+                    [(f"after={k}", {"p_junior": 0.0, "junior_after": k}) for k in self.cfg.eval_after]
+        split = self.job.eval.split if isinstance(self.job.eval.split, str) else self.job.eval.split[0]
+        tasks = list(make_env(split).tasks)[:self.job.eval.n]
+        for name, schedule in schedules:
+            metrics, _ = evaluate(self.policy(**schedule), renderer, lambda: make_env(split), tasks,
+                                  self.job.eval.rollout)
+            out[name] = metrics["success"]
+        log(f"handoff robustness ({split}): " + ", ".join(f"{k} {v:.3f}" for k, v in out.items()))
+        return out
+
+
+def run_dpo(job: TrainJob, model, tokenizer, policy, renderer, make_env, tasks, out: Path, log) -> dict[str, Any]:
+    """Sample groups from the starting model once, pair best and worst of each, train DPO, save."""
+    cfg = job.dpo
+    engine = RolloutEngine(make_env, policy, renderer, replace(cfg.rollout, seed=cfg.seed))
+    groups = asyncio.run(engine.run(tasks[:cfg.tasks]))
+    engine.close()
+    pairs = preference_pairs(groups, cfg.min_margin)
+    log(f"DPO: {len(pairs)} preference pairs from {len(groups)} tasks × {cfg.rollout.group_size} samples")
+    history = train_dpo(model, pairs, cfg)
+    asyncio.run(policy.sync_weights(model, 1))
+    optimizer = torch.optim.AdamW(model.parameters())  # a fresh one: DPO is offline, there is nothing to resume
+    save_checkpoint(out, 1, model, tokenizer, optimizer, None, {"weight_version": 1})
+    last = history[-1]
+    log(f"DPO: {len(history)} steps, final loss {last['loss']:.3f}, reward accuracy {last['reward_accuracy']:.2f}")
+    return {"pairs": len(pairs), "steps": len(history), "final_loss": last["loss"],
+            "reward_accuracy": last["reward_accuracy"]}
+
+
+def run_tango(job: TrainJob, model, tokenizer, policy, renderer, make_env, tasks, out: Path, log) -> None:
+    """Verifier from the generator's starting weights → its format warm start → co-training."""
+    cfg = job.tango
+    verifier_model = copy.deepcopy(model)
+    verifier_policy = HFPolicy(verifier_model, tokenizer)
+    checker = make_env().check_step
+    if not (out / "checkpoints").exists():
+        engine = RolloutEngine(make_env, policy, renderer, replace(job.grpo.rollout, group_size=1, seed=1))
+        start = [t for g in asyncio.run(engine.run(tasks[:cfg.verifier_warmup])) for t in g.valid]
+        engine.close()
+        problems = {t.id: t.data.get("question", "") for t in tasks}
+        vtasks = [tango.verification_task(t, problems[t.task_id], renderer, checker, i) for i, t in enumerate(start)]
+        log(f"verifier warm start: SFT on outcome-only judgements of {len(vtasks)} starting episodes")
+        tango.warm_start_verifier(verifier_model, vtasks, renderer, job.grpo.rollout, SFTConfig(epochs=2, lr=1e-3))
+    verifier = tango.Verifier(verifier_model, verifier_policy, renderer, cfg, job.grpo)
+    log(f"co-training: {job.grpo.steps} steps, process weight {cfg.alpha_start} → {cfg.alpha_end}")
+    tango.train(cfg, job.grpo, model, tokenizer, policy, verifier, make_env, tasks, out, checker,
+                on_step=lambda step, m: log(_progress_line(step, job.grpo.steps, m) + _tango_line(m)))
+    asyncio.run(verifier_policy.close())
+
+
+def _tango_line(m: dict[str, Any]) -> str:
+    v = m["verifier"]
+    return (f"  α {m['alpha']:.2f}  verifier: accuracy {v['success']:.2f} format {v['format_rate']:.2f} "
+            f"step agreement {v['step_agreement']:.2f}")
+
+
+def demonstrations(make_env, tasks: list, renderer: Renderer, rollout: RolloutConfig, error_rate: float, seed: int,
+                   path: Path) -> list:
+    """Expert episodes (one per task) played through the real env and renderer, so SFT sees exact tokens
+    and masks."""
+    rng, env = random.Random(seed), make_env()
+    scripts = {t.data["question"]: env.demonstration(t, rng, error_rate) for t in tasks}
     policy = ScriptedPolicy(renderer, playing(scripts), renderer.generation_prompt)
-    engine = RolloutEngine(make_env, policy, renderer, replace(job.grpo.rollout, group_size=1))
+    engine = RolloutEngine(make_env, policy, renderer, replace(rollout, group_size=1))
     with JsonlWriter(path) as writer:
-        groups = asyncio.run(engine.run(picked, on_episode=writer.write))
+        groups = asyncio.run(engine.run(tasks, on_episode=writer.write))
     engine.close()
     return [t for g in groups for t in g.trajectories]
 
 
-def heldout(job: TrainJob, policy, renderer, make_env, log, label: str) -> dict[str, Any]:
-    """Metrics of one split; for several, each split's under `suites` and their means on top."""
+def heldout(job: TrainJob, policy, renderer, make_env, log, label: str) -> tuple[dict[str, Any], list]:
+    """(metrics, trajectories) of one split; for several, each split's metrics under `suites` and their
+    means on top."""
     splits = [job.eval.split] if isinstance(job.eval.split, str) else job.eval.split
-    suites = {}
+    suites, everything = {}, []
     for split in splits:
         tasks = list(make_env(split).tasks)[:job.eval.n]
         metrics, trajectories = evaluate(policy, renderer, lambda split=split: make_env(split), tasks,
@@ -143,10 +271,11 @@ def heldout(job: TrainJob, policy, renderer, make_env, log, label: str) -> dict[
         log(f"held-out ({split}, {len(tasks)} tasks) {label}: success {metrics['success']:.3f}, "
             f"mean reward {metrics['mean_reward']:.3f}")
         suites[split] = metrics
+        everything += trajectories
     if len(suites) == 1:
-        return metrics
+        return metrics, everything
     mean = {k: sum(m[k] for m in suites.values()) / len(suites) for k in ("success", "mean_reward")}
-    return {**mean, "suites": suites}
+    return {**mean, "suites": suites}, everything
 
 
 def plot_reward_curve(metrics_path: Path, png: Path) -> None:

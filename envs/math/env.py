@@ -65,16 +65,27 @@ def equations(text: str) -> list[tuple[str, str]]:
     return found
 
 
+def _equation_verdicts(text: str) -> list[bool]:
+    verdicts = []
+    for lhs, rhs in equations(text):
+        try:
+            verdicts.append(evaluate(lhs) == evaluate(rhs))
+        except ExpressionError:
+            verdicts.append(False)
+    return verdicts
+
+
 def process_reward(texts: Sequence[str]) -> float:
     """Fraction of written equations whose left side evaluates to their right side."""
-    verdicts = []
-    for text in texts:
-        for lhs, rhs in equations(text):
-            try:
-                verdicts.append(evaluate(lhs) == evaluate(rhs))
-            except ExpressionError:
-                verdicts.append(False)
+    verdicts = [v for text in texts for v in _equation_verdicts(text)]
     return sum(verdicts) / len(verdicts) if verdicts else 0.0
+
+
+def step_is_correct(text: str) -> bool | None:
+    """The process checker's verdict on one step (an assistant turn): whether every equation it writes is
+    true; None when it writes none (nothing to check)."""
+    verdicts = _equation_verdicts(text)
+    return all(verdicts) if verdicts else None
 
 
 class ArithmeticEnv(ToolEnv):
@@ -104,6 +115,9 @@ class ArithmeticEnv(ToolEnv):
         outcome = outcome_reward(answer, task.data["answer"])
         process = process_reward([p.content for p in transcript])
         return Score({"outcome": outcome, "process": process}, detail=f"gold={task.data['answer']}")
+
+    def check_step(self, text: str) -> bool | None:
+        return step_is_correct(text)
 
     def difficulty(self, task: Task) -> dict[str, object]:
         return {"operators": task.data["difficulty"], "kind": task.data["kind"]}

@@ -1,0 +1,94 @@
+"""DPO on trajectory pairs: an offline alternative to online RL.
+
+Sample `group_size` episodes per training task from the current policy (once), pair the best and the
+worst of each group (preferred vs rejected, same task), and train on `dpo_loss` against a frozen copy of
+the starting model. Both trajectories keep their loss masks, so only sampled tokens count, exactly as in
+GRPO; error episodes never enter a pair.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from pydantic import with_config
+
+from agentrl.config import STRICT
+from agentrl.rollout import RolloutConfig
+from agentrl.types import Group, Trajectory
+from agentrl.trainers.batch import make_batch, token_logprobs
+from agentrl.trainers.losses import dpo_loss
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class DPOConfig:
+    tasks: int = 256  # training tasks to sample pairs from
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(group_size=4))  # group_size: samples per task
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    min_margin: float = 1e-6  # a pair needs the preferred reward to beat the rejected one by more than this
+    epochs: int = 2
+    lr: float = 1e-5
+    pairs_per_step: int = 8
+    max_grad_norm: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0:
+            raise ValueError(f"beta must be > 0, got {self.beta}")
+        if self.rollout.group_size < 2:
+            raise ValueError("dpo.rollout.group_size must be >= 2: pairs come from samples of one task")
+        if not 0 <= self.label_smoothing < 0.5:
+            raise ValueError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+
+
+def preference_pairs(groups: Sequence[Group], min_margin: float = 1e-6) -> list[tuple[Trajectory, Trajectory]]:
+    """(preferred, rejected) per group: its highest- and lowest-reward valid trajectories (the first of
+    equals), when they differ by more than `min_margin`."""
+    pairs = []
+    for g in groups:
+        if len(g.valid) < 2:
+            continue
+        best = max(g.valid, key=lambda t: t.reward)
+        worst = min(g.valid, key=lambda t: t.reward)
+        if best.reward - worst.reward > min_margin:
+            pairs.append((best, worst))
+    return pairs
+
+
+def train_dpo(model: torch.nn.Module, pairs: Sequence[tuple[Trajectory, Trajectory]], cfg: DPOConfig,
+              on_step: Callable[[dict], None] | None = None) -> list[dict]:
+    """Trains `model` in place; the reference is a frozen copy of it as it is now."""
+    if not pairs:
+        raise ValueError("No preference pairs: every group's episodes got the same reward. Sample more tasks "
+                         "or a larger group_size, or start from a model whose episodes differ in reward.")
+    ref = copy.deepcopy(model).eval().requires_grad_(False)
+    rows = [t for pair in pairs for t in pair]  # chosen, rejected, chosen, rejected, ...
+    batch = make_batch(rows, [0.0] * len(rows))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    generator, history = torch.Generator().manual_seed(cfg.seed), []
+    model.train()
+    for epoch in range(cfg.epochs):
+        order = torch.randperm(len(pairs), generator=generator)
+        for start in range(0, len(pairs), cfg.pairs_per_step):
+            pair_ids = order[start:start + cfg.pairs_per_step]
+            row_ids = torch.stack([2 * pair_ids, 2 * pair_ids + 1], dim=1).flatten()  # keep pairs adjacent
+            mb = batch.select(row_ids).to(next(model.parameters()).device)
+            logp_BT, _ = token_logprobs(model, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
+            with torch.no_grad():
+                ref_logp_BT, _ = token_logprobs(ref, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
+            loss, metrics = dpo_loss(logp_BT, ref_logp_BT, mb.mask_BT, beta=cfg.beta,
+                                     label_smoothing=cfg.label_smoothing)
+            optimizer.zero_grad()
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            optimizer.step()
+            row = {"epoch": epoch, "loss": loss.item(), "grad_norm": grad_norm.item(), **metrics}
+            history.append(row)
+            if on_step:
+                on_step(row)
+    model.eval()
+    return history

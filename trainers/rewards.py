@@ -1,0 +1,125 @@
+"""Reward sources from the research, composable with any env: the training reward is a weighted sum
+
+    R_i = sum_k  weight_k * source_k(trajectory i, its group)
+
+over the sources named in `RewardConfig.terms`. The env's own reward stays on the trajectory (and in the
+rollout metrics, so `success` is always the true outcome); only the advantages see `R`.
+
+Sources (each in [0, 1]):
+- `env`: the env's reward as is (the default, `{"env": 1.0}`).
+- `outcome`, `process`: one reward component of the env (the math env scores both: the final answer,
+  and the fraction of written equations that are true), to compare outcome and process supervision.
+- `majority_vote`: 1 if the trajectory's final answer is the group's most common answer, else 0: the
+  pseudo-label of test-time RL (TTRL, Zuo et al. 2025), which needs no gold answer.
+- `format`: 1 if the episode ended with a final answer at all (format-only control).
+- `random`: a fair coin per trajectory, seeded by (seed, task, sample): the spurious-reward control.
+- `inverted`: 1 - outcome: rewards wrong answers (a control that should make success fall).
+- `length`: sampled tokens / `length_norm`; give it a negative weight for a length penalty.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Callable, Sequence
+
+from pydantic import with_config
+
+from agentrl.config import STRICT
+from agentrl.types import Group, Status, Trajectory
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class RewardConfig:
+    terms: dict[str, float] = field(default_factory=lambda: {"env": 1.0})  # source name -> weight
+    length_norm: int = 1024  # `length` = sampled tokens / this
+    seed: int = 0  # for `random`
+
+    def __post_init__(self) -> None:
+        unknown = set(self.terms) - set(SOURCES)
+        if unknown:
+            raise ValueError(f"unknown reward sources {sorted(unknown)}; sources: {', '.join(SOURCES)}")
+        if not self.terms:
+            raise ValueError("reward.terms is empty: name at least one source, e.g. {env = 1.0}")
+        if self.length_norm < 1:
+            raise ValueError(f"length_norm must be >= 1, got {self.length_norm}")
+
+
+def normalize_answer(answer: str | None) -> str | None:
+    """The form answers are compared (and voted) in: case and spacing folded, numbers by value, so
+    " 12 ", "12.0" and "24/2" are one answer. None (no final answer) stays None and never votes."""
+    if answer is None:
+        return None
+    text = re.sub(r"\s+", " ", answer.strip().casefold()).rstrip(".")
+    try:
+        return str(Fraction(text.replace(" ", "")))
+    except (ValueError, ZeroDivisionError):
+        return text
+
+
+def majority_answer(answers: Sequence[str | None]) -> str | None:
+    """The most common normalized answer; ties go to the smallest in string order, so the label does not
+    depend on the order in which episodes finished. None when nobody answered."""
+    counts = Counter(a for a in map(normalize_answer, answers) if a is not None)
+    if not counts:
+        return None
+    top = max(counts.values())
+    return min(a for a, c in counts.items() if c == top)
+
+
+def _coin(seed: int, t: Trajectory, index: int) -> float:
+    digest = hashlib.sha256(f"{seed}/{t.task_id}/{t.seed}/{index}".encode()).digest()
+    return float(digest[0] & 1)
+
+
+Source = Callable[[Sequence[Trajectory], RewardConfig], list[float]]  # a group's valid trajectories -> values
+
+
+def _majority_vote(ts: Sequence[Trajectory], cfg: RewardConfig) -> list[float]:
+    label = majority_answer([t.info.get("answer") for t in ts])
+    return [float(label is not None and normalize_answer(t.info.get("answer")) == label) for t in ts]
+
+
+SOURCES: dict[str, Source] = {
+    "env": lambda ts, cfg: [t.reward for t in ts],
+    "outcome": lambda ts, cfg: [t.reward_components.get("outcome", 0.0) for t in ts],
+    "process": lambda ts, cfg: [t.reward_components.get("process", 0.0) for t in ts],
+    "majority_vote": _majority_vote,
+    "format": lambda ts, cfg: [float(t.status is Status.OK and t.info.get("answer") is not None) for t in ts],
+    "random": lambda ts, cfg: [_coin(cfg.seed, t, i) for i, t in enumerate(ts)],
+    "inverted": lambda ts, cfg: [1.0 - t.reward_components.get("outcome", 0.0) for t in ts],
+    "length": lambda ts, cfg: [t.num_sampled / cfg.length_norm for t in ts],
+}
+
+
+def group_rewards(group: Group, cfg: RewardConfig) -> list[float]:
+    """The training reward of each of the group's valid trajectories (errors get none: they are left
+    out of baselines and of training)."""
+    valid = group.valid
+    totals = [0.0] * len(valid)
+    for name, weight in cfg.terms.items():
+        for i, value in enumerate(SOURCES[name](valid, cfg)):
+            totals[i] += weight * value
+    return totals
+
+
+def majority_vote_metrics(groups: Sequence[Group]) -> dict[str, float]:
+    """How good the pseudo-labels are: the fraction of groups whose majority answer is correct (judged by
+    a trajectory that gave it, with outcome 1), and the mean share of the group that agrees with it."""
+    correct, agreement, n = 0, 0.0, 0
+    for g in groups:
+        answers = [normalize_answer(t.info.get("answer")) for t in g.valid]
+        label = majority_answer([t.info.get("answer") for t in g.valid])
+        if label is None:
+            continue
+        n += 1
+        holders = [t for t, a in zip(g.valid, answers) if a == label]
+        correct += holders[0].reward_components.get("outcome", 0.0) >= 1.0
+        agreement += len(holders) / len(g.valid)
+    return {"majority_label_accuracy": correct / n if n else math.nan,
+            "majority_agreement": agreement / n if n else math.nan}

@@ -1,0 +1,278 @@
+"""Generator–process-verifier co-training (RL Tango, Zha et al. 2025), on top of the GRPO pieces.
+
+A verifier model reads a generator trajectory (the problem, then each assistant step with what the env
+answered) and writes a judgement, one line per step and a final verdict:
+
+    Step 1: correct
+    Step 2: incorrect
+    Verdict: incorrect
+
+Each co-training step:
+1. the generator plays `tasks_per_step` groups on its env (outcome reward from the env);
+2. the verifier judges every valid trajectory, `verifier_group_size` times; the share of steps judged
+   correct, averaged over those judgements, is the trajectory's process reward;
+3. the generator's training reward is  R = α·process + (1−α)·outcome,  α going linearly from
+   `alpha_start` to `alpha_end` over the run (process supervision early, outcome later);
+4. the verifier is trained with GRPO from outcome-level correctness only: reward 1 when its final verdict
+   matches the env's outcome. It never sees a step-level label, so its step verdicts are learned, not copied.
+
+The metrics report how often the verifier's step verdicts agree with the env's own process checker, when
+the env has one (`step_checker`, e.g. the math env's `step_is_correct`).
+
+The verifier starts from a copy of the generator's starting weights, with a short format warm start:
+SFT on judgements of the starting generator's own trajectories whose every line is the outcome
+(again no step-level label).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from pydantic import with_config
+
+from agentrl.config import STRICT
+from agentrl.env import TextEnv
+from agentrl.policy import Policy
+from agentrl.renderer import Renderer
+from agentrl.rollout import RolloutConfig, RolloutEngine
+from agentrl.scripted_policy import ScriptedPolicy, playing
+from agentrl.types import Group, Message, Task, Trajectory
+from agentrl.trainers.checkpoint import latest_checkpoint, save_checkpoint
+from agentrl.trainers.grpo import GRPOConfig, TaskStream, collect, to_batch, update
+from agentrl.trainers.metrics import MetricsLogger, rollout_metrics
+from agentrl.trainers.sft import SFTConfig, sft
+
+StepChecker = Callable[[str], "bool | None"]  # one step's text -> correct / incorrect / nothing to check
+VERIFIER_PROMPT = ("You check solutions step by step. For each step write 'Step <n>: correct' or "
+                   "'Step <n>: incorrect' on its own line, then 'Verdict: correct' or 'Verdict: incorrect' "
+                   "for the final answer.")
+_STEP = re.compile(r"^\s*Step\s+(\d+)\s*:\s*(correct|incorrect)\b", re.M | re.I)
+_VERDICT = re.compile(r"^\s*Verdict\s*:\s*(correct|incorrect)\b", re.M | re.I)
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class TangoConfig:
+    alpha_start: float = 0.5  # weight of the process reward at the first step...
+    alpha_end: float = 0.0  # ...and at the last, linearly in between
+    verifier_group_size: int = 4  # judgements per generator trajectory (GRPO group of the verifier)
+    verifier_lr: float = 1e-4
+    verifier_warmup: int = 256  # format warm start: judgements of the starting generator's episodes
+    verifier_max_tokens: int = 48
+
+    def __post_init__(self) -> None:
+        for name in ("alpha_start", "alpha_end"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.verifier_group_size < 2:
+            raise ValueError("verifier_group_size must be >= 2: the verifier is trained with GRPO")
+
+
+def process_weight(step: int, steps: int, start: float, end: float) -> float:
+    """α at 0-based `step` of `steps`: `start` at the first, `end` at the last, linear in between."""
+    return start if steps <= 1 else start + (end - start) * step / (steps - 1)
+
+
+def combined_reward(outcome: float, process: float, alpha: float) -> float:
+    return alpha * process + (1.0 - alpha) * outcome
+
+
+@dataclass(frozen=True)
+class Judgement:
+    steps: dict[int, bool]  # step number (1-based) -> judged correct
+    verdict: bool | None  # None: no final verdict (malformed)
+
+
+def parse_judgement(text: str) -> Judgement:
+    """The first verdict per step number, and the final verdict."""
+    steps: dict[int, bool] = {}
+    for number, word in _STEP.findall(text):
+        steps.setdefault(int(number), word.lower() == "correct")
+    final = _VERDICT.search(text)
+    return Judgement(steps, None if final is None else final.group(1).lower() == "correct")
+
+
+def step_share(judgement: Judgement, n_steps: int) -> float:
+    """Share of the trajectory's steps judged correct; a step the verifier skipped counts as incorrect."""
+    return sum(judgement.steps.get(i, False) for i in range(1, n_steps + 1)) / max(n_steps, 1)
+
+
+def format_judgement(steps: Sequence[bool], verdict: bool) -> str:
+    word = {True: "correct", False: "incorrect"}
+    return "\n".join([*(f"Step {i}: {word[v]}" for i, v in enumerate(steps, 1)), f"Verdict: {word[verdict]}"])
+
+
+def trajectory_steps(t: Trajectory, renderer: Renderer) -> list[tuple[str, str]]:
+    """(what the assistant wrote, what came back) per turn: the sampled text verbatim (decoded from the
+    trajectory's ids, without the turn end), and the observation messages' contents."""
+    observations, current = [], None
+    for m in t.messages:
+        if m.role == "assistant":
+            current = []
+            observations.append(current)
+        elif current is not None:
+            current.append(m.content)
+    steps = []
+    for turn, obs in zip(t.turns, observations + [[]] * len(t.turns)):
+        ids = [i for i in t.token_ids[turn.start:turn.end] if i not in renderer.stop_token_ids]
+        steps.append((renderer.decode(ids).strip(), " / ".join(obs)))
+    return steps
+
+
+def verification_task(t: Trajectory, problem: str, renderer: Renderer, checker: StepChecker | None,
+                      index: int = 0) -> Task:
+    steps = trajectory_steps(t, renderer)
+    lines = [f"Problem: {problem}"]
+    for i, (text, observation) in enumerate(steps, 1):
+        lines.append(f"Step {i}: {text}" + (f"\nResult {i}: {observation}" if observation else ""))
+    return Task(f"verify-{index:05d}-{t.task_id}", {
+        "question": "\n".join(lines), "n_steps": len(steps),
+        "outcome": t.reward_components.get("outcome", t.reward) >= 1.0,
+        "checker": [checker(text) if checker else None for text, _ in steps]}, split="train")
+
+
+class VerifierEnv(TextEnv):
+    """One turn: read a trajectory, write a judgement. Reward 1 when the final verdict matches the outcome."""
+
+    def __init__(self, tasks: Sequence[Task] = ()):
+        super().__init__(split="train", max_turns=1)
+        self._given = tuple(tasks)
+
+    def load_tasks(self, split: str) -> Sequence[Task]:
+        return self._given
+
+    def first_messages(self, task: Task) -> Sequence[Message]:
+        return Message("system", VERIFIER_PROMPT), Message("user", task.data["question"])
+
+    def act(self, action: str):
+        judgement = parse_judgement(action)
+        correct = judgement.verdict is not None and judgement.verdict == self.task.data["outcome"]
+        return [], float(correct), True, {"reward_components": {"outcome": float(correct)},
+                                          "answer": None if judgement.verdict is None else str(judgement.verdict)}
+
+    def gold_actions(self, task: Task) -> list[str]:
+        """The checker's step verdicts (a step with nothing to check counts as correct) and the outcome."""
+        steps = [v is not False for v in task.data["checker"]]
+        return [format_judgement(steps, task.data["outcome"])]
+
+    def demonstration(self, task: Task, rng, error_rate: float = 0.0) -> list[str]:
+        """Format warm start from outcomes only: every step line repeats the final verdict."""
+        return [format_judgement([task.data["outcome"]] * task.data["n_steps"], task.data["outcome"])]
+
+
+def agreement(tasks: Sequence[Task], judgements: Sequence[Judgement]) -> float:
+    """Share of checkable steps where the verifier's verdict equals the env's process checker's."""
+    hits, n = 0, 0
+    for task, judgement in zip(tasks, judgements):
+        for i, truth in enumerate(task.data["checker"], 1):
+            if truth is not None:
+                n += 1
+                hits += judgement.steps.get(i) == truth
+    return hits / n if n else float("nan")
+
+
+class Verifier:
+    """The verifier's model, policy, optimizer and GRPO settings: what its half of the loop needs."""
+
+    def __init__(self, model: torch.nn.Module, policy: Policy, renderer: Renderer, cfg: TangoConfig,
+                 grpo: GRPOConfig):
+        self.model, self.policy, self.renderer = model, policy, renderer
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.verifier_lr)
+        sampling = replace(grpo.rollout.sampling, max_tokens=cfg.verifier_max_tokens)
+        self.grpo = replace(grpo, rollout=replace(grpo.rollout, group_size=cfg.verifier_group_size, sampling=sampling),
+                            lr=cfg.verifier_lr)
+
+    def judge(self, tasks: Sequence[Task], seed: int) -> list[Group]:
+        engine = RolloutEngine(lambda: VerifierEnv(tasks), self.policy, self.renderer,
+                               replace(self.grpo.rollout, seed=seed))
+        try:
+            return asyncio.run(engine.run(tasks))
+        finally:
+            engine.close()
+
+    def train_on(self, groups: Sequence[Group], step: int) -> dict[str, float]:
+        kept = [g for g in groups if len(g.valid) >= 2]
+        if not kept:
+            return {}
+        batch = to_batch(kept, self.grpo.advantage, [[t.reward for t in g.valid] for g in kept])
+        metrics = update(self.model, None, self.optimizer, batch, self.grpo, torch.Generator().manual_seed(step))
+        asyncio.run(self.policy.sync_weights(self.model, step + 1))
+        return metrics
+
+
+def train(cfg: TangoConfig, grpo: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy,
+          verifier: Verifier, make_env: Callable[[], TextEnv], tasks: list[Task], out_dir: Path,
+          checker: StepChecker | None = None, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
+    """Alternates generator and verifier GRPO updates for `grpo.steps` steps; returns each step's metrics.
+    Saves the generator's checkpoint and the verifier (`out_dir/verifier`) at the end. A finished run is
+    loaded, not redone; an interrupted one starts over (there are no mid-run checkpoints)."""
+    if (checkpoint := latest_checkpoint(out_dir)) is not None:
+        model.load_state_dict(type(model).from_pretrained(checkpoint).state_dict())
+        asyncio.run(policy.sync_weights(model, grpo.steps))
+        return []
+    torch.manual_seed(grpo.seed)
+    renderer = Renderer(tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=grpo.lr)
+    stream, max_reward = TaskStream(tasks, grpo.seed), make_env().max_reward
+    problems = {t.id: t.data.get("question", "") for t in tasks}
+    logger, history = MetricsLogger(out_dir), []
+    for step in range(grpo.steps):
+        t0 = time.perf_counter()
+        engine = RolloutEngine(make_env, policy, renderer, replace(grpo.rollout, seed=grpo.seed * 100_003 + step))
+        kept, collected = collect(engine, stream, grpo)
+        engine.close()
+        t1 = time.perf_counter()
+        metrics = rollout_metrics(collected, max_reward)
+        trajectories = [t for g in kept for t in g.valid]
+        vtasks = [verification_task(t, problems[t.task_id], renderer, checker, i) for i, t in enumerate(trajectories)]
+        vgroups = verifier.judge(vtasks, seed=grpo.seed * 100_003 + step)
+        t2 = time.perf_counter()
+        judgements = [[parse_judgement(trajectory_steps(v, renderer)[0][0]) for v in g.valid] for g in vgroups]
+        process = iter([sum(step_share(j, task.data["n_steps"]) for j in js) / max(len(js), 1)
+                        for task, js in zip(vtasks, judgements)])  # in the order of `trajectories`
+        alpha = process_weight(step, grpo.steps, cfg.alpha_start, cfg.alpha_end)
+        rewards = [[combined_reward(t.reward_components.get("outcome", t.reward), next(process), alpha)
+                    for t in g.valid] for g in kept]
+        train_rewards = [r for rs in rewards for r in rs]
+        if kept:
+            metrics.update(update(model, None, optimizer, to_batch(kept, grpo.advantage, rewards), grpo,
+                                  torch.Generator().manual_seed(grpo.seed + step)))
+            asyncio.run(policy.sync_weights(model, step + 1))
+        flat = [j for js in judgements for j in js]
+        metrics.update(
+            alpha=alpha, train_reward=sum(train_rewards) / max(len(train_rewards), 1),
+            verifier={**rollout_metrics(vgroups, 1.0),
+                      "format_rate": sum(j.verdict is not None for j in flat) / max(len(flat), 1),
+                      "step_agreement": agreement([task for task, js in zip(vtasks, judgements) for _ in js], flat),
+                      **verifier.train_on(vgroups, step)},
+            time={"rollout": t1 - t0, "verifier_rollout": t2 - t1, "train": time.perf_counter() - t2})
+        logger.log(step + 1, metrics)
+        history.append(metrics)
+        if on_step:
+            on_step(step + 1, metrics)
+    logger.close()
+    verifier.model.save_pretrained(out_dir / "verifier")
+    tokenizer.save_pretrained(out_dir / "verifier")
+    save_checkpoint(out_dir, grpo.steps, model, tokenizer, optimizer, None, {"weight_version": grpo.steps})
+    return history
+
+
+def warm_start_verifier(verifier_model: torch.nn.Module, verification_tasks: Sequence[Task], renderer: Renderer,
+                        rollout: RolloutConfig, sft_config: SFTConfig) -> list[dict]:
+    """SFT the verifier on outcome-only judgements (`VerifierEnv.demonstration`) of these tasks."""
+    env = VerifierEnv(verification_tasks)
+    scripts = {t.data["question"]: env.demonstration(t, None) for t in verification_tasks}
+    engine = RolloutEngine(lambda: VerifierEnv(verification_tasks),
+                           ScriptedPolicy(renderer, playing(scripts), renderer.generation_prompt),
+                           renderer, replace(rollout, group_size=1))
+    try:
+        demos = [t for g in asyncio.run(engine.run(list(verification_tasks))) for t in g.trajectories]
+    finally:
+        engine.close()
+    return sft(verifier_model, demos, sft_config)
