@@ -1,7 +1,8 @@
 """DPO on trajectory pairs: an offline alternative to online RL.
 
 Sample `group_size` episodes per training task from the current policy (once), pair the best and the
-worst of each group (preferred vs rejected, same task), and train on `dpo_loss` against a frozen copy of
+worst of each group by training reward (`reward`: the env's, or any mix of `agentrl.trainers.rewards`
+sources) as preferred vs rejected, and train on `dpo_loss` against a frozen copy of
 the starting model. Both trajectories keep their loss masks, so only sampled tokens count, exactly as in
 GRPO; error episodes never enter a pair.
 """
@@ -20,6 +21,7 @@ from agentrl.rollout import RolloutConfig
 from agentrl.types import Group, Trajectory
 from agentrl.trainers.batch import make_batch, token_logprobs
 from agentrl.trainers.losses import dpo_loss
+from agentrl.trainers.rewards import RewardConfig, group_rewards
 
 
 @with_config(STRICT)
@@ -27,6 +29,7 @@ from agentrl.trainers.losses import dpo_loss
 class DPOConfig:
     tasks: int = 256  # training tasks to sample pairs from
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(group_size=4))  # group_size: samples per task
+    reward: RewardConfig = field(default_factory=RewardConfig)  # what ranks a group's episodes
     beta: float = 0.1
     label_smoothing: float = 0.0
     min_margin: float = 1e-6  # a pair needs the preferred reward to beat the rejected one by more than this
@@ -41,21 +44,25 @@ class DPOConfig:
             raise ValueError(f"beta must be > 0, got {self.beta}")
         if self.rollout.group_size < 2:
             raise ValueError("dpo.rollout.group_size must be >= 2: pairs come from samples of one task")
+        if self.min_margin < 0:
+            raise ValueError(f"min_margin must be >= 0, got {self.min_margin}")
         if not 0 <= self.label_smoothing < 0.5:
             raise ValueError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
 
 
-def preference_pairs(groups: Sequence[Group], min_margin: float = 1e-6) -> list[tuple[Trajectory, Trajectory]]:
+def preference_pairs(groups: Sequence[Group], reward: RewardConfig = RewardConfig(),
+                     min_margin: float = 1e-6) -> list[tuple[Trajectory, Trajectory]]:
     """(preferred, rejected) per group: its highest- and lowest-reward valid trajectories (the first of
-    equals), when they differ by more than `min_margin`."""
+    equals), when their rewards differ by more than `min_margin`."""
     pairs = []
     for g in groups:
         if len(g.valid) < 2:
             continue
-        best = max(g.valid, key=lambda t: t.reward)
-        worst = min(g.valid, key=lambda t: t.reward)
-        if best.reward - worst.reward > min_margin:
-            pairs.append((best, worst))
+        rewards = group_rewards(g, reward)
+        best = max(range(len(rewards)), key=rewards.__getitem__)
+        worst = min(range(len(rewards)), key=rewards.__getitem__)
+        if rewards[best] - rewards[worst] > min_margin:
+            pairs.append((g.valid[best], g.valid[worst]))
     return pairs
 
 

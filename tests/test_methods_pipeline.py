@@ -1,0 +1,71 @@
+"""Each research method runs end to end through `agentrl train` on the tiny model, from a recipe dict."""
+
+import json
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from agentrl.config import ConfigError, load_config
+from agentrl.rollout import read_jsonl
+from agentrl.trainers.checkpoint import latest_checkpoint
+from agentrl.trainers.pipeline import TrainJob, run
+
+ROLLOUT = {"max_total_tokens": 512, "sampling": {"max_tokens": 12, "temperature": 0.0}}
+GRPO = {"steps": 2, "tasks_per_step": 2, "minibatch_size": 4, "lr": 1e-3,
+        "rollout": {**ROLLOUT, "group_size": 2, "sampling": {"max_tokens": 12}}}
+
+
+def job(model_dir, out_dir, **sections):
+    return load_config(TrainJob, {"env": "math/arith-v0", "model": str(model_dir), "out_dir": str(out_dir),
+                                  "train_tasks": 8, "env_kwargs": {"parser": "react", "max_turns": 3},
+                                  "eval": {"split": "heldout", "n": 3, "rollout": ROLLOUT}, **sections})
+
+
+def metrics(out_dir):
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_tandem_reports_handoff_robustness(tiny_model_dir, tmp_path):
+    summary = run(job(tiny_model_dir, tmp_path, grpo=GRPO, tandem={"eval_p": [0.5], "eval_after": [2]}),
+                  log=lambda _: None)
+    for when in ("before", "after"):
+        assert set(summary[when]["handoff"]) == {"junior_xent", "p=0.5", "after=2"}
+        assert summary[when]["handoff"]["junior_xent"] > 0
+    # before RL the junior is the senior: its cross-entropy on the senior's tokens is the senior's own NLL
+    solo = read_jsonl(tmp_path / "heldout" / "before_RL" / "heldout.jsonl")
+    sampled = [lp for t in solo for lp, m in zip(t.logprobs, t.loss_mask) if m]
+    assert summary["before"]["handoff"]["junior_xent"] == pytest.approx(-sum(sampled) / len(sampled), abs=1e-4)
+    rows = metrics(tmp_path)
+    assert len(rows) == 2 and rows[0]["sampler_logprob_diff_max"] < 1e-4
+
+
+@pytest.mark.slow
+def test_tango_co_trains_a_verifier(tiny_model_dir, tmp_path):
+    run(job(tiny_model_dir, tmp_path, grpo=GRPO, tango={"verifier_warmup": 4, "verifier_group_size": 2,
+                                                       "alpha_start": 0.8, "alpha_end": 0.2}), log=lambda _: None)
+    rows = metrics(tmp_path)
+    assert [r["alpha"] for r in rows] == pytest.approx([0.8, 0.2])
+    v = rows[0]["verifier"]
+    assert v["episodes"] == 2 * 4 and {"format_rate", "step_agreement", "success"} <= set(v)  # 4 trajectories × 2
+    assert latest_checkpoint(tmp_path).name == "step-000002"
+    AutoModelForCausalLM.from_pretrained(tmp_path / "verifier")
+
+
+@pytest.mark.slow
+def test_dpo_and_majority_vote_run(tiny_model_dir, tmp_path):
+    dpo = {"tasks": 4, "epochs": 1, "reward": {"terms": {"random": 1.0}},  # the random model: all else ties
+           "rollout": {**ROLLOUT, "group_size": 3, "sampling": {"max_tokens": 12, "temperature": 1.0}}}
+    summary = run(job(tiny_model_dir, tmp_path / "dpo", dpo=dpo), log=lambda _: None)
+    assert summary["dpo"]["pairs"] > 0 and latest_checkpoint(tmp_path / "dpo") is not None
+
+    grpo = {**GRPO, "reward": {"terms": {"majority_vote": 1.0, "format": 0.1}}}
+    run(job(tiny_model_dir, tmp_path / "ttrl", grpo=grpo), log=lambda _: None)
+    assert {"train_reward", "majority_label_accuracy", "majority_agreement"} <= set(metrics(tmp_path / "ttrl")[0])
+
+
+def test_one_method_per_recipe(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="one RL method"):
+        job(tiny_model_dir, tmp_path, tandem={}, tango={})
+    with pytest.raises(ConfigError, match="replaces GRPO"):
+        job(tiny_model_dir, tmp_path, dpo={}, grpo=GRPO)
