@@ -249,6 +249,40 @@ def report(run_dir: Path = typer.Argument(..., help="An eval run directory (from
     console.print(f"{markdown}\n{html}\n{viewer}")
 
 
+@app.command()
+def compare(run_dirs: list[Path] = typer.Argument(..., help="Training runs (`agentrl train` output directories).")
+            ) -> None:
+    """Held-out success before and after RL of several training runs, with 95% intervals."""
+    from agentrl.eval_metrics import diff_interval, wilson_interval
+
+    def counts(m: dict) -> tuple[int, int]:
+        n = m["episodes"] - m["status"].get("error", 0)
+        return round(m["success"] * n), n
+
+    def rate(m: dict) -> str:
+        (s, n), (lo, hi) = counts(m), wilson_interval(*counts(m))
+        return f"{s / n:.3f} [{lo:.2f}, {hi:.2f}]"
+
+    table = Table("run", "method", "before [95% CI]", "after [95% CI]", "change [95% CI]", "RL minutes",
+                  "handoff after RL")
+    for run_dir in run_dirs:
+        path = run_dir / "summary.json"
+        if not path.exists():
+            console.print(f"[red]{run_dir} has no summary.json: is it an `agentrl train` output directory?[/]")
+            raise typer.Exit(2)
+        summary = json.loads(path.read_text())
+        before, after = summary.get("before"), summary.get("after")
+        change = "-"
+        if before and after and "suites" not in before:
+            lo, hi = diff_interval(*counts(after), *counts(before))
+            change = f"{after['success'] - before['success']:+.3f} [{lo:+.2f}, {hi:+.2f}]"
+        handoff = ", ".join(f"{k} {v:.3f}" for k, v in (after or {}).get("handoff", {}).items())
+        table.add_row(str(run_dir), summary.get("method", "-"), rate(before) if before and "suites" not in before
+                      else "-", rate(after) if after and "suites" not in after else "-", change,
+                      f"{summary['rl_seconds'] / 60:.1f}" if "rl_seconds" in summary else "-", handoff)
+    console.print(table)
+
+
 @app.command("suites")
 def suites_list() -> None:
     """Registered evaluation suites and their entries."""

@@ -1,4 +1,4 @@
-"""Losses, advantages and training loops (GRPO, PPO, SFT).
+"""Losses, advantages and training loops (GRPO, SFT, DPO) and the research methods (tandem, tango).
 
 The loss and advantage functions are pure functions of tensors (STYLE.md #5), re-exported here; each
 variant is one function plus one entry in `ADVANTAGES` or `POLICY_LOSSES`.
@@ -22,6 +22,7 @@ from agentrl.trainers.losses import (
     PolicyLossConfig,
     aggregate,
     clip_cov_loss,
+    dpo_loss,
     entropy_from_logits,
     gspo_loss,
     kl_cov_loss,
@@ -35,7 +36,8 @@ from agentrl.trainers.losses import (
 
 __all__ = [
     "ADVANTAGES", "AGG_MODES", "KL_KINDS", "POLICY_LOSSES", "PolicyLossConfig", "aggregate", "broadcast_to_tokens",
-    "clip_cov_loss", "entropy_from_logits", "gae", "grpo_advantages", "gspo_loss", "kl_cov_loss", "kl_estimate",
+    "clip_cov_loss", "dpo_loss", "entropy_from_logits", "gae", "grpo_advantages", "gspo_loss", "kl_cov_loss",
+    "kl_estimate",
     "kl_in_reward", "kl_loss", "masked_mean", "masked_whiten", "ppo_clip_loss", "reinforce_pp_advantages",
     "rloo_advantages", "turn_level_group_advantages", "turn_rewards_to_tokens", "value_loss",
 ]

@@ -15,6 +15,7 @@ import copy
 import json
 import os
 import random
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -111,8 +112,11 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(job.model),
                                                      dtype=getattr(torch, job.dtype)).to(job.device)
 
-    resuming = latest_checkpoint(out) is not None
-    if job.sft and not resuming:
+    if job.sft and "sft" in summary:  # SFT finished in an earlier run: RL (and tandem's junior) start from it
+        log(f"SFT: done before; loading {out / 'sft_model'}")
+        model.load_state_dict(type(model).from_pretrained(out / "sft_model").state_dict())
+        asyncio.run(policy.sync_weights(model, 0))
+    elif job.sft:
         log(f"SFT: {job.sft.episodes} expert episodes (mistake rate {job.sft.error_rate})")
         picked = [tasks[i % len(tasks)] for i in range(job.sft.episodes)]
         demos = demonstrations(make_env, picked, renderer, job.grpo.rollout, job.sft.error_rate, job.grpo.seed,
@@ -120,8 +124,12 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         steps = job.sft.config.epochs * -(-len(demos) // job.sft.config.batch_size)
         history = sft(model, demos, job.sft.config, on_step=_sft_progress(steps, log))
         asyncio.run(policy.sync_weights(model, 0))
+        model.save_pretrained(out / "sft_model")  # the warm-started model: other recipes can start from it
+        tokenizer.save_pretrained(out / "sft_model")
         summary["sft"] = {"steps": len(history), "final_loss": history[-1]["loss"], "kept": history[-1]["kept"]}
+        summary_path.write_text(json.dumps(summary, indent=2))  # after the save: "sft" means the model is whole
     handoff = Handoff(job, policy, tokenizer, model) if job.tandem else None
+
     def evaluate_now(label: str) -> dict[str, Any]:
         metrics, trajectories = heldout(job, policy, renderer, make_env, log, label)
         return {**metrics, "handoff": handoff.evaluate(trajectories, renderer, make_env, log)} if handoff else metrics
@@ -130,7 +138,14 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         summary["before"] = evaluate_now("before RL")
         summary_path.write_text(json.dumps(summary, indent=2))
 
-    if job.dpo:
+    summary["method"] = "dpo" if job.dpo else "tango" if job.tango else "tandem" if job.tandem else "grpo"
+    started = time.perf_counter()
+    if not (job.dpo or job.tango or job.grpo.steps):
+        log("No RL stage (grpo.steps = 0): the model is in sft_model/")
+    elif job.dpo and (checkpoint := latest_checkpoint(out)) is not None:  # DPO finished in an earlier run
+        model.load_state_dict(type(model).from_pretrained(checkpoint).state_dict())
+        asyncio.run(policy.sync_weights(model, 1))
+    elif job.dpo:
         summary["dpo"] = run_dpo(job, model, tokenizer, policy, renderer, make_env, tasks, out, log)
     elif job.tango:
         run_tango(job, model, tokenizer, policy, renderer, make_env, tasks, out, log)
@@ -145,10 +160,11 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         train_grpo(job.grpo, model, tokenizer, handoff.training_policy() if handoff else policy, make_env, tasks,
                    out, on_step=lambda step, m: log(_progress_line(step, job.grpo.steps, m)),
                    periodic_eval=periodic_eval)
-    if job.eval:
+    summary["rl_seconds"] = round(time.perf_counter() - started, 1)
+    if job.eval and (job.dpo or job.tango or job.grpo.steps):
         summary["after"] = evaluate_now("after RL")
     summary_path.write_text(json.dumps(summary, indent=2))
-    if not job.dpo:
+    if (out / "metrics.jsonl").exists():
         plot_reward_curve(out / "metrics.jsonl", out / "reward_curve.png")
     asyncio.run(policy.close())
     if handoff:
