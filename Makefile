@@ -7,7 +7,7 @@ PY    := $(VENV)/bin/python
 TORCH := torch==2.13.0+cpu
 SUDO  := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup setup-vllm setup-browser setup-bench demo test bench clean
+.PHONY: setup setup-vllm setup-browser setup-bench demo methods test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -48,6 +48,15 @@ demo: setup
 	$(VENV)/bin/agentrl eval --suite recipes/cpu_demo_suite.toml --n 50 --k 1,4 --max-tokens 64 --max-total-tokens 1024 \
 		--model $$(ls -d runs/demo/checkpoints/step-* | tail -1) --out runs/demo/eval
 	$(VENV)/bin/agentrl report runs/demo/eval --train-dir runs/demo --tokenizer $(MODEL)
+
+# The research methods on CPU (docs/methods.md): one shared warm start, then plain GRPO, tandem RL,
+# generator-verifier co-training and majority-vote test-time RL with one budget and seed, compared.
+METHODS := grpo tandem tango ttrl
+methods: setup
+	$(VENV)/bin/agentrl model init $(MODEL)
+	$(VENV)/bin/agentrl train recipes/cpu_math_warmstart_train.toml --model $(MODEL)
+	for m in $(METHODS); do $(VENV)/bin/agentrl train recipes/cpu_math_$${m}_train.toml || exit 1; done
+	$(VENV)/bin/agentrl compare $(addprefix runs/math-,$(METHODS))
 
 # All tests, the real components included (vLLM on CPU, Chromium).
 test: setup setup-vllm setup-browser

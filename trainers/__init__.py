@@ -37,7 +37,7 @@ from agentrl.trainers.losses import (
 __all__ = [
     "ADVANTAGES", "AGG_MODES", "KL_KINDS", "POLICY_LOSSES", "PolicyLossConfig", "aggregate", "broadcast_to_tokens",
     "clip_cov_loss", "dpo_loss", "entropy_from_logits", "gae", "grpo_advantages", "gspo_loss", "kl_cov_loss",
-    "kl_estimate",
-    "kl_in_reward", "kl_loss", "masked_mean", "masked_whiten", "ppo_clip_loss", "reinforce_pp_advantages",
-    "rloo_advantages", "turn_level_group_advantages", "turn_rewards_to_tokens", "value_loss",
+    "kl_estimate", "kl_in_reward", "kl_loss", "masked_mean", "masked_whiten", "ppo_clip_loss",
+    "reinforce_pp_advantages", "rloo_advantages", "turn_level_group_advantages", "turn_rewards_to_tokens",
+    "value_loss",
 ]

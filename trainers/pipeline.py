@@ -39,6 +39,7 @@ from agentrl.trainers import tango
 from agentrl.trainers.checkpoint import save_checkpoint
 from agentrl.trainers.dpo import DPOConfig, preference_pairs, train_dpo
 from agentrl.trainers.grpo import GRPOConfig, train as train_grpo
+from agentrl.trainers.pretrain import CopyWarmup, alphabet, copy_warmup
 from agentrl.trainers.sft import SFTConfig, sft
 from agentrl.trainers.tandem import TandemConfig, TandemPolicy, junior_cross_entropy
 from agentrl.trainers.tango import TangoConfig
@@ -73,6 +74,7 @@ class TrainJob:
     out_dir: str = "runs/train"
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     train_tasks: int | None = None  # cap on training-split tasks (None: all)
+    warmup: CopyWarmup | None = None  # before SFT: teach a randomly initialized model to copy (trainers/pretrain.py)
     sft: DemoSFT | None = None
     eval: EvalConfig | None = field(default_factory=EvalConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
@@ -112,22 +114,8 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(job.model),
                                                      dtype=getattr(torch, job.dtype)).to(job.device)
 
-    if job.sft and "sft" in summary:  # SFT finished in an earlier run: RL (and tandem's junior) start from it
-        log(f"SFT: done before; loading {out / 'sft_model'}")
-        model.load_state_dict(type(model).from_pretrained(out / "sft_model").state_dict())
-        asyncio.run(policy.sync_weights(model, 0))
-    elif job.sft:
-        log(f"SFT: {job.sft.episodes} expert episodes (mistake rate {job.sft.error_rate})")
-        picked = [tasks[i % len(tasks)] for i in range(job.sft.episodes)]
-        demos = demonstrations(make_env, picked, renderer, job.grpo.rollout, job.sft.error_rate, job.grpo.seed,
-                               out / "sft_demos.jsonl")
-        steps = job.sft.config.epochs * -(-len(demos) // job.sft.config.batch_size)
-        history = sft(model, demos, job.sft.config, on_step=_sft_progress(steps, log))
-        asyncio.run(policy.sync_weights(model, 0))
-        model.save_pretrained(out / "sft_model")  # the warm-started model: other recipes can start from it
-        tokenizer.save_pretrained(out / "sft_model")
-        summary["sft"] = {"steps": len(history), "final_loss": history[-1]["loss"], "kept": history[-1]["kept"]}
-        summary_path.write_text(json.dumps(summary, indent=2))  # after the save: "sft" means the model is whole
+    save = lambda: summary_path.write_text(json.dumps(summary, indent=2))  # noqa: E731
+    warm_start(job, model, tokenizer, policy, renderer, make_env, tasks, summary, save, log)
     handoff = Handoff(job, policy, tokenizer, model) if job.tandem else None
 
     def evaluate_now(label: str) -> dict[str, Any]:
@@ -136,7 +124,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
 
     if job.eval and "before" not in summary:
         summary["before"] = evaluate_now("before RL")
-        summary_path.write_text(json.dumps(summary, indent=2))
+        save()
 
     summary["method"] = "dpo" if job.dpo else "tango" if job.tango else "tandem" if job.tandem else "grpo"
     started = time.perf_counter()
@@ -163,13 +151,46 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     summary["rl_seconds"] = round(time.perf_counter() - started, 1)
     if job.eval and (job.dpo or job.tango or job.grpo.steps):
         summary["after"] = evaluate_now("after RL")
-    summary_path.write_text(json.dumps(summary, indent=2))
+    save()
     if (out / "metrics.jsonl").exists():
         plot_reward_curve(out / "metrics.jsonl", out / "reward_curve.png")
     asyncio.run(policy.close())
     if handoff:
         asyncio.run(handoff.junior.close())
     return summary
+
+
+def warm_start(job: TrainJob, model, tokenizer, policy, renderer, make_env, tasks, summary: dict,
+               save: Callable[[], None], log: Callable[[str], None]) -> None:
+    """Copy warm-up, then SFT on expert demonstrations, each if the recipe asks. A stage that finished in an
+    earlier run is loaded from its saved model, not redone."""
+    out, env = Path(os.path.expanduser(job.out_dir)), make_env()
+    if job.warmup and "warmup" in summary and "sft" not in summary:
+        _load_stage(model, policy, out / "warmup_model", log)
+    elif job.warmup and "sft" not in summary:
+        tokens = alphabet([m.content for t in tasks[:256] for m in env.first_messages(t)]
+                          + [a for t in tasks[:256] for a in env.gold_actions(t)], tokenizer)
+        log(f"copy warm-up: {job.warmup.steps} steps on repeated sequences of {len(tokens)} tokens of the env's text")
+        history = copy_warmup(model, tokens, job.warmup, on_step=_progress(job.warmup.steps, log, "copy warm-up",
+                                                                           "copy_accuracy"))
+        asyncio.run(policy.sync_weights(model, 0))
+        _save_stage(model, tokenizer, out / "warmup_model")
+        last = history[-50:]
+        summary["warmup"] = {"steps": len(history), "copy_accuracy": sum(r["copy_accuracy"] for r in last) / len(last)}
+        save()
+    if job.sft and "sft" in summary:  # SFT finished in an earlier run: RL (and tandem's junior) start from it
+        _load_stage(model, policy, out / "sft_model", log)
+    elif job.sft:
+        log(f"SFT: {job.sft.episodes} expert episodes (mistake rate {job.sft.error_rate})")
+        picked = [tasks[i % len(tasks)] for i in range(job.sft.episodes)]
+        demos = demonstrations(make_env, picked, renderer, job.grpo.rollout, job.sft.error_rate, job.grpo.seed,
+                               out / "sft_demos.jsonl")
+        steps = job.sft.config.epochs * -(-len(demos) // job.sft.config.batch_size)
+        history = sft(model, demos, job.sft.config, on_step=_progress(steps, log, "SFT", "loss"))
+        asyncio.run(policy.sync_weights(model, 0))
+        _save_stage(model, tokenizer, out / "sft_model")  # the warm-started model: other recipes can start from it
+        summary["sft"] = {"steps": len(history), "final_loss": history[-1]["loss"], "kept": history[-1]["kept"]}
+        save()
 
 
 class Handoff:
@@ -311,17 +332,29 @@ def plot_reward_curve(metrics_path: Path, png: Path) -> None:
     plt.close(fig)
 
 
-def _sft_progress(steps: int, log: Callable[[str], None]) -> Callable[[dict], None]:
-    """Logs the loss about every tenth of the SFT steps (an upper bound: the filter may drop some demos)."""
+def _progress(steps: int, log: Callable[[str], None], stage: str, key: str) -> Callable[[dict], None]:
+    """Logs `key` about every tenth of a stage's steps (an upper bound for SFT: the filter may drop demos)."""
     done = 0
 
     def on_step(row: dict) -> None:
         nonlocal done
         done += 1
         if done % max(1, steps // 10) == 0:
-            log(f"SFT step {done}/{steps}  epoch {row['epoch']}  loss {row['loss']:.3f}")
+            log(f"{stage} step {done}/{steps}  {key.replace('_', ' ')} {row[key]:.3f}")
 
     return on_step
+
+
+def _save_stage(model, tokenizer, path: Path) -> None:
+    """A finished stage's model; the summary records the stage only after this, so a saved stage is whole."""
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def _load_stage(model, policy, path: Path, log: Callable[[str], None]) -> None:
+    log(f"{path.name.removesuffix('_model')}: done in an earlier run; loading {path}")
+    model.load_state_dict(type(model).from_pretrained(path).state_dict())
+    asyncio.run(policy.sync_weights(model, 0))
 
 
 def _progress_line(step: int, steps: int, m: dict[str, Any]) -> str:
