@@ -91,6 +91,9 @@ class TrainJob:
             raise ValueError(f"choose one RL method per recipe, got sections {methods}")
         if self.dpo is not None and self.grpo != GRPOConfig():
             raise ValueError("[dpo] replaces GRPO: move its settings into [dpo] and remove [grpo]")
+        if self.tandem is not None and self.engine.url:
+            raise ValueError("[tandem] starts a second vLLM server for the junior; it cannot attach to engine.url: "
+                             "remove engine.url to let the job start both servers")
         if self.tango is not None and self.engine.kind != "transformers":
             raise ValueError("[tango] trains the verifier in-process: set engine.kind = 'transformers'")
 
@@ -168,9 +171,9 @@ def warm_start(job: TrainJob, model, tokenizer, policy, renderer, make_env, task
     if job.warmup and "warmup" in summary and "sft" not in summary:
         _load_stage(model, policy, out / "warmup_model", log)
     elif job.warmup and "sft" not in summary:
-        tokens = alphabet([m.content for t in tasks[:256] for m in env.first_messages(t)]
-                          + [a for t in tasks[:256] for a in env.gold_actions(t)], tokenizer)
-        log(f"copy warm-up: {job.warmup.steps} steps on repeated sequences of {len(tokens)} tokens of the env's text")
+        tokens = alphabet([a for t in tasks[:256] for a in env.gold_actions(t)], tokenizer)
+        log(f"copy warm-up: {job.warmup.steps} steps on repeated sequences of the {len(tokens)} tokens the expert "
+            "writes")
         history = copy_warmup(model, tokens, job.warmup, on_step=_progress(job.warmup.steps, log, "copy warm-up",
                                                                            "copy_accuracy"))
         asyncio.run(policy.sync_weights(model, 0))

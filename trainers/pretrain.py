@@ -4,8 +4,10 @@ The tiny CPU model starts from random weights, and agent tasks are full of copyi
 problem into a calculator call, an entity name into a search query, a tool's result into the answer.
 Without induction heads it cannot do that, SFT teaches it the format but not the values, and RL then has
 no successes to reinforce. A few thousand steps on sequences `x x` (random tokens, repeated; the loss on
-the repeat only) make copying emerge. The tokens are drawn from the env's own text (`alphabet`), so the
-embeddings that matter are the ones trained. Pretrained LLMs copy already and need none of this.
+the repeat only) make copying emerge. The tokens are drawn from the env's own text (`alphabet`; the
+pipeline uses the tokens of the expert's answers), so the embeddings that matter are the ones trained: a
+small alphabet also learns fast (measured: 30 tokens reach 0.9 copy accuracy in about 2,000 steps, the
+full 4,096-token vocabulary shows no progress in 1,500). Pretrained LLMs copy already and need none of this.
 """
 
 from __future__ import annotations
