@@ -83,7 +83,7 @@ def token_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: t
         hidden_BTH = model.base_model(input_ids=ids_BT, attention_mask=attention_BT).last_hidden_state
     # Position t of the hidden states (offset by L) predicts token L + t + 1.
     rows_N, cols_N = (mask_BT[:, L + 1:] > 0).nonzero(as_tuple=True)
-    logits_NV = _lm_head(model, hidden_BTH[rows_N, cols_N]).float()
+    logits_NV = lm_head(model, hidden_BTH[rows_N, cols_N]).float()
     logp_NV = F.log_softmax(logits_NV, dim=-1)
     targets_N = cols_N + L + 1
     logp_BT = torch.zeros(ids_BT.shape, dtype=logp_NV.dtype, device=ids_BT.device)
@@ -94,7 +94,7 @@ def token_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: t
     return logp_BT, entropy_BT
 
 
-def _lm_head(model: torch.nn.Module, hidden_NH: torch.Tensor) -> torch.Tensor:
+def lm_head(model: torch.nn.Module, hidden_NH: torch.Tensor) -> torch.Tensor:
     """What the model's forward does after its base model: the output projection, and Gemma-2's final
     logit soft-capping where the config has one."""
     logits_NV = model.get_output_embeddings()(hidden_NH)

@@ -39,6 +39,7 @@ from agentrl.trainers import tango
 from agentrl.trainers.checkpoint import save_checkpoint
 from agentrl.trainers.dpo import DPOConfig, preference_pairs, train_dpo
 from agentrl.trainers.grpo import GRPOConfig, train as train_grpo
+from agentrl.trainers.rewards import RewardConfig
 from agentrl.trainers.pretrain import CopyWarmup, alphabet, copy_warmup
 from agentrl.trainers.sft import SFTConfig, sft
 from agentrl.trainers.tandem import TandemConfig, TandemPolicy, junior_cross_entropy
@@ -130,6 +131,8 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         save()
 
     summary["method"] = "dpo" if job.dpo else "tango" if job.tango else "tandem" if job.tandem else "grpo"
+    if not job.dpo and job.grpo.reward != RewardConfig():
+        summary["method"] += " (" + ", ".join(f"{k} {w:g}" for k, w in job.grpo.reward.terms.items()) + ")"
     started = time.perf_counter()
     if not (job.dpo or job.tango or job.grpo.steps):
         log("No RL stage (grpo.steps = 0): the model is in sft_model/")

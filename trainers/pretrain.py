@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from pydantic import with_config
 
 from agentrl.config import STRICT
+from agentrl.trainers.batch import lm_head
 
 
 @with_config(STRICT)
@@ -57,8 +58,9 @@ def copy_warmup(model: torch.nn.Module, tokens: list[int], cfg: CopyWarmup,
         n = int(torch.randint(cfg.min_len, cfg.max_len + 1, (), generator=generator))
         seq_BN = alphabet_A[torch.randint(len(tokens), (cfg.batch_size, n), generator=generator)]
         ids_BT = torch.cat([seq_BN, seq_BN], dim=1).to(device)
-        logits_BNV = model(input_ids=ids_BT).logits[:, n - 1:-1]  # the positions that predict the repeat
-        loss = F.cross_entropy(logits_BNV.flatten(0, 1).float(), ids_BT[:, n:].flatten())
+        hidden_BNH = model.base_model(input_ids=ids_BT).last_hidden_state[:, n - 1:-1]  # predicts the repeat
+        logits_BNV = lm_head(model, hidden_BNH).float()  # the LM head on those positions only
+        loss = F.cross_entropy(logits_BNV.flatten(0, 1), ids_BT[:, n:].flatten())
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
