@@ -34,13 +34,12 @@ from agentrl.renderer import Renderer
 from agentrl.rollout import JsonlWriter, RolloutConfig, RolloutEngine, write_jsonl
 from agentrl.scripted_policy import ScriptedPolicy, playing
 from agentrl.tiny_model import load_tokenizer
-from agentrl.trainers.checkpoint import latest_checkpoint
 from agentrl.trainers import tango
-from agentrl.trainers.checkpoint import save_checkpoint
+from agentrl.trainers.checkpoint import latest_checkpoint, save_checkpoint
 from agentrl.trainers.dpo import DPOConfig, preference_pairs, train_dpo
 from agentrl.trainers.grpo import GRPOConfig, train as train_grpo
-from agentrl.trainers.rewards import RewardConfig
 from agentrl.trainers.pretrain import CopyWarmup, alphabet, copy_warmup
+from agentrl.trainers.rewards import RewardConfig
 from agentrl.trainers.sft import SFTConfig, sft
 from agentrl.trainers.tandem import TandemConfig, TandemPolicy, junior_cross_entropy
 from agentrl.trainers.tango import TangoConfig
