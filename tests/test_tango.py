@@ -84,6 +84,8 @@ def test_verifier_env_passes_the_checks_and_scores_the_final_verdict(renderer):
     assert env.step("Step 1: incorrect\nStep 2: incorrect\nVerdict: correct")[1] == 1.0  # outcome only
     env.reset(seed=0, options={"task": tasks[0]})
     assert env.step("Step 1: correct\nStep 2: correct")[1] == 0.0  # no final verdict
+    env.reset(seed=0, options={"task": tasks[0]})
+    assert env.step("Step 1: correct\nVerdict: correct")[1] == 0.0  # step 2 not judged
     # agreement counts only steps the checker can judge: here step 2 of the good ones, step 1 of the bad
     judgements = [parse_judgement(format_judgement([True, True], True))] * 3 + \
                  [parse_judgement(format_judgement([True], False))] * 3

@@ -134,7 +134,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         summary["method"] += " (" + ", ".join(f"{k} {w:g}" for k, w in job.grpo.reward.terms.items()) + ")"
     started = time.perf_counter()
     if not (job.dpo or job.tango or job.grpo.steps):
-        log("No RL stage (grpo.steps = 0): the model is in sft_model/")
+        log("No RL stage (grpo.steps = 0).")
     elif job.dpo and (checkpoint := latest_checkpoint(out)) is not None:  # DPO finished in an earlier run
         model.load_state_dict(type(model).from_pretrained(checkpoint).state_dict())
         asyncio.run(policy.sync_weights(model, 1))

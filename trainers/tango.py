@@ -13,8 +13,9 @@ Each co-training step:
    correct, averaged over those judgements, is the trajectory's process reward;
 3. the generator's training reward is  R = α·process + (1−α)·outcome,  α going linearly from
    `alpha_start` to `alpha_end` over the run (process supervision early, outcome later);
-4. the verifier is trained with GRPO from outcome-level correctness only: reward 1 when its final verdict
-   matches the env's outcome. It never sees a step-level label, so its step verdicts are learned, not copied.
+4. the verifier is trained with GRPO from outcome-level correctness only: reward 1 when its judgement is
+   complete (every step judged) and its final verdict matches the env's outcome. It never sees a
+   step-level label, so its step verdicts are learned, not copied.
 
 The metrics report how often the verifier's step verdicts agree with the env's own process checker, when
 the env has one (`step_checker`, e.g. the math env's `step_is_correct`).
@@ -138,7 +139,10 @@ def verification_task(t: Trajectory, problem: str, renderer: Renderer, checker: 
 
 
 class VerifierEnv(TextEnv):
-    """One turn: read a trajectory, write a judgement. Reward 1 when the final verdict matches the outcome."""
+    """One turn: read a trajectory, write a judgement. Reward 1 when the judgement is complete (a verdict
+    for every step, and a final one) and the final verdict matches the outcome; else 0. Completeness is a
+    format rule, not a step label: without it RL learns to skip the step lines (measured: with the final
+    verdict alone rewarded, the verifier wrote only `Step 1` within 20 steps)."""
 
     def __init__(self, tasks: Sequence[Task] = ()):
         super().__init__(split="train", max_turns=1)
@@ -152,7 +156,8 @@ class VerifierEnv(TextEnv):
 
     def act(self, action: str):
         judgement = parse_judgement(action)
-        correct = judgement.verdict is not None and judgement.verdict == self.task.data["outcome"]
+        complete = all(i in judgement.steps for i in range(1, self.task.data["n_steps"] + 1))
+        correct = complete and judgement.verdict is not None and judgement.verdict == self.task.data["outcome"]
         return [], float(correct), True, {"reward_components": {"outcome": float(correct)},
                                           "answer": None if judgement.verdict is None else str(judgement.verdict)}
 
