@@ -37,3 +37,27 @@ def test_rollout_64_episodes_with_tiny_model(tiny_model_dir, tmp_path):
         assert sum(t.loss_mask) == sum(turn.end - turn.start for turn in t.turns) > 0
         assert all(lp <= 0 for lp, m in zip(t.logprobs, t.loss_mask) if m)
     assert "episodes_per_s" in result.output
+
+
+def test_compare_training_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # one table row per run
+
+    def held_out(successes, n=200):
+        return {"episodes": n, "status": {"ok": n}, "success": successes / n}
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "summary.json").write_text(json.dumps(
+        {"method": "grpo", "rl_seconds": 306.0, "before": held_out(121), "after": held_out(155)}))
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "summary.json").write_text(json.dumps(
+        {"method": "tandem", "before": held_out(121), "after": {**held_out(145), "handoff": {"p=0.5": 0.665}}}))
+    result = runner.invoke(app, ["compare", str(tmp_path / "a"), str(tmp_path / "b")])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    row = next(line for line in lines if "grpo" in line)
+    # 121/200 -> Wilson [0.54, 0.67]; 155/200 -> [0.71, 0.83]; difference +0.170, Newcombe [+0.08, +0.26]
+    for text in ("0.605 [0.54, 0.67]", "0.775 [0.71, 0.83]", "+0.170 [+0.08, +0.26]", "5.1"):
+        assert text in row, (text, row)
+    assert "p=0.5 0.665" in next(line for line in lines if "tandem" in line)
+    missing = runner.invoke(app, ["compare", str(tmp_path)])
+    assert missing.exit_code == 2 and "no summary.json" in missing.output
