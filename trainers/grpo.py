@@ -101,6 +101,20 @@ def collect(engine: RolloutEngine, stream: TaskStream, cfg: GRPOConfig) -> tuple
     return kept, collected
 
 
+def collect_step(make_env: Callable[[], TextEnv], policy: Policy, renderer: Renderer, stream: TaskStream,
+                 cfg: GRPOConfig, step: int) -> tuple[list[Group], list[Group]]:
+    """`collect` with this step's rollout seed, on an engine that lives for the step."""
+    engine = RolloutEngine(make_env, policy, renderer, replace(cfg.rollout, seed=step_seed(cfg, step)))
+    try:
+        return collect(engine, stream, cfg)
+    finally:
+        engine.close()
+
+
+def step_seed(cfg: GRPOConfig, step: int) -> int:
+    return cfg.seed * 100_003 + step
+
+
 def to_batch(groups: list[Group], advantage: str, rewards: list[list[float]]) -> Batch:
     """Errors are left out entirely: they are neither in the baseline nor trained on. `rewards[i]` holds
     the training reward of each of `groups[i]`'s valid trajectories. One call over the whole batch, so
@@ -166,9 +180,7 @@ def train(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Polic
     logger, history = MetricsLogger(out_dir), []
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
-        engine = RolloutEngine(make_env, policy, renderer, replace(cfg.rollout, seed=cfg.seed * 100_003 + step))
-        kept, collected = collect(engine, stream, cfg)
-        engine.close()
+        kept, collected = collect_step(make_env, policy, renderer, stream, cfg, step)
         t1 = time.perf_counter()
         metrics = rollout_metrics(collected, max_reward)
         if "majority_vote" in cfg.reward.terms:

@@ -136,8 +136,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     if not (job.dpo or job.tango or job.grpo.steps):
         log("No RL stage (grpo.steps = 0).")
     elif job.dpo and (checkpoint := latest_checkpoint(out)) is not None:  # DPO finished in an earlier run
-        model.load_state_dict(type(model).from_pretrained(checkpoint).state_dict())
-        asyncio.run(policy.sync_weights(model, 1))
+        _load_stage(model, policy, checkpoint, log, version=1)
     elif job.dpo:
         summary["dpo"] = run_dpo(job, model, tokenizer, policy, renderer, make_env, tasks, out, log)
     elif job.tango:
@@ -264,7 +263,7 @@ def run_tango(job: TrainJob, model, tokenizer, policy, renderer, make_env, tasks
     verifier_model = copy.deepcopy(model)
     verifier_policy = HFPolicy(verifier_model, tokenizer)
     checker = make_env().check_step
-    if not (out / "checkpoints").exists():
+    if latest_checkpoint(out) is None:  # else tango.train loads the finished run
         engine = RolloutEngine(make_env, policy, renderer, replace(job.grpo.rollout, group_size=1, seed=1))
         start = [t for g in asyncio.run(engine.run(tasks[:cfg.verifier_warmup])) for t in g.valid]
         engine.close()
@@ -356,10 +355,10 @@ def _save_stage(model, tokenizer, path: Path) -> None:
     tokenizer.save_pretrained(path)
 
 
-def _load_stage(model, policy, path: Path, log: Callable[[str], None]) -> None:
+def _load_stage(model, policy, path: Path, log: Callable[[str], None], version: int = 0) -> None:
     log(f"{path.name.removesuffix('_model')}: done in an earlier run; loading {path}")
     model.load_state_dict(type(model).from_pretrained(path).state_dict())
-    asyncio.run(policy.sync_weights(model, 0))
+    asyncio.run(policy.sync_weights(model, version))
 
 
 def _progress_line(step: int, steps: int, m: dict[str, Any]) -> str:

@@ -45,7 +45,7 @@ from agentrl.rollout import RolloutConfig, RolloutEngine
 from agentrl.scripted_policy import ScriptedPolicy, playing
 from agentrl.types import Group, Message, Task, Trajectory
 from agentrl.trainers.checkpoint import latest_checkpoint, save_checkpoint
-from agentrl.trainers.grpo import GRPOConfig, TaskStream, collect, to_batch, update
+from agentrl.trainers.grpo import GRPOConfig, TaskStream, collect_step, step_seed, to_batch, update
 from agentrl.trainers.metrics import MetricsLogger, rollout_metrics
 from agentrl.trainers.sft import SFTConfig, sft
 
@@ -229,14 +229,12 @@ def train(cfg: TangoConfig, grpo: GRPOConfig, model: torch.nn.Module, tokenizer:
     logger, history = MetricsLogger(out_dir), []
     for step in range(grpo.steps):
         t0 = time.perf_counter()
-        engine = RolloutEngine(make_env, policy, renderer, replace(grpo.rollout, seed=grpo.seed * 100_003 + step))
-        kept, collected = collect(engine, stream, grpo)
-        engine.close()
+        kept, collected = collect_step(make_env, policy, renderer, stream, grpo, step)
         t1 = time.perf_counter()
         metrics = rollout_metrics(collected, max_reward)
         trajectories = [t for g in kept for t in g.valid]
         vtasks = [verification_task(t, problems[t.task_id], renderer, checker, i) for i, t in enumerate(trajectories)]
-        vgroups = verifier.judge(vtasks, seed=grpo.seed * 100_003 + step)
+        vgroups = verifier.judge(vtasks, seed=step_seed(grpo, step))
         t2 = time.perf_counter()
         judgements = [[parse_judgement(trajectory_steps(v, renderer)[0][0]) for v in g.valid] for g in vgroups]
         process = iter([sum(step_share(j, task.data["n_steps"]) for j in js) / max(len(js), 1)
