@@ -133,15 +133,19 @@ def rollout(
 def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see recipes/)."),
           model: Optional[str] = typer.Option(None, help="Override the recipe's model."),
           out_dir: Optional[str] = typer.Option(None, help="Override the recipe's output directory."),
-          steps: Optional[int] = typer.Option(None, help="Override grpo.steps.")) -> None:
-    """SFT warm start (optional) → held-out eval → RL (GRPO, tandem, tango or DPO) → held-out eval; resumes
-    from the latest checkpoint."""
+          steps: Optional[int] = typer.Option(None, help="Override the RL steps (grpo.steps, or ppo.steps).")
+          ) -> None:
+    """SFT warm start (optional) → held-out eval → RL (GRPO, PPO, tandem, tango or DPO) → held-out eval;
+    resumes from the latest checkpoint."""
+    import tomllib
+
     from agentrl.config import ConfigError, load_config
     from agentrl.trainers.pipeline import TrainJob, run
 
     try:
-        job = load_config(TrainJob, recipe, _given(model=model, out_dir=out_dir, grpo=_given(steps=steps)))
-    except ConfigError as e:
+        loop = "ppo" if recipe.exists() and "ppo" in tomllib.loads(recipe.read_text()) else "grpo"
+        job = load_config(TrainJob, recipe, _given(model=model, out_dir=out_dir, **{loop: _given(steps=steps)}))
+    except (ConfigError, tomllib.TOMLDecodeError) as e:
         console.print(f"[red]{e}[/]")
         raise typer.Exit(2)
     _make_or_exit(job.env, **job.env_kwargs)

@@ -22,6 +22,7 @@ import torch
 
 from agentrl.policy import FinishReason, PolicyError, Sample, SamplingParams
 from agentrl.tiny_model import load_tokenizer
+from agentrl.weights import export_state_dict
 
 
 @dataclass
@@ -86,7 +87,7 @@ class HFPolicy:
     async def sync_weights(self, model, version: int) -> None:
         """In-process: the trainer's model is usually this very object; otherwise copy its weights."""
         if model is not self.model:
-            await asyncio.to_thread(self.model.load_state_dict, model.state_dict())
+            await asyncio.to_thread(self.model.load_state_dict, export_state_dict(model))
         self.weight_version = version
 
     async def close(self) -> None:

@@ -318,11 +318,13 @@ def save_checkpoint(model: Any, path: Path) -> None:
         raise PolicyError(f"sync_weights needs a transformers model (save_pretrained), got {type(model).__name__}")
     from transformers.utils import logging as hf_logging
 
+    from agentrl.weights import save_full
+
     path.mkdir(parents=True, exist_ok=True)
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a tqdm bar per sync would drown the trainer's own progress
     try:
-        model.save_pretrained(path)
+        save_full(model, path)  # LoRA adapters merged
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()

@@ -55,3 +55,24 @@ def test_masked_positions_only_match_the_full_forward_without_a_shared_prefix(ti
     masked_BT, masked_ent_BT = token_logprobs(model, b.ids_BT, b.attention_BT, True, b.mask_BT)
     torch.testing.assert_close(masked_BT, full_BT * b.mask_BT, atol=1e-5, rtol=0)
     torch.testing.assert_close(masked_ent_BT, full_ent_BT * b.mask_BT, atol=1e-5, rtol=0)
+
+
+def test_gradient_checkpointing_gives_the_same_logprobs_and_gradients(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(10, 4000, (40,), generator=g).tolist()
+    rows = [prefix + torch.randint(10, 4000, (10,), generator=g).tolist() for _ in range(3)]
+    b = make_batch([traj(r, [0] * 42 + [1] * 8) for r in rows], [1.0, -1.0, 0.5])
+    results = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model.train()
+        model.zero_grad()
+        logp_BT, _ = token_logprobs(model, b.ids_BT, b.attention_BT, False, b.mask_BT)
+        (logp_BT * b.adv_BT).sum().backward()
+        results.append((logp_BT.detach(), [p.grad.clone() for p in model.parameters()]))
+    (lp0, g0), (lp1, g1) = results
+    torch.testing.assert_close(lp1, lp0, atol=1e-5, rtol=0)
+    for a, c in zip(g0, g1):
+        torch.testing.assert_close(c, a, atol=1e-5, rtol=1e-4)

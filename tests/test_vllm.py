@@ -173,6 +173,26 @@ async def test_sync_after_optimizer_steps(policy: VLLMPolicy, hf_model, tokenize
     assert (await policy.generate(prompts[0], greedy))[0].token_ids == before.token_ids
 
 
+async def test_lora_model_syncs_merged(policy: VLLMPolicy, hf_model, prompts) -> None:
+    from agentrl.trainers.lora import LoraSettings, add_lora
+
+    lora = copy.deepcopy(hf_model)
+    add_lora(lora, LoraSettings(r=4))
+    with torch.no_grad():  # adapters that change the outputs
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(0))
+    policy.parity = ParityCheck(prompts=prompts[:2])
+    try:
+        await policy.sync_weights(lora, version=1)  # parity-checked against the LoRA model's own forward pass
+        assert (await check_parity(policy, lora, policy.parity)).max_abs_diff <= 1e-3
+        with pytest.raises(ParityError):
+            await check_parity(policy, hf_model, policy.parity)  # the engine serves the adapted weights
+    finally:
+        policy.parity = None
+        await policy.sync_weights(hf_model, version=2)
+
+
 async def test_failed_parity_rolls_back(policy: VLLMPolicy, hf_model, prompts, monkeypatch) -> None:
     def save_other_weights(model, path: Path) -> None:  # a broken sync: the engine gets other weights
         broken = copy.deepcopy(model)

@@ -72,7 +72,9 @@ def token_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: t
         logp_BTV = F.log_softmax(model(input_ids=ids_BT, attention_mask=attention_BT).logits[:, :-1].float(), -1)
         logp_BT = F.pad(logp_BTV.gather(-1, ids_BT[:, 1:, None]).squeeze(-1), (1, 0))
         return logp_BT, F.pad(-(logp_BTV.exp() * logp_BTV).sum(-1), (1, 0)) if with_entropy else None
-    L = _shared_prefix_len(ids_BT, mask_BT)
+    # Gradient checkpointing turns the KV cache off in training, and with it the prefix sharing.
+    checkpointing = model.training and getattr(model, "is_gradient_checkpointing", False)
+    L = 0 if checkpointing else _shared_prefix_len(ids_BT, mask_BT)
     if L:
         cache = model.base_model(input_ids=ids_BT[:1, :L], use_cache=True).past_key_values
         cache.batch_repeat_interleave(ids_BT.shape[0])
@@ -80,7 +82,8 @@ def token_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: t
         hidden_BTH = model.base_model(input_ids=ids_BT[:, L:], attention_mask=attention_BT,
                                       position_ids=positions_BT, past_key_values=cache).last_hidden_state
     else:
-        hidden_BTH = model.base_model(input_ids=ids_BT, attention_mask=attention_BT).last_hidden_state
+        hidden_BTH = model.base_model(input_ids=ids_BT, attention_mask=attention_BT,
+                                      use_cache=False).last_hidden_state
     # Position t of the hidden states (offset by L) predicts token L + t + 1.
     rows_N, cols_N = (mask_BT[:, L + 1:] > 0).nonzero(as_tuple=True)
     logits_NV = lm_head(model, hidden_BTH[rows_N, cols_N]).float()

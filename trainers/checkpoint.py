@@ -15,14 +15,20 @@ from typing import Any
 import numpy as np
 import torch
 
+from agentrl.trainers.lora import has_lora, load_adapter, save_adapter
+from agentrl.weights import save_full
+
 
 def save_checkpoint(out_dir: Path, step: int, model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, state: dict[str, Any]) -> Path:
+                    scheduler: Any, state: dict[str, Any], submodels: dict[str, Any] | None = None) -> Path:
+    """`state` holds what else the loop needs (data position, other optimizers' state dicts); `submodels`
+    are saved with `save_pretrained` in subdirectories of the same name (e.g. PPO's critic)."""
     final = Path(out_dir) / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    save_model(model, tokenizer, tmp)
+    for name, submodel in (submodels or {}).items():
+        save_full(submodel, tmp / name)
     torch.save({
         "step": step, "state": state, "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -31,6 +37,24 @@ def save_checkpoint(out_dir: Path, step: int, model: Any, tokenizer: Any, optimi
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return final
+
+
+def save_model(model: Any, tokenizer: Any, path: Path) -> None:
+    """The full weights (LoRA merged: loads with `from_pretrained`), the tokenizer, and a LoRA model's
+    adapters alone (what `load_model` restores)."""
+    save_full(model, path)
+    tokenizer.save_pretrained(path)
+    if has_lora(model):
+        save_adapter(model, path)
+
+
+def load_model(model: Any, path: Path) -> None:
+    """Restores what `save_model` wrote into the live model: all weights, or a LoRA model's adapters on top
+    of its unchanged base."""
+    if has_lora(model):
+        load_adapter(model, path)
+    else:
+        model.load_state_dict(type(model).from_pretrained(path).state_dict())
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:

@@ -28,8 +28,8 @@ from agentrl.renderer import Renderer
 from agentrl.rollout import RolloutConfig, RolloutEngine
 from agentrl.trainers.advantages import ADVANTAGES
 from agentrl.trainers.batch import Batch, make_batch, token_logprobs
-from agentrl.trainers.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
-from agentrl.trainers.losses import POLICY_LOSSES, PolicyLossConfig, kl_loss, masked_mean
+from agentrl.trainers.checkpoint import latest_checkpoint, load_model, load_trainer_state, save_checkpoint
+from agentrl.trainers.losses import POLICY_LOSSES, PolicyLossConfig, kl_loss, masked_mean, micro_batch_weight
 from agentrl.trainers.metrics import MetricsLogger, rollout_metrics
 from agentrl.trainers.rewards import RewardConfig, group_rewards, majority_vote_metrics
 from agentrl.types import Group, Task
@@ -50,6 +50,7 @@ class GRPOConfig:
     lr: float = 1e-5
     epochs: int = 1  # passes over each step's batch
     minibatch_size: int = 16  # trajectories per optimizer step
+    micro_batch_size: int | None = None  # trajectories per forward/backward pass (gradient accumulation)
     max_grad_norm: float = 1.0
     dynamic_sampling: bool = False  # skip groups whose rewards are all equal, and refill
     max_refills: int = 2  # extra collection rounds per step when dynamic sampling drops groups
@@ -88,13 +89,14 @@ class TaskStream:
 
 
 def collect(engine: RolloutEngine, stream: TaskStream, cfg: GRPOConfig) -> tuple[list[Group], list[Group]]:
-    """(groups to train on, all groups collected). Dynamic sampling drops groups whose training rewards
-    do not vary and collects more, up to `max_refills` extra rounds."""
+    """(groups to train on, all groups collected). A group needs two valid episodes to have a baseline (one,
+    when groups are single episodes, as in PPO). Dynamic sampling drops groups whose training rewards do
+    not vary and collects more, up to `max_refills` extra rounds."""
     collected, kept = [], []
     for _ in range(1 + (cfg.max_refills if cfg.dynamic_sampling else 0)):
         groups = asyncio.run(engine.run(stream.take(cfg.tasks_per_step - len(kept))))
         collected += groups
-        kept += [g for g in groups if len(g.valid) >= 2
+        kept += [g for g in groups if len(g.valid) >= min(2, cfg.rollout.group_size)  # 1 for PPO's singletons
                  and (not cfg.dynamic_sampling or len(set(group_rewards(g, cfg.reward))) > 1)]
         if len(kept) >= cfg.tasks_per_step:
             break
@@ -126,38 +128,58 @@ def to_batch(groups: list[Group], advantage: str, rewards: list[list[float]]) ->
     return make_batch(trajectories, adv_B.tolist())
 
 
-def update(model: torch.nn.Module, ref: torch.nn.Module | None, optimizer: torch.optim.Optimizer, batch: Batch,
-           cfg: GRPOConfig, generator: torch.Generator) -> dict[str, float]:
-    """`epochs` passes of minibatch steps; returns the mean of each metric over the steps."""
-    loss_fn, totals, n, parity = POLICY_LOSSES[cfg.loss], {}, 0, {}
+def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cfg: GRPOConfig,
+             generator: torch.Generator, loss_fn: Callable[[Batch, torch.Tensor], tuple[torch.Tensor, dict]],
+             agg: str) -> dict[str, float]:
+    """`cfg.epochs` passes of shuffled minibatches of `cfg.minibatch_size` trajectories, one optimizer step
+    each, with gradient clipping. `loss_fn(micro_batch, rows)` → (loss, metrics), where `rows` indexes
+    `batch`. With `cfg.micro_batch_size`, each minibatch is run in micro-batches whose gradients accumulate,
+    weighted so that the step equals the whole minibatch's (`micro_batch_weight`). Returns the mean of each
+    metric (over micro-batches; grad_norm over steps)."""
+    device, totals, counts = next(model.parameters()).device, {}, {}
+
+    def add(metrics: dict) -> None:
+        for k, v in metrics.items():
+            totals[k], counts[k] = totals.get(k, 0.0) + float(v), counts.get(k, 0) + 1
+
     model.train()
     for _ in range(cfg.epochs):
         order = torch.randperm(len(batch), generator=generator)
-        for start in range(0, len(batch), cfg.minibatch_size):
-            mb = batch.select(order[start:start + cfg.minibatch_size]).to(next(model.parameters()).device)
-            logp_BT, entropy_BT = token_logprobs(model, mb.ids_BT, mb.attention_BT, True, mb.mask_BT)
-            loss, metrics = loss_fn(logp_BT, mb.old_logp_BT, mb.adv_BT, mb.mask_BT, cfg.policy_loss)
-            if ref is not None:
-                with torch.no_grad():
-                    ref_logp_BT, _ = token_logprobs(ref, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
-                kl, kl_metrics = kl_loss(logp_BT, ref_logp_BT, mb.mask_BT, cfg.kl_kind, cfg.policy_loss.agg,
-                                         norm_const=cfg.policy_loss.norm_const)
-                loss = loss + cfg.kl_coef * kl
-                metrics.update(kl_metrics)
-            if n == 0:  # before any update the trainer must reproduce the sampler's logprobs
-                diff_BT = (logp_BT.detach() - mb.old_logp_BT).abs() * mb.mask_BT
-                parity = {"sampler_logprob_diff_max": diff_BT.max().item()}
+        for rows in order.split(cfg.minibatch_size):
             optimizer.zero_grad()
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+            for micro_rows in rows.split(cfg.micro_batch_size or len(rows)):
+                loss, metrics = loss_fn(batch.select(micro_rows).to(device), micro_rows)
+                (loss * micro_batch_weight(batch.mask_BT[micro_rows], batch.mask_BT[rows], agg)).backward()
+                add({**metrics, "loss": loss.item()})
+            add({"grad_norm": torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item()})
             optimizer.step()
-            metrics.update(loss=loss.item(), grad_norm=grad_norm.item(),
-                           entropy=masked_mean(entropy_BT.detach(), mb.mask_BT).item())
-            for k, v in metrics.items():
-                totals[k] = totals.get(k, 0.0) + float(v)
-            n += 1
     model.eval()
-    return {**{k: v / max(n, 1) for k, v in totals.items()}, **parity}
+    return {k: totals[k] / counts[k] for k in totals}
+
+
+def update(model: torch.nn.Module, ref: torch.nn.Module | None, optimizer: torch.optim.Optimizer, batch: Batch,
+           cfg: GRPOConfig, generator: torch.Generator) -> dict[str, float]:
+    """The policy update: `cfg.loss` on the sampled tokens with the sampler's logprobs as the old ones, plus
+    the KL to `ref` as a loss term when given. Also reports, from the first micro-batch (before any update),
+    how far the trainer's logprobs are from the sampler's: they must agree."""
+    loss_fn, parity = POLICY_LOSSES[cfg.loss], {}
+
+    def policy_loss(mb: Batch, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        logp_BT, entropy_BT = token_logprobs(model, mb.ids_BT, mb.attention_BT, True, mb.mask_BT)
+        loss, metrics = loss_fn(logp_BT, mb.old_logp_BT, mb.adv_BT, mb.mask_BT, cfg.policy_loss)
+        if ref is not None:
+            with torch.no_grad():
+                ref_logp_BT, _ = token_logprobs(ref, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
+            kl, kl_metrics = kl_loss(logp_BT, ref_logp_BT, mb.mask_BT, cfg.kl_kind, cfg.policy_loss.agg,
+                                     norm_const=cfg.policy_loss.norm_const)
+            loss = loss + cfg.kl_coef * kl
+            metrics.update(kl_metrics)
+        if not parity:
+            parity["sampler_logprob_diff_max"] = ((logp_BT.detach() - mb.old_logp_BT).abs() * mb.mask_BT).max().item()
+        metrics["entropy"] = masked_mean(entropy_BT.detach(), mb.mask_BT).item()
+        return loss, metrics
+
+    return {**optimize(model, optimizer, batch, cfg, generator, policy_loss, cfg.policy_loss.agg), **parity}
 
 
 def train(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy, make_env: Callable[[], TextEnv],
@@ -172,7 +194,7 @@ def train(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Polic
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     stream, start = TaskStream(tasks, cfg.seed), 0
     if (checkpoint := latest_checkpoint(out_dir)) is not None:  # resume: weights, optimizer, RNGs, data
-        model.load_state_dict(type(model).from_pretrained(checkpoint).state_dict())
+        load_model(model, checkpoint)
         resumed = load_trainer_state(checkpoint, optimizer, None)
         start, stream.position = resumed["step"], resumed["state"]["data_position"]
     asyncio.run(policy.sync_weights(model, start))

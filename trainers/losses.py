@@ -62,6 +62,16 @@ def aggregate(loss_BT: Tensor, mask_BT: Tensor, mode: str, *, norm_const: float 
     return seq_B.sum() / (tokens_B > 0).sum().clamp(min=1)
 
 
+def micro_batch_weight(micro_mask_BT: Tensor, minibatch_mask_BT: Tensor, mode: str) -> float:
+    """The factor that makes gradient accumulation exact: summing `weight * aggregate(micro)` over the
+    micro-batches of a minibatch equals `aggregate(minibatch)`. token-mean weighs by the micro-batch's share
+    of the masked tokens, the seq-mean modes by its share of the sequences that have any."""
+    if mode == "token-mean":
+        return (micro_mask_BT > 0).sum().item() / max((minibatch_mask_BT > 0).sum().item(), 1)
+    rows = lambda mask_BT: ((mask_BT > 0).sum(-1) > 0).sum().item()  # noqa: E731
+    return rows(micro_mask_BT) / max(rows(minibatch_mask_BT), 1)
+
+
 @with_config(STRICT)
 @dataclass(frozen=True)
 class PolicyLossConfig:

@@ -1,11 +1,12 @@
 """`agentrl train RECIPE.toml`: optional SFT warm start on expert demonstrations → held-out evaluation →
-RL → held-out evaluation, with a reward-curve plot and a summary. Resumable: a run killed during GRPO
+RL → held-out evaluation, with a reward-curve plot and a summary. Resumable: a run killed during GRPO or PPO
 continues from its latest checkpoint; finished stages are not redone.
 
-The RL stage is GRPO, or one of the research methods, chosen by which section the recipe has:
-`[tandem]` (GRPO on senior/junior tandem rollouts, plus handoff-robustness evaluation), `[tango]`
-(GRPO with a co-trained process verifier) or `[dpo]` (offline DPO on pairs of the starting model's
-episodes). `[grpo.reward]` picks the reward sources (majority vote, format-only, controls...).
+The RL stage is GRPO, or PPO with a critic (`[ppo]`), or one of the research methods, chosen by which
+section the recipe has: `[tandem]` (GRPO on senior/junior tandem rollouts, plus handoff-robustness
+evaluation), `[tango]` (GRPO with a co-trained process verifier) or `[dpo]` (offline DPO on pairs of the
+starting model's episodes). `[grpo.reward]` picks the reward sources (majority vote, format-only, ...).
+`[lora]` trains LoRA adapters instead of all weights, in every stage.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ from agentrl.rollout import JsonlWriter, RolloutConfig, RolloutEngine, write_jso
 from agentrl.scripted_policy import ScriptedPolicy, playing
 from agentrl.tiny_model import load_tokenizer
 from agentrl.trainers import tango
-from agentrl.trainers.checkpoint import latest_checkpoint, save_checkpoint
+from agentrl.trainers.checkpoint import latest_checkpoint, load_model, save_checkpoint, save_model
 from agentrl.trainers.dpo import DPOConfig, preference_pairs, train_dpo
 from agentrl.trainers.grpo import GRPOConfig, train as train_grpo
+from agentrl.trainers.lora import LoraSettings, add_lora
+from agentrl.trainers.ppo import PPOConfig, train as train_ppo
 from agentrl.trainers.pretrain import CopyWarmup, alphabet, copy_warmup
 from agentrl.trainers.rewards import RewardConfig
 from agentrl.trainers.sft import SFTConfig, sft
@@ -71,6 +74,8 @@ class TrainJob:
     model: str  # model directory or hub name
     device: str = "cpu"  # where the trainer and the in-process sampler run, e.g. "cuda"
     dtype: str = "float32"  # or "bfloat16"
+    lora: LoraSettings | None = None  # train LoRA adapters instead of all weights (engines get them merged)
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, more time
     out_dir: str = "runs/train"
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     train_tasks: int | None = None  # cap on training-split tasks (None: all)
@@ -78,6 +83,7 @@ class TrainJob:
     sft: DemoSFT | None = None
     eval: EvalConfig | None = field(default_factory=EvalConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    ppo: PPOConfig | None = None  # instead of GRPO: PPO with a critic and GAE
     tandem: TandemConfig | None = None  # GRPO on tandem rollouts: a frozen junior writes some of each response
     tango: TangoConfig | None = None  # GRPO with a co-trained process verifier (RL Tango)
     dpo: DPOConfig | None = None  # instead of GRPO: DPO on pairs of the starting model's episodes
@@ -86,16 +92,22 @@ class TrainJob:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        methods = [name for name in ("tandem", "tango", "dpo") if getattr(self, name) is not None]
+        methods = [name for name in ("ppo", "tandem", "tango", "dpo") if getattr(self, name) is not None]
         if len(methods) > 1:
             raise ValueError(f"choose one RL method per recipe, got sections {methods}")
-        if self.dpo is not None and self.grpo != GRPOConfig():
-            raise ValueError("[dpo] replaces GRPO: move its settings into [dpo] and remove [grpo]")
+        for name in ("dpo", "ppo"):
+            if getattr(self, name) is not None and self.grpo != GRPOConfig():
+                raise ValueError(f"[{name}] replaces GRPO: move its settings into [{name}] and remove [grpo]")
         if self.tandem is not None and self.engine.url:
             raise ValueError("[tandem] starts a second vLLM server for the junior; it cannot attach to engine.url: "
                              "remove engine.url to let the job start both servers")
         if self.tango is not None and self.engine.kind != "transformers":
             raise ValueError("[tango] trains the verifier in-process: set engine.kind = 'transformers'")
+
+    @property
+    def rl(self) -> GRPOConfig | PPOConfig:
+        """The RL loop's settings: [ppo] when the recipe has it, else [grpo] (also read by the methods)."""
+        return self.ppo or self.grpo
 
 
 def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -116,6 +128,10 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         policy = open_policy(job.model, job.engine, parity_prompts=prompts)
         model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(job.model),
                                                      dtype=getattr(torch, job.dtype)).to(job.device)
+    if job.lora:  # in place: the in-process sampler holds this very model
+        add_lora(model, job.lora)
+    if job.gradient_checkpointing:  # non-reentrant: works when the embeddings are frozen (LoRA)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     save = lambda: summary_path.write_text(json.dumps(summary, indent=2))  # noqa: E731
     warm_start(job, model, tokenizer, policy, renderer, make_env, tasks, summary, save, log)
@@ -129,12 +145,12 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         summary["before"] = evaluate_now("before RL")
         save()
 
-    summary["method"] = "dpo" if job.dpo else "tango" if job.tango else "tandem" if job.tandem else "grpo"
-    if not job.dpo and job.grpo.reward != RewardConfig():
-        summary["method"] += " (" + ", ".join(f"{k} {w:g}" for k, w in job.grpo.reward.terms.items()) + ")"
+    summary["method"] = next((m for m in ("dpo", "ppo", "tango", "tandem") if getattr(job, m)), "grpo")
+    if not job.dpo and job.rl.reward != RewardConfig():
+        summary["method"] += " (" + ", ".join(f"{k} {w:g}" for k, w in job.rl.reward.terms.items()) + ")"
     started = time.perf_counter()
-    if not (job.dpo or job.tango or job.grpo.steps):
-        log("No RL stage (grpo.steps = 0).")
+    if not (job.dpo or job.tango or job.rl.steps):
+        log("No RL stage (steps = 0).")
     elif job.dpo and (checkpoint := latest_checkpoint(out)) is not None:  # DPO finished in an earlier run
         _load_stage(model, policy, checkpoint, log, version=1)
     elif job.dpo:
@@ -142,18 +158,18 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     elif job.tango:
         run_tango(job, model, tokenizer, policy, renderer, make_env, tasks, out, log)
     else:
-        log(f"GRPO: {job.grpo.steps} steps × {job.grpo.tasks_per_step} tasks × {job.grpo.rollout.group_size}"
+        algo, cfg, loop = ("PPO", job.ppo, train_ppo) if job.ppo else ("GRPO", job.grpo, train_grpo)
+        log(f"{algo}: {cfg.steps} steps × {cfg.tasks_per_step} tasks × {cfg.rollout.group_size}"
             + (f" (tandem: junior writes each {job.tandem.unit} with p={job.tandem.p_junior})" if handoff else ""))
 
         def periodic_eval(step: int) -> dict[str, Any]:
-            due = job.eval and job.eval.every and step % job.eval.every == 0 and step < job.grpo.steps
+            due = job.eval and job.eval.every and step % job.eval.every == 0 and step < cfg.steps
             return heldout(job, policy, renderer, make_env, log, f"at step {step}")[0] if due else {}
 
-        train_grpo(job.grpo, model, tokenizer, handoff.training_policy() if handoff else policy, make_env, tasks,
-                   out, on_step=lambda step, m: log(_progress_line(step, job.grpo.steps, m)),
-                   periodic_eval=periodic_eval)
+        loop(cfg, model, tokenizer, handoff.training_policy() if handoff else policy, make_env, tasks, out,
+             on_step=lambda step, m: log(_progress_line(step, cfg.steps, m)), periodic_eval=periodic_eval)
     summary["rl_seconds"] = round(time.perf_counter() - started, 1)
-    if job.eval and (job.dpo or job.tango or job.grpo.steps):
+    if job.eval and (job.dpo or job.tango or job.rl.steps):
         summary["after"] = evaluate_now("after RL")
     save()
     if (out / "metrics.jsonl").exists():
@@ -187,7 +203,7 @@ def warm_start(job: TrainJob, model, tokenizer, policy, renderer, make_env, task
     elif job.sft:
         log(f"SFT: {job.sft.episodes} expert episodes (mistake rate {job.sft.error_rate})")
         picked = [tasks[i % len(tasks)] for i in range(job.sft.episodes)]
-        demos = demonstrations(make_env, picked, renderer, job.grpo.rollout, job.sft.error_rate, job.grpo.seed,
+        demos = demonstrations(make_env, picked, renderer, job.rl.rollout, job.sft.error_rate, job.rl.seed,
                                out / "sft_demos.jsonl")
         steps = job.sft.config.epochs * -(-len(demos) // job.sft.config.batch_size)
         history = sft(model, demos, job.sft.config, on_step=_progress(steps, log, "SFT", "loss"))
@@ -209,8 +225,7 @@ class Handoff:
                 self.junior = HFPolicy(self.junior_model, tokenizer)
             else:
                 junior_dir = Path(os.path.expanduser(job.out_dir)) / "junior"
-                self.junior_model.save_pretrained(junior_dir)
-                tokenizer.save_pretrained(junior_dir)
+                save_model(self.junior_model, tokenizer, junior_dir)
                 self.junior = open_policy(str(junior_dir), job.engine)
         else:
             self.junior = open_policy(job.tandem.junior, job.engine)
@@ -351,13 +366,12 @@ def _progress(steps: int, log: Callable[[str], None], stage: str, key: str) -> C
 
 def _save_stage(model, tokenizer, path: Path) -> None:
     """A finished stage's model; the summary records the stage only after this, so a saved stage is whole."""
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    save_model(model, tokenizer, path)
 
 
 def _load_stage(model, policy, path: Path, log: Callable[[str], None], version: int = 0) -> None:
     log(f"{path.name.removesuffix('_model')}: done in an earlier run; loading {path}")
-    model.load_state_dict(type(model).from_pretrained(path).state_dict())
+    load_model(model, path)
     asyncio.run(policy.sync_weights(model, version))
 
 

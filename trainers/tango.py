@@ -44,7 +44,7 @@ from agentrl.renderer import Renderer
 from agentrl.rollout import RolloutConfig, RolloutEngine
 from agentrl.scripted_policy import ScriptedPolicy, playing
 from agentrl.types import Group, Message, Task, Trajectory
-from agentrl.trainers.checkpoint import latest_checkpoint, save_checkpoint
+from agentrl.trainers.checkpoint import latest_checkpoint, load_model, save_checkpoint
 from agentrl.trainers.grpo import GRPOConfig, TaskStream, collect_step, step_seed, to_batch, update
 from agentrl.trainers.metrics import MetricsLogger, rollout_metrics
 from agentrl.trainers.sft import SFTConfig, sft
@@ -218,7 +218,7 @@ def train(cfg: TangoConfig, grpo: GRPOConfig, model: torch.nn.Module, tokenizer:
     Saves the generator's checkpoint and the verifier (`out_dir/verifier`) at the end. A finished run is
     loaded, not redone; an interrupted one starts over (there are no mid-run checkpoints)."""
     if (checkpoint := latest_checkpoint(out_dir)) is not None:
-        model.load_state_dict(type(model).from_pretrained(checkpoint).state_dict())
+        load_model(model, checkpoint)
         asyncio.run(policy.sync_weights(model, grpo.steps))
         return []
     torch.manual_seed(grpo.seed)

@@ -1,0 +1,148 @@
+"""PPO: token rewards, the critic's alignment, GAE advantages by hand, exact gradient accumulation, and the
+loop on the tiny model (runs, logs, checkpoints both models, resumes exactly)."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+from agentrl.envs.math import ArithmeticEnv
+from agentrl.hf_policy import HFPolicy
+from agentrl.policy import SamplingParams
+from agentrl.rollout import RolloutConfig
+from agentrl.tiny_model import load_tokenizer
+from agentrl.trainers.batch import Batch, make_batch
+from agentrl.trainers.checkpoint import latest_checkpoint
+from agentrl.trainers.grpo import GRPOConfig, update
+from agentrl.trainers.ppo import PPOConfig, advantages, make_critic, token_rewards, token_values, train
+from agentrl.trainers.rewards import RewardConfig
+from agentrl.types import Trajectory, Turn
+
+
+def two_turns(reward_1=0.5, reward_2=1.0):
+    # prompt [0, 2) · turn 1 samples [2, 4), observation [4, 6) · turn 2 samples [6, 8)
+    ids = (5, 6, 7, 8, 9, 10, 11, 12)
+    mask = (0, 0, 1, 1, 0, 0, 1, 1)
+    turns = (Turn(2, 4, 6, reward_1), Turn(6, 8, 8, reward_2))
+    return Trajectory("t", ids, mask, tuple(-1.0 * m for m in mask), 2, turns, reward_1 + reward_2)
+
+
+def test_token_rewards_put_turn_rewards_on_each_turns_last_token():
+    t = two_turns()
+    # env reward only: 0.5 on position 3, 1.0 on position 7
+    assert token_rewards([t], [1.5], 8).tolist() == [[0, 0, 0, 0.5, 0, 0, 0, 1.0]]
+    # a training reward of 2.0 (other sources): the extra 0.5 goes on the episode's last sampled token
+    assert token_rewards([t], [2.0], 8).tolist() == [[0, 0, 0, 0.5, 0, 0, 0, 1.5]]
+
+
+def test_critic_starts_at_zero_and_values_align_with_the_sampled_position(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    critic = make_critic(model)
+    for (name, p), q in zip(critic.base_model.named_parameters(), model.base_model.parameters()):
+        assert torch.equal(p, q), name
+    ids_BT = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    assert token_values(critic, ids_BT, torch.ones_like(ids_BT)).abs().max() == 0
+    torch.nn.init.normal_(critic.score.weight)
+    values_BT = token_values(critic, ids_BT, torch.ones_like(ids_BT))
+    assert values_BT[0, 0] == 0
+    for t in range(1, 6):  # V at position t is the value of the prefix ids[:t], the state that samples ids[t]
+        prefix = ids_BT[:, :t]
+        expected = critic(input_ids=prefix, attention_mask=torch.ones_like(prefix)).logits[0, -1, 0]
+        torch.testing.assert_close(values_BT[0, t], expected, atol=1e-5, rtol=0)
+
+
+def test_gae_advantages_by_hand(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    critic = make_critic(model)  # values 0 at first
+    t = two_turns()
+    batch = make_batch([t], [0.0])
+    cfg = PPOConfig(gamma=1.0, lam=1.0, whiten_advantages=False)
+    out, values_BT, returns_BT, metrics = advantages(batch, [t], [1.5], critic, None, cfg)
+    # V = 0, gamma = lam = 1: A_t is the reward to go over the sampled tokens: 1.5, 1.5 | 1.0, 1.0
+    assert out.adv_BT.tolist() == [[0, 0, 1.5, 1.5, 0, 0, 1.0, 1.0]]
+    assert returns_BT.tolist() == out.adv_BT.tolist() and values_BT.abs().max() == 0
+    # gamma 0.5, lam 1: the discount counts sampled tokens only (the observation is skipped)
+    # position 7: 1.0; 6: 0.5 * 1.0; 3: 0.5 + 0.5 * 0.5; 2: 0.5 * 0.75
+    out, *_ = advantages(batch, [t], [1.5], critic, None, PPOConfig(gamma=0.5, lam=1.0, whiten_advantages=False))
+    assert out.adv_BT.tolist() == [[0, 0, 0.375, 0.75, 0, 0, 0.5, 1.0]]
+    # KL folded into the reward (k1 on every sampled token): old logp -1 vs the reference's own logprobs
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    kl_cfg = PPOConfig(gamma=1.0, lam=1.0, whiten_advantages=False, kl_coef=0.1)
+    out_kl, _, _, metrics = advantages(batch, [t], [1.5], critic, ref, kl_cfg)
+    assert "kl" in metrics
+    assert not torch.allclose(out_kl.adv_BT, out.adv_BT)
+    # whitened: mean 0 and unit std over the four sampled tokens, 0 elsewhere
+    out, *_ = advantages(batch, [t], [1.5], critic, None, PPOConfig(gamma=1.0, lam=1.0))
+    sampled = out.adv_BT[batch.mask_BT.bool()]
+    assert sampled.mean().abs() < 1e-6 and sampled.std().item() == pytest.approx(1.0, abs=1e-4)
+    assert out.adv_BT[~batch.mask_BT.bool()].abs().max() == 0
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batches_give_the_same_update_as_the_whole_minibatch(tiny_model_dir, agg):
+    g = torch.Generator().manual_seed(0)
+    B, T = 4, 12
+    ids = torch.randint(10, 4000, (B, T), generator=g)
+    attention = torch.ones(B, T, dtype=torch.long)
+    attention[1, 9:] = 0
+    attention[3, 6:] = 0
+    mask = torch.zeros(B, T)
+    mask[0, 3:], mask[1, 5:9], mask[2, 8:], mask[3, 2:6] = 1, 1, 1, 1  # different numbers of sampled tokens
+    adv = torch.randn(B, 1, generator=g) * mask
+    batch = Batch(ids, attention, mask, torch.full((B, T), -8.0) * mask, adv)
+    results = []
+    for micro in (None, 1):
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+        cfg = GRPOConfig(minibatch_size=4, micro_batch_size=micro, max_grad_norm=1e9)
+        cfg = GRPOConfig(**{**cfg.__dict__, "policy_loss": cfg.policy_loss.__class__(agg=agg)})
+        update(model, None, torch.optim.SGD(model.parameters(), lr=1.0), batch, cfg, torch.Generator().manual_seed(0))
+        results.append(list(model.parameters()))
+    for p, q in zip(*results):
+        torch.testing.assert_close(p, q, atol=2e-6, rtol=1e-4)
+
+
+CFG = PPOConfig(steps=4, tasks_per_step=4, lr=1e-3, critic_lr=1e-3, minibatch_size=4, micro_batch_size=2, epochs=2,
+                checkpoint_every=1, kl_coef=0.05, reward=RewardConfig(terms={"env": 1.0, "length": -0.001}),
+                rollout=RolloutConfig(group_size=1, max_total_tokens=1024, sampling=SamplingParams(max_tokens=12)))
+
+
+def run(model_dir, out_dir, steps):
+    tokenizer = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    policy = HFPolicy(model, tokenizer)
+    tasks = list(ArithmeticEnv(n_tasks=16).tasks)
+    cfg = PPOConfig(**{**CFG.__dict__, "steps": steps})
+    return train(cfg, model, tokenizer, policy, lambda: ArithmeticEnv(n_tasks=16), tasks, out_dir)
+
+
+@pytest.mark.slow
+def test_ppo_runs_and_resumes_exactly(tiny_model_dir, tmp_path):
+    straight = run(tiny_model_dir, tmp_path / "straight", 4)
+    m = straight[0]
+    for key in ("mean_reward", "train_reward", "loss", "grad_norm", "entropy", "clip_frac", "approx_kl", "kl",
+                "value_loss", "value_grad_norm", "value_clip_frac", "value_mean", "return_mean", "advantage_mean",
+                "error_frac", "tokens_per_s", "time"):
+        assert key in m, key
+    assert m["groups_trained"] == 4
+    assert m["sampler_logprob_diff_max"] < 1e-4  # before the first update, trainer logprobs == sampler's
+
+    run(tiny_model_dir, tmp_path / "resumed", 2)  # "killed" after step 2: only its checkpoint survives
+    resumed = run(tiny_model_dir, tmp_path / "resumed", 4)
+    assert len(resumed) == 2
+    for a, b in zip(straight[2:], resumed):
+        assert a["mean_reward"] == b["mean_reward"] and a["sampled_tokens"] == b["sampled_tokens"]
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        assert a["value_loss"] == pytest.approx(b["value_loss"], abs=1e-6)
+    lines = (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]
+    checkpoint = latest_checkpoint(tmp_path / "resumed")
+    AutoModelForCausalLM.from_pretrained(checkpoint)  # both are plain transformers models
+    AutoModelForTokenClassification.from_pretrained(checkpoint / "critic")
+
+
+def test_ppo_config_says_what_is_wrong():
+    with pytest.raises(ValueError, match="dynamic_sampling is a GRPO option"):
+        PPOConfig(dynamic_sampling=True)
+    with pytest.raises(ValueError, match="gamma and lam"):
+        PPOConfig(lam=1.5)

@@ -1,0 +1,204 @@
+"""PPO for multi-turn tool-using agents, top to bottom: GRPO's loop with a learned critic instead of group
+baselines.
+
+Each step: collect `tasks_per_step` groups of `group_size` episodes (one per task is usual) → token rewards:
+each turn's reward on that turn's last sampled token (other reward sources on the episode's last one),
+minus `kl_coef` × KL to the frozen initial policy on every sampled token when asked → the critic's values
+V(ids[:t]) → GAE over the sampled tokens only (tool observations are skipped by the recursion, not
+treated as zero-reward steps) → whitened advantages → `epochs` passes of the policy loss and, on the same
+minibatches, of the clipped value loss → weight sync → metrics and checkpoints.
+
+The critic is a separate model: the policy's transformer with a scalar head (`AutoModelForTokenClassification`,
+num_labels 1), initialized from the policy, the head at 0, so the first advantages are the returns to go.
+It is saved with each checkpoint under `critic/` and loads with `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from pydantic import with_config
+from transformers import AutoModelForTokenClassification
+
+from agentrl.config import STRICT
+from agentrl.env import TextEnv
+from agentrl.policy import Policy
+from agentrl.renderer import Renderer
+from agentrl.rollout import RolloutConfig
+from agentrl.trainers.advantages import gae, masked_whiten, turn_rewards_to_tokens
+from agentrl.trainers.batch import Batch, make_batch, token_logprobs
+from agentrl.trainers.checkpoint import latest_checkpoint, load_model, load_trainer_state, save_checkpoint
+from agentrl.trainers.grpo import TaskStream, collect_step, optimize, update
+from agentrl.trainers.losses import KL_KINDS, POLICY_LOSSES, PolicyLossConfig, kl_in_reward, masked_mean, value_loss
+from agentrl.trainers.metrics import MetricsLogger, rollout_metrics
+from agentrl.trainers.rewards import RewardConfig, group_rewards
+from agentrl.types import Group, Task, Trajectory
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class PPOConfig:
+    steps: int = 20
+    tasks_per_step: int = 32
+    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(group_size=1))
+    reward: RewardConfig = field(default_factory=RewardConfig)  # the training reward: env's, or a mix of sources
+    loss: str = "ppo"  # a key of agentrl.trainers.losses.POLICY_LOSSES
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    gamma: float = 1.0  # discount per sampled token
+    lam: float = 0.95  # GAE's lambda: 1 = Monte Carlo returns minus the value, 0 = one-step TD
+    whiten_advantages: bool = True  # normalize the advantages over the batch's sampled tokens
+    kl_coef: float = 0.0  # > 0: reward minus kl_coef * KL(policy || initial policy) on every sampled token
+    kl_kind: str = "k1"
+    lr: float = 1e-5
+    critic_lr: float = 1e-4
+    value_clip: float | None = 0.2  # PPO's value clipping around the values at collection time; None: off
+    epochs: int = 2  # passes over each step's batch
+    minibatch_size: int = 16  # trajectories per optimizer step
+    micro_batch_size: int | None = None  # trajectories per forward/backward pass (gradient accumulation)
+    max_grad_norm: float = 1.0
+    checkpoint_every: int = 0  # steps; 0 = only at the end
+    seed: int = 0
+    dynamic_sampling: bool = False  # PPO has no group baseline to starve; `collect` reads these two
+    max_refills: int = 0
+
+    def __post_init__(self) -> None:
+        if self.loss not in POLICY_LOSSES:
+            raise ValueError(f"loss must be one of {sorted(POLICY_LOSSES)}, got {self.loss!r}")
+        if self.kl_kind not in KL_KINDS:
+            raise ValueError(f"kl_kind must be one of {KL_KINDS}, got {self.kl_kind!r}")
+        if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
+            raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")
+        if self.dynamic_sampling:
+            raise ValueError("dynamic_sampling is a GRPO option: PPO's critic, not the group, is the baseline")
+
+
+def make_critic(model: torch.nn.Module) -> torch.nn.Module:
+    """The policy's transformer with a scalar value head at 0 (no dropout: values must not be noisy)."""
+    config = copy.deepcopy(model.config)
+    config.num_labels, config.classifier_dropout = 1, 0.0
+    critic = AutoModelForTokenClassification.from_config(config, dtype=next(model.parameters()).dtype)
+    critic.base_model.load_state_dict(model.base_model.state_dict())
+    head = [m for m in critic.modules() if isinstance(m, torch.nn.Linear) and m.out_features == 1][-1]
+    torch.nn.init.zeros_(head.weight)
+    if head.bias is not None:
+        torch.nn.init.zeros_(head.bias)
+    return critic.to(next(model.parameters()).device)
+
+
+def token_values(critic: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: torch.Tensor) -> torch.Tensor:
+    """values_BT[t] = V(ids[:t]), the value of the state in which token t is sampled (0 at t = 0): aligned
+    with the loss mask and `token_logprobs`."""
+    out_BT = critic(input_ids=ids_BT, attention_mask=attention_BT).logits[..., 0].float()
+    return F.pad(out_BT[:, :-1], (1, 0))
+
+
+def token_rewards(trajectories: Sequence[Trajectory], rewards_B: Sequence[float], T: int) -> torch.Tensor:
+    """Each turn's env reward on the turn's last sampled token, and the rest of the training reward
+    (other sources, weights) on the episode's last sampled token, so row b sums to rewards_B[b]."""
+    rewards_BT = turn_rewards_to_tokens([[turn.end for turn in t.turns] for t in trajectories],
+                                        [[turn.reward for turn in t.turns] for t in trajectories], T)
+    for b, (t, r) in enumerate(zip(trajectories, rewards_B)):
+        rewards_BT[b, t.turns[-1].end - 1] += r - sum(turn.reward for turn in t.turns)
+    return rewards_BT
+
+
+@torch.no_grad()
+def advantages(batch: Batch, trajectories: Sequence[Trajectory], rewards_B: Sequence[float], critic: torch.nn.Module,
+               ref: torch.nn.Module | None, cfg: PPOConfig) -> tuple[Batch, torch.Tensor, torch.Tensor, dict]:
+    """(batch with GAE advantages, values_BT, returns_BT, metrics) from the critic's values at collection time."""
+    device = next(critic.parameters()).device
+    ids_BT, attention_BT, mask_BT = (x.to(device) for x in (batch.ids_BT, batch.attention_BT, batch.mask_BT))
+    values_BT = (token_values(critic, ids_BT, attention_BT) * mask_BT).cpu()
+    rewards_BT = token_rewards(trajectories, rewards_B, ids_BT.shape[1])
+    metrics = {}
+    if ref is not None:
+        ref_logp_BT, _ = token_logprobs(ref, ids_BT, attention_BT, mask_BT=mask_BT)
+        rewards_BT = kl_in_reward(rewards_BT, batch.old_logp_BT, ref_logp_BT.cpu(), batch.mask_BT, beta=cfg.kl_coef,
+                                  kind=cfg.kl_kind)
+        metrics["kl"] = masked_mean(batch.old_logp_BT - ref_logp_BT.cpu(), batch.mask_BT).item()
+    adv_BT, returns_BT = gae(rewards_BT, values_BT, batch.mask_BT, gamma=cfg.gamma, lam=cfg.lam)
+    metrics.update(advantage_mean=masked_mean(adv_BT, batch.mask_BT).item(),
+                   return_mean=masked_mean(returns_BT, batch.mask_BT).item())
+    if cfg.whiten_advantages:
+        adv_BT = masked_whiten(adv_BT, batch.mask_BT)
+    return replace(batch, adv_BT=adv_BT), values_BT, returns_BT, metrics
+
+
+def update_critic(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, old_values_BT: torch.Tensor,
+                  returns_BT: torch.Tensor, cfg: PPOConfig, generator: torch.Generator) -> dict[str, float]:
+    def critic_loss(mb: Batch, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        T, device = mb.ids_BT.shape[1], mb.ids_BT.device
+        values_BT = token_values(critic, mb.ids_BT, mb.attention_BT)
+        return value_loss(values_BT, old_values_BT[rows, :T].to(device), returns_BT[rows, :T].to(device), mb.mask_BT,
+                          clip=cfg.value_clip)
+
+    metrics = optimize(critic, optimizer, batch, cfg, generator, critic_loss, "token-mean")
+    return {("value_loss" if k == "loss" else "value_grad_norm" if k == "grad_norm" else k): v
+            for k, v in metrics.items()}
+
+
+def train(cfg: PPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy, make_env: Callable[[], TextEnv],
+          tasks: list[Task], out_dir: Path, on_step: Callable[[int, dict], None] | None = None,
+          periodic_eval: Callable[[int], dict] | None = None) -> list[dict]:
+    """Runs (or resumes, from the latest checkpoint in `out_dir`) PPO on `model`, which `policy` samples
+    from after each sync. Same contract as `grpo.train`."""
+    torch.manual_seed(cfg.seed)
+    renderer = Renderer(tokenizer)
+    critic = make_critic(model)
+    ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr)
+    stream, start = TaskStream(tasks, cfg.seed), 0
+    if (checkpoint := latest_checkpoint(out_dir)) is not None:  # resume: both models, optimizers, RNGs, data
+        load_model(model, checkpoint)
+        load_model(critic, checkpoint / "critic")
+        resumed = load_trainer_state(checkpoint, optimizer, None)
+        critic_optimizer.load_state_dict(resumed["state"]["critic_optimizer"])
+        start, stream.position = resumed["step"], resumed["state"]["data_position"]
+    asyncio.run(policy.sync_weights(model, start))
+    max_reward = make_env().max_reward
+    logger, history = MetricsLogger(out_dir), []
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        kept, collected = collect_step(make_env, policy, renderer, stream, cfg, step)
+        t1 = time.perf_counter()
+        metrics = rollout_metrics(collected, max_reward)
+        if kept:
+            metrics.update(_update(kept, model, critic, ref, optimizer, critic_optimizer, cfg, step))
+        t2 = time.perf_counter()
+        asyncio.run(policy.sync_weights(model, step + 1))
+        t3 = time.perf_counter()
+        metrics.update(groups_trained=len(kept), time={"rollout": t1 - t0, "train": t2 - t1, "sync": t3 - t2},
+                       tokens_per_s=metrics["sampled_tokens"] / max(t1 - t0, 1e-9))
+        if periodic_eval is not None and (heldout := periodic_eval(step + 1)):
+            metrics["heldout"] = heldout
+        logger.log(step + 1, metrics)
+        history.append(metrics)
+        if on_step:
+            on_step(step + 1, metrics)
+        if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or step + 1 == cfg.steps:
+            save_checkpoint(out_dir, step + 1, model, tokenizer, optimizer, None,
+                            {"data_position": stream.position, "weight_version": step + 1,
+                             "critic_optimizer": critic_optimizer.state_dict()}, submodels={"critic": critic})
+    logger.close()
+    return history
+
+
+def _update(kept: list[Group], model, critic, ref, optimizer, critic_optimizer, cfg: PPOConfig, step: int) -> dict:
+    """Advantages from the critic as it was at collection, then the policy's and the critic's epochs."""
+    trajectories = [t for g in kept for t in g.valid]
+    rewards_B = [r for g in kept for r in group_rewards(g, cfg.reward)]
+    batch, values_BT, returns_BT, metrics = advantages(make_batch(trajectories, [0.0] * len(trajectories)),
+                                                       trajectories, rewards_B, critic, ref, cfg)
+    metrics["train_reward"] = sum(rewards_B) / len(rewards_B)
+    metrics.update(update(model, None, optimizer, batch, cfg, torch.Generator().manual_seed(cfg.seed + step)))
+    metrics.update(update_critic(critic, critic_optimizer, batch, values_BT, returns_BT, cfg,
+                                 torch.Generator().manual_seed(cfg.seed + step)))
+    return metrics
