@@ -7,6 +7,8 @@ register("math/arith-v0", "agentrl.envs.math:ArithmeticEnv")
 register("search/r1-v0", "agentrl.envs.search.env:SearchEnv", parser="search_r1")
 register("search/tools-v0", "agentrl.envs.search.env:SearchEnv", parser="hermes")
 register("search/react-v0", "agentrl.envs.search.env:SearchEnv", parser="react")
+register("code/humaneval-v0", "agentrl.envs.code:CodeEnv", source="humaneval")
+register("code/generated-v0", "agentrl.envs.code:CodeEnv", source="generated")
 
 register_suite(Suite("math/heldout", (SuiteEntry("math/arith-v0", "heldout", 200),),
                      description="Arithmetic expression and word problems the training split never holds."))

@@ -85,6 +85,8 @@ class Runtime(Protocol):
     def reset(self) -> None:
         """Kills every process and empties the workspace: ready for the next episode."""
 
+    def healthy(self) -> bool: ...
+
     def close(self) -> None:
         """Idempotent."""
 
@@ -139,6 +141,9 @@ class LocalRuntime:
     def reset(self) -> None:
         self.close()
         self.start()
+
+    def healthy(self) -> bool:
+        return True
 
     def close(self) -> None:
         if self.workspace is not None:

@@ -1,0 +1,108 @@
+"""`code/humaneval-v0` and `code/generated-v0`: write a Python function, with a sandbox to try code in.
+
+Tools: `python(code)` runs code in the episode's sandbox and returns its output (stateless: each call is a
+fresh interpreter; files in the workspace persist within the episode), `submit(code)` ends the episode with
+the solution. The hidden tests run in the sandbox after submit; the agent never sees them. Reward
+components: `tests_passed` (the fraction of hidden tests passed, the reward by default) and `outcome`
+(1 when all pass). Multi-turn: run, read the error, fix, submit.
+
+Sandboxes come from this process's warm pool (`tools/sandbox/pool.py`): Docker by default, `sandbox =
+"local"` for a subprocess runtime that isolates nothing (tests, trusted code). A sandbox that dies is a
+`SandboxError`: the episode ends as `error`, never scored 0.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+from agentrl.env import Score, ToolEnv
+from agentrl.envs.code import tasks as code_tasks
+from agentrl.envs.code.harness import run_tests
+from agentrl.tools import PARSERS, ParsedAction, ToolSet, tool
+from agentrl.tools.sandbox import Limits, Runtime
+from agentrl.tools.sandbox.pool import shared_pool
+from agentrl.types import Message, Task, ToolCall
+
+SYSTEM_PROMPT = (
+    "You write Python functions. Use the python tool to run code and test your ideas; each call runs in a "
+    "fresh interpreter and returns what it prints. When your function is right, call submit with its "
+    "complete code (imports, the def line and the body). Hidden tests decide the reward.\n{fmt}"
+)
+
+
+class CodeEnv(ToolEnv):
+    def __init__(self, source: str = "humaneval", split: str = "train", n_tasks: int | None = None, seed: int = 0,
+                 parser: str = "hermes", max_turns: int = 6, max_invalid: int = 3, sandbox: str = "docker",
+                 timeout: float = 10.0, memory_mb: int = 512, pool_size: int = 8):
+        if parser not in ("hermes",):
+            raise ValueError(f"the code env reads Hermes tool calls (code spans lines); got parser {parser!r}")
+        self.source, self.n_tasks, self.task_seed = source, n_tasks, seed
+        self.sandbox_kind, self.limits, self.pool_size = sandbox, Limits(timeout=timeout, memory_mb=memory_mb), pool_size
+        self._sandbox: Runtime | None = None
+
+        @tool(timeout=timeout + 30.0)
+        def python(code: str) -> str:
+            """Run Python code in a sandbox and return its output.
+
+            Args:
+                code: A complete Python program; print what you want to see.
+            """
+            return self.sandbox.run(code=code).observation()
+
+        @tool(timeout=1.0)
+        def submit(code: str) -> str:
+            """Submit the final solution; the episode ends and hidden tests score it.
+
+            Args:
+                code: The complete function definition (with any imports it needs).
+            """
+            return code
+
+        super().__init__(ToolSet([python, submit]), PARSERS[parser](), split=split, max_turns=max_turns,
+                         max_invalid=max_invalid, reward_weights={"tests_passed": 1.0}, answer_tool="submit")
+
+    @property
+    def sandbox(self) -> Runtime:
+        """This episode's sandbox, leased from the pool on first use."""
+        if self._sandbox is None:
+            self._sandbox = shared_pool(self.sandbox_kind, self.limits, self.pool_size).acquire()
+        return self._sandbox
+
+    def _release(self) -> None:
+        if self._sandbox is not None:
+            sandbox, self._sandbox = self._sandbox, None
+            shared_pool(self.sandbox_kind, self.limits, self.pool_size).release(sandbox)
+
+    def on_reset(self, task: Task) -> None:
+        super().on_reset(task)
+        self._release()
+
+    def close(self) -> None:
+        self._release()
+        super().close()
+
+    def load_tasks(self, split: str) -> Sequence[Task]:
+        return code_tasks.load(self.source, split, self.n_tasks, self.task_seed)
+
+    def first_messages(self, task: Task) -> Sequence[Message]:
+        return (Message("system", SYSTEM_PROMPT.format(fmt=self.parser.instructions)),
+                Message("user", f"Complete this function:\n\n```python\n{task.data['prompt']}```"))
+
+    def score(self, task: Task, answer: str, transcript: Sequence[ParsedAction]) -> Score:
+        d = task.data
+        report = run_tests(self.sandbox, d["prompt"], answer, d["entry_point"], d["test"], self.limits.timeout)
+        return Score({"tests_passed": report.fraction, "outcome": float(report.passed == report.total)},
+                     detail=f"{report.passed}/{report.total} hidden tests" + (f"; {report.error}" if report.error else ""))
+
+    def solution(self, task: Task) -> str:
+        return task.data["prompt"] + task.data["canonical_solution"]
+
+    def gold_actions(self, task: Task) -> list[str]:
+        return [self.parser.format_call(ToolCall("submit", {"code": self.solution(task)}))]
+
+    def demonstration(self, task: Task, rng: random.Random, error_rate: float = 0.0) -> list[str]:
+        """The gold submission; with probability `error_rate`, the unfinished stub instead (it fails)."""
+        if rng.random() < error_rate:
+            return [self.parser.format_call(ToolCall("submit", {"code": task.data["prompt"] + "    pass\n"}))]
+        return self.gold_actions(task)
