@@ -176,7 +176,7 @@ class DockerRuntime:
 
     def _request(self, request: dict, timeout: float) -> dict:
         if self.container is None:
-            self.start()
+            raise SandboxError("the sandbox is not running: start() it (a sandbox that died stays closed)")
         raw = self._sock._sock  # docker-py's SocketIO wraps the connection
         try:
             raw.sendall(json.dumps(request).encode() + b"\n")

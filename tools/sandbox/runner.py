@@ -64,10 +64,14 @@ class Capture:
                 + self.tail.decode("utf-8", "replace"))
 
 
+class HostGone(Exception):
+    """The host closed the runner's stdin during a run."""
+
+
 def run(argv: list[str], stdin: str, timeout: float, max_output: int, kill_all, cwd: str = WORKSPACE,
-        setup=_child_setup) -> dict:
+        setup=_child_setup, host=None) -> dict:
     """Runs argv in `cwd` with a wall-clock timeout; `kill_all(proc)` ends it and anything it started.
-    `setup` runs in the child before exec."""
+    `setup` runs in the child before exec. `host`: a file whose EOF means the host is gone (HostGone)."""
     start = time.monotonic()
     proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, preexec_fn=setup, start_new_session=True)
@@ -81,8 +85,11 @@ def run(argv: list[str], stdin: str, timeout: float, max_output: int, kill_all, 
     for pipe in streams:
         os.set_blocking(pipe.fileno(), False)
         sel.register(pipe, selectors.EVENT_READ)
+    if host is not None:
+        sel.register(host, selectors.EVENT_READ)
     deadline, exited_at, timed_out = start + timeout, None, False
-    while sel.get_map():
+    open_pipes = set(streams)
+    while open_pipes:
         now = time.monotonic()
         if now >= deadline:
             timed_out = proc.poll() is None
@@ -93,10 +100,14 @@ def run(argv: list[str], stdin: str, timeout: float, max_output: int, kill_all, 
             break
         for key, _ in sel.select(timeout=min(0.05, deadline - now)):
             data = os.read(key.fileobj.fileno(), 65536)
+            if key.fileobj is host:  # the host sends nothing during a run: this is its end
+                kill_all(proc)
+                raise HostGone()
             if data:
                 streams[key.fileobj].add(data)
             else:
                 sel.unregister(key.fileobj)
+                open_pipes.discard(key.fileobj)
     if not timed_out:  # the pipes may close before the process ends
         try:
             proc.wait(timeout=max(deadline - time.monotonic(), 0))
@@ -144,7 +155,7 @@ def handle(req: dict) -> dict:
                 f.write(req["code"])
             argv = [sys.executable, "-u", path]
         return run(argv, req.get("stdin", ""), float(req.get("timeout", 10)), int(req.get("max_output", 16000)),
-                   kill_everything_else)
+                   kill_everything_else, host=sys.stdin)
     if op == "write":
         path = _inside(req["path"])
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -170,6 +181,8 @@ def main() -> None:
     for line in sys.stdin:
         try:
             reply = handle(json.loads(line))
+        except HostGone:
+            return
         except Exception as e:  # noqa: BLE001 -- any failure is a reply, never the runner's death
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
         sys.stdout.write(json.dumps(reply) + "\n")

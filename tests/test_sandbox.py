@@ -1,0 +1,224 @@
+"""The sandboxes: the runner protocol and output budget, the local runtime, and the Docker runtime with its
+security battery (each attack contained, the host unaffected, a clear observation within the timeout) and
+its warm pool (bounded, reset between leases, broken sandboxes replaced, nothing leaked)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from agentrl.tools.sandbox import Limits, LocalRuntime, RunResult, SandboxError
+from agentrl.tools.sandbox.pool import SandboxPool
+from agentrl.tools.sandbox.runner import Capture
+
+# --- pure parts ---------------------------------------------------------------------------------------------
+
+
+def test_capture_keeps_head_and_tail_and_states_the_cut():
+    c = Capture(8)  # 4 bytes of head, 4 of tail
+    for chunk in (b"abc", b"defgh", b"ijkl"):
+        c.add(chunk)
+    assert (c.head, c.tail, c.total) == (b"abcd", b"ijkl", 12) and c.truncated
+    assert c.text() == "abcd\n[... 4 bytes of output truncated ...]\nijkl"
+    small = Capture(100)
+    small.add(b"hello")
+    assert small.text() == "hello" and not small.truncated
+
+
+def test_observation_says_how_the_run_ended():
+    assert RunResult(0, "4\n", "").observation() == "4"
+    assert RunResult(0, "", "").observation() == "[no output]"
+    assert RunResult(1, "", "Traceback ...\nValueError: x\n").observation() == "Traceback ...\nValueError: x\n[exit code 1]"
+    timed_out = RunResult(None, "partial\n", "", timed_out=True, seconds=3.0).observation()
+    assert timed_out == "partial\n[killed: still running after the 3 s timeout]"
+
+
+def test_limits_are_validated():
+    with pytest.raises(ValueError, match="> 0"):
+        Limits(timeout=0)
+
+
+# --- the local runtime (not isolated; the same runner code) ------------------------------------------------
+
+
+def test_local_runtime_runs_times_out_and_truncates(tmp_path):
+    rt = LocalRuntime(Limits(timeout=2, output_bytes=1000))
+    try:
+        assert rt.run(code="print(6 * 7)").observation() == "42"
+        rt.write("data/x.txt", "hi")
+        assert rt.run(code="print(open('data/x.txt').read())").stdout == "hi\n"
+        assert rt.read("data/x.txt") == "hi"
+        slow = rt.run(code="import time\nprint('started', flush=True)\ntime.sleep(30)")
+        assert slow.timed_out and slow.exit_code is None and "started" in slow.stdout and slow.seconds < 5
+        loud = rt.run(code="print('x' * 100_000)")
+        assert loud.truncated and len(loud.stdout) < 1000 and "bytes of output truncated" in loud.stdout
+        assert rt.run(argv=["false"]).exit_code == 1
+        rt.reset()
+        with pytest.raises(FileNotFoundError):
+            rt.read("data/x.txt")
+    finally:
+        rt.close()
+
+
+# --- the Docker runtime ------------------------------------------------------------------------------------
+
+docker_only = pytest.mark.docker
+
+
+@pytest.fixture(scope="module")
+def docker_client():
+    from agentrl.tools.sandbox.docker_runtime import build_image, client
+
+    c = client()  # a SandboxError here says how to start the daemon
+    build_image(docker_client=c)
+    return c
+
+
+@pytest.fixture
+def sandbox(docker_client):
+    from agentrl.tools.sandbox.docker_runtime import DockerRuntime
+
+    rt = DockerRuntime(Limits(timeout=3, memory_mb=128, pids=32, disk_mb=16, output_bytes=4000),
+                       docker_client=docker_client)
+    rt.start()
+    yield rt
+    rt.close()
+
+
+def own_containers(docker_client):
+    from agentrl.tools.sandbox.docker_runtime import LABEL, owner
+
+    return [c for c in docker_client.containers.list(all=True, filters={"label": LABEL}) if c.labels[LABEL] == owner()]
+
+
+@docker_only
+def test_docker_runs_code_as_an_unprivileged_user_in_the_workspace(sandbox):
+    r = sandbox.run(code="import os; print(os.getuid(), os.getcwd())")
+    assert r.observation() == "1000 /workspace"
+    sandbox.write("pkg/mod.py", "X = 5\n")
+    assert sandbox.run(code="import sys; sys.path.insert(0, 'pkg'); import mod; print(mod.X)").stdout == "5\n"
+    assert sandbox.read("pkg/mod.py") == "X = 5\n"
+    assert sandbox.run(argv=["sh", "-c", "echo out; echo err >&2; exit 3"]).observation() == "out\nerr\n[exit code 3]"
+    # the process probe the battery relies on does see a process that is alive
+    probe = sandbox.run(code="import subprocess; subprocess.Popen(['sleep', '7'])\n" + PROCESSES)
+    assert "sleep 7" in probe.stdout
+
+
+# The security battery. Each attack must be contained, with a clear observation, within the timeout (3 s).
+ATTACKS = {
+    "network egress": ("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)\nprint('CONNECTED')",
+                       lambda r: "CONNECTED" not in r.stdout and r.exit_code != 0 and "Error" in r.stderr),
+    "fork bomb": ("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+                  lambda r: r.timed_out),
+    "memory bomb": ("x = []\nwhile True:\n    x.append(bytearray(10 << 20))",
+                    lambda r: r.exit_code != 0 and not r.timed_out),  # OOM-killed or MemoryError, not the runner
+    "disk fill": ("f = open('big', 'wb')\nwhile True:\n    f.write(b'0' * (1 << 20))",
+                  lambda r: "No space left on device" in r.stderr),
+    "infinite loop": ("while True:\n    pass", lambda r: r.timed_out and r.seconds < 5),
+    "huge output": ("while True:\n    print('spam' * 1000)",
+                    lambda r: r.truncated and len(r.stdout) < 5000 and "truncated" in r.stdout),
+    "read host files": ("print(open('/host_secret_probe').read())",
+                        lambda r: "FileNotFoundError" in r.stderr),
+    "write outside the workspace": ("open('/etc/evil', 'w').write('x')",
+                                    lambda r: "Read-only file system" in r.stderr),
+    "kill PID 1": ("import os, signal\nfor s in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):\n"
+                   "    os.kill(1, s)\nprint('still here')", lambda r: r.stdout == "still here\n"),
+    "sleep past the timeout": ("import time\ntime.sleep(60)", lambda r: r.timed_out and r.seconds < 5),
+    "background process outliving the call": (
+        "import subprocess\nsubprocess.Popen(['sh', '-c', 'sleep 1; echo leaked > /workspace/leak'], "
+        "start_new_session=True)\nprint('spawned')", lambda r: r.stdout == "spawned\n"),
+}
+
+
+@docker_only
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_security_battery(sandbox, attack, tmp_path):
+    code, contained = ATTACKS[attack]
+    if attack == "read host files":  # a real host file, at a path the sandbox tries to open
+        probe = tmp_path / "host_secret_probe"
+        probe.write_text("secret")
+        code = code.replace("/host_secret_probe", str(probe))
+    started = time.monotonic()
+    result = sandbox.run(code=code)
+    assert time.monotonic() - started < 3 + 5, "the call must return within the timeout (plus grace)"
+    assert contained(result), (attack, result)
+    assert result.observation()  # always something the model can read
+    # the sandbox is still usable, and nothing of the attack survives the call
+    time.sleep(1.5)  # what a surviving background process would need to write its file
+    assert other_processes(sandbox) == []
+    assert sandbox.run(argv=["ls", "/workspace"]).stdout.strip() in ("", "big")  # no `leak`
+    assert not os.path.exists("/etc/evil")
+
+
+PROCESSES = ("import os\nfor p in os.listdir('/proc'):\n    if p.isdigit() and int(p) not in (1, os.getpid()):\n"
+             "        print(open(f'/proc/{p}/cmdline', 'rb').read().replace(bytes(1), b' ').decode())")
+
+
+def other_processes(sandbox) -> list[str]:
+    """Command lines of the processes in the container besides the runner (PID 1) and this probe."""
+    return sandbox.run(code=PROCESSES).stdout.splitlines()
+
+
+@docker_only
+def test_a_killed_container_is_a_sandbox_error_and_the_pool_replaces_it(docker_client):
+    from agentrl.tools.sandbox.docker_runtime import DockerRuntime
+
+    pool = SandboxPool(lambda: DockerRuntime(Limits(timeout=3), docker_client=docker_client), size=2, warm=False)
+    try:
+        rt = pool.acquire()
+        rt.container.kill()
+        with pytest.raises(SandboxError, match="died"):
+            rt.run(code="print(1)")
+        pool.release(rt)  # its reset fails: closed and replaced
+        assert pool.replaced == 1
+        with pool.lease() as fresh:
+            assert fresh.run(code="print(1)").stdout == "1\n"
+    finally:
+        pool.close()
+
+
+@docker_only
+def test_pool_is_bounded_resets_between_leases_and_leaks_nothing(docker_client):
+    from agentrl.tools.sandbox.docker_runtime import DockerRuntime
+
+    before = len(own_containers(docker_client))
+    pool = SandboxPool(lambda: DockerRuntime(Limits(timeout=3), docker_client=docker_client), size=2)
+    try:
+        a, b = pool.acquire(), pool.acquire()
+        with pytest.raises(SandboxError, match="busy"):
+            pool.acquire(timeout=0.5)
+        a.write("state.txt", "from the last episode")
+        a.run(code="import subprocess; subprocess.Popen(['sleep', '100'])")
+        pool.release(a)
+        c = pool.acquire()  # a reset sandbox: empty workspace, no processes
+        assert c.run(argv=["ls", "-A", "/workspace"]).stdout == ""
+        assert other_processes(c) == []
+        assert len(own_containers(docker_client)) - before == 2
+        pool.release(b)
+        pool.release(c)
+    finally:
+        pool.close()
+    time.sleep(1)
+    assert len(own_containers(docker_client)) == before
+
+
+@docker_only
+def test_containers_end_with_the_process_that_made_them(docker_client, tmp_path):
+    """SIGKILL the owner mid-run: the runner sees its stdin close and the container removes itself."""
+    script = tmp_path / "owner.py"
+    script.write_text("from agentrl.tools.sandbox.docker_runtime import DockerRuntime\n"
+                      "rt = DockerRuntime(); rt.start(); print(rt.container.id, flush=True)\n"
+                      "rt.run(code='import time; time.sleep(60)', timeout=60)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    container_id = proc.stdout.readline().strip()
+    time.sleep(1)
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and docker_client.containers.list(all=True, filters={"id": container_id}):
+        time.sleep(0.5)
+    assert not docker_client.containers.list(all=True, filters={"id": container_id})
