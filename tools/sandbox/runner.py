@@ -64,17 +64,92 @@ class Capture:
                 + self.tail.decode("utf-8", "replace"))
 
 
+class Forked:
+    """A Python program run in a fork of this (already started) interpreter, with the `subprocess.Popen`
+    surface `run` needs. A fresh `python3` costs ~10 ms of start-up; a fork ~1 ms. The child gets its own
+    session, standard streams, `__main__` module and argv, so the program runs as it would as a script."""
+
+    def __init__(self, code: str, path: str, cwd: str, setup):
+        (in_r, in_w), (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe(), os.pipe()
+        self.pid, self.returncode = os.fork(), None
+        if self.pid == 0:  # the child: never returns
+            status = 1
+            try:
+                os.setsid()
+                os.chdir(cwd)
+                setup()
+                for fd, target in ((in_r, 0), (out_w, 1), (err_w, 2)):
+                    os.dup2(fd, target)
+                os.closerange(3, 1 << 16)  # the host channel and every pipe of the runner
+                status = _exec_main(code, path)
+            finally:
+                os._exit(status)
+        for fd in (in_r, out_w, err_w):
+            os.close(fd)
+        self.stdin, self.stdout, self.stderr = os.fdopen(in_w, "wb"), os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb")
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while self.poll() is None:
+            if time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout)
+            time.sleep(0.001)
+        return self.returncode
+
+
+def _exec_main(code: str, path: str) -> int:
+    """In the forked child: run `code` as the `__main__` script at `path`; its exit status."""
+    import io
+    import traceback
+    import types
+
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r"))
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w"), write_through=True)  # unbuffered, as python3 -u
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w"), write_through=True)
+    main = types.ModuleType("__main__")
+    main.__file__, sys.argv, sys.modules["__main__"] = path, [path], main
+    try:
+        exec(compile(code, path, "exec"), main.__dict__)
+        return 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException as e:  # noqa: BLE001 -- reported as Python reports an uncaught exception
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next)  # without this frame
+        return 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except OSError:
+                pass
+
+
 class HostGone(Exception):
     """The host closed the runner's stdin during a run."""
 
 
-def run(argv: list[str], stdin: str, timeout: float, max_output: int, kill_all, cwd: str = WORKSPACE,
-        setup=_child_setup, host=None) -> dict:
-    """Runs argv in `cwd` with a wall-clock timeout; `kill_all(proc)` ends it and anything it started.
-    `setup` runs in the child before exec. `host`: a file whose EOF means the host is gone (HostGone)."""
+def run(argv: list[str] | None, stdin: str, timeout: float, max_output: int, kill_all, cwd: str = WORKSPACE,
+        setup=_child_setup, host=None, script: str | None = None) -> dict:
+    """Runs argv, or the Python file `script` in a fork of this interpreter (single-threaded callers only),
+    in `cwd` with a wall-clock timeout; `kill_all(proc)` ends it and anything it started. `setup` runs in
+    the child first. `host`: a file whose EOF means the host is gone (raises HostGone)."""
     start = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, preexec_fn=setup, start_new_session=True)
+    if script is not None:
+        with open(script) as f:
+            proc = Forked(f.read(), script, cwd, setup)
+    else:
+        proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, preexec_fn=setup, start_new_session=True)
     try:
         proc.stdin.write(stdin.encode())
         proc.stdin.close()
@@ -148,14 +223,13 @@ def handle(req: dict) -> dict:
     if op == "ping":
         return {"ok": True}
     if op == "run":
-        argv = req.get("argv")
-        if "code" in req:
-            path = "/tmp/agentrl_main.py"
-            with open(path, "w") as f:
+        script = None
+        if "code" in req:  # also on disk, so that tracebacks show the source lines
+            script = "/tmp/agentrl_main.py"
+            with open(script, "w") as f:
                 f.write(req["code"])
-            argv = [sys.executable, "-u", path]
-        return run(argv, req.get("stdin", ""), float(req.get("timeout", 10)), int(req.get("max_output", 16000)),
-                   kill_everything_else, host=sys.stdin)
+        return run(req.get("argv"), req.get("stdin", ""), float(req.get("timeout", 10)),
+                   int(req.get("max_output", 16000)), kill_everything_else, host=sys.stdin, script=script)
     if op == "write":
         path = _inside(req["path"])
         os.makedirs(os.path.dirname(path), exist_ok=True)
