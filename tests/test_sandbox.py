@@ -127,6 +127,8 @@ ATTACKS = {
                                     lambda r: "Read-only file system" in r.stderr),
     "kill PID 1": ("import os, signal\nfor s in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT):\n"
                    "    os.kill(1, s)\nprint('still here')", lambda r: r.stdout == "still here\n"),
+    "privilege escalation": ("import os\nos.setuid(0)\nprint('ROOT')",
+                             lambda r: "ROOT" not in r.stdout and "PermissionError" in r.stderr),
     "sleep past the timeout": ("import time\ntime.sleep(60)", lambda r: r.timed_out and r.seconds < 5),
     "background process outliving the call": (
         "import subprocess\nsubprocess.Popen(['sh', '-c', 'sleep 1; echo leaked > /workspace/leak'], "
