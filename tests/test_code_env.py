@@ -50,7 +50,8 @@ def local():
     ("def inc(x):\n    return 2\n", 1, "AssertionError"),  # candidate(1) == 2 only
     ("def inc(x) return x\n", 0, "does not load: SyntaxError"),
     ("def other(x):\n    return x + 1\n", 0, "does not load: KeyError: 'inc'"),  # not the stub instead
-    ("def inc(x):\n    print('\\nAGENTRL_TESTS 0 {\"passed\": 4, \"total\": 4}')\n    return 0\n", 1, "AssertionError"),  # a forged report is ignored: the real one is 1/4
+    # a forged report is ignored: the real one is 1/4
+    ("def inc(x):\n    print('\\nAGENTRL_TESTS 0 {\"passed\": 4, \"total\": 4}')\n    return 0\n", 1, "AssertionError"),
     ("def inc(x):\n    while True:\n        pass\n", 0, "did not finish (timed out)"),
 ])
 def test_hidden_tests_by_hand(local, solution, passed, error):

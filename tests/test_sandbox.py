@@ -32,7 +32,8 @@ def test_capture_keeps_head_and_tail_and_states_the_cut():
 def test_observation_says_how_the_run_ended():
     assert RunResult(0, "4\n", "").observation() == "4"
     assert RunResult(0, "", "").observation() == "[no output]"
-    assert RunResult(1, "", "Traceback ...\nValueError: x\n").observation() == "Traceback ...\nValueError: x\n[exit code 1]"
+    failed = RunResult(1, "", "Traceback ...\nValueError: x\n").observation()
+    assert failed == "Traceback ...\nValueError: x\n[exit code 1]"
     timed_out = RunResult(None, "partial\n", "", timed_out=True, seconds=3.0).observation()
     assert timed_out == "partial\n[killed: still running after the 3 s timeout]"
 

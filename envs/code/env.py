@@ -38,7 +38,8 @@ class CodeEnv(ToolEnv):
         if parser not in ("hermes",):
             raise ValueError(f"the code env reads Hermes tool calls (code spans lines); got parser {parser!r}")
         self.source, self.n_tasks, self.task_seed = source, n_tasks, seed
-        self.sandbox_kind, self.limits, self.pool_size = sandbox, Limits(timeout=timeout, memory_mb=memory_mb), pool_size
+        self.sandbox_kind, self.pool_size = sandbox, pool_size
+        self.limits = Limits(timeout=timeout, memory_mb=memory_mb)
         self._sandbox: Runtime | None = None
 
         @tool(timeout=timeout + 30.0)
@@ -92,8 +93,8 @@ class CodeEnv(ToolEnv):
     def score(self, task: Task, answer: str, transcript: Sequence[ParsedAction]) -> Score:
         d = task.data
         report = run_tests(self.sandbox, d["prompt"], answer, d["entry_point"], d["test"], self.limits.timeout)
-        return Score({"tests_passed": report.fraction, "outcome": float(report.passed == report.total)},
-                     detail=f"{report.passed}/{report.total} hidden tests" + (f"; {report.error}" if report.error else ""))
+        detail = f"{report.passed}/{report.total} hidden tests" + (f"; {report.error}" if report.error else "")
+        return Score({"tests_passed": report.fraction, "outcome": float(report.passed == report.total)}, detail)
 
     def solution(self, task: Task) -> str:
         return task.data["prompt"] + task.data["canonical_solution"]

@@ -66,7 +66,8 @@ TEMPLATES = {
                  "divisible by {k}.", "    return sum(x for x in xs if x % {k} == 0)\n",
                  lambda r: (_ints(r),), lambda r: {"k": r.randint(2, 5)}),
         Template("count_above", "def {fn}(xs: list) -> int:", "Return how many numbers in xs are greater than {k}.",
-                 "    return sum(1 for x in xs if x > {k})\n", lambda r: (_ints(r),), lambda r: {"k": r.randint(-5, 5)}),
+                 "    return sum(1 for x in xs if x > {k})\n", lambda r: (_ints(r),),
+                 lambda r: {"k": r.randint(-5, 5)}),
         Template("spread", "def {fn}(xs: list) -> int:", "Return the largest number in xs minus the smallest, "
                  "or 0 if xs is empty.", "    return max(xs) - min(xs) if xs else 0\n", lambda r: (_ints(r),)),
         Template("count_char", "def {fn}(s: str) -> int:", "Return how many times the letter '{c}' occurs in s.",
@@ -75,7 +76,8 @@ TEMPLATES = {
                  "spaces) in reverse order, joined by single spaces.", "    return ' '.join(reversed(s.split()))\n",
                  lambda r: (_words(r),)),
         Template("scale", "def {fn}(xs: list) -> list:", "Return a new list with every number of xs multiplied "
-                 "by {k}.", "    return [x * {k} for x in xs]\n", lambda r: (_ints(r),), lambda r: {"k": r.randint(2, 9)}),
+                 "by {k}.", "    return [x * {k} for x in xs]\n", lambda r: (_ints(r),),
+                 lambda r: {"k": r.randint(2, 9)}),
     ],
     "heldout": [
         Template("index_of", "def {fn}(xs: list, target: int) -> int:", "Return the index of the first "
