@@ -9,6 +9,8 @@ register("search/tools-v0", "agentrl.envs.search.env:SearchEnv", parser="hermes"
 register("search/react-v0", "agentrl.envs.search.env:SearchEnv", parser="react")
 register("code/humaneval-v0", "agentrl.envs.code:CodeEnv", source="humaneval")
 register("code/generated-v0", "agentrl.envs.code:CodeEnv", source="generated")
+register("swe/generated-v0", "agentrl.envs.swe:SWEEnv")  # `agentrl swe generate` first
+register("swe/instances-v0", "agentrl.envs.swe:SWEEnv")  # instances=PATH: SWE-bench style JSONL with images
 
 register_suite(Suite("math/heldout", (SuiteEntry("math/arith-v0", "heldout", 200),),
                      description="Arithmetic expression and word problems the training split never holds."))

@@ -186,6 +186,8 @@ class DockerRuntime:
             self.close()
             raise SandboxError(f"sandbox container died or hung ({e}; {reason})") from e
         reply = json.loads(line)
+        if not reply.get("ok") and request["op"] in ("read", "write"):  # a bad path: the caller's mistake
+            raise OSError(reply.get("error"))
         if not reply.get("ok"):
             raise SandboxError(f"sandbox runner: {reply.get('error')}")
         return reply

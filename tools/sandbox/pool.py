@@ -126,18 +126,22 @@ _POOLS: dict[tuple, SandboxPool] = {}
 _POOLS_LOCK = threading.Lock()
 
 
-def shared_pool(kind: str = "docker", limits: Limits = Limits(), size: int = 8) -> SandboxPool:
-    """This process's pool of `kind` ("docker" or "local") sandboxes with these limits, made on first use.
-    Docker containers left by dead processes of this host are removed first."""
+def shared_pool(kind: str = "docker", limits: Limits = Limits(), size: int = 8,
+                image: str | None = None) -> SandboxPool:
+    """This process's pool of `kind` ("docker" or "local") sandboxes with these limits (and Docker image:
+    default the Python sandbox image), made on first use. Docker containers left by dead processes of this
+    host are removed first."""
     with _POOLS_LOCK:
-        key = (kind, limits)
+        key = (kind, limits, image)
         if key not in _POOLS or _POOLS[key]._closed:
-            _POOLS[key] = SandboxPool(_factory(kind, limits), size)
+            _POOLS[key] = SandboxPool(_factory(kind, limits, image), size)
         return _POOLS[key]
 
 
-def _factory(kind: str, limits: Limits) -> Callable[[], Runtime]:
+def _factory(kind: str, limits: Limits, image: str | None) -> Callable[[], Runtime]:
     if kind == "local":
+        if image is not None:
+            raise ValueError("a local sandbox has no image: use kind='docker'")
         return lambda: LocalRuntime(limits)
     if kind != "docker":
         raise ValueError(f"sandbox kind must be 'docker' or 'local', got {kind!r}")
@@ -145,5 +149,5 @@ def _factory(kind: str, limits: Limits) -> Callable[[], Runtime]:
 
     docker_client = client()
     cleanup_stale(docker_client)
-    image = build_image(docker_client=docker_client)
+    image = image or build_image(docker_client=docker_client)
     return lambda: DockerRuntime(limits, image=image, docker_client=docker_client)

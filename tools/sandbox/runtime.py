@@ -78,9 +78,11 @@ class Runtime(Protocol):
         """Runs argv, or Python `code`, in the workspace. The code's failures are in the result; the
         sandbox's own raise SandboxError."""
 
-    def read(self, path: str) -> str: ...
+    def read(self, path: str) -> str:
+        """A file of the workspace (paths are relative to it and may not leave it); OSError if it cannot."""
 
-    def write(self, path: str, content: str) -> None: ...
+    def write(self, path: str, content: str) -> None:
+        """Creates or replaces a workspace file, making its directories; OSError if it cannot."""
 
     def reset(self) -> None:
         """Kills every process and empties the workspace: ready for the next episode."""

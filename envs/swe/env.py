@@ -1,0 +1,225 @@
+"""`swe/generated-v0` and `swe/instances-v0`: fix a bug in a real repository inside a Docker sandbox.
+
+Tools, as mini-swe-agent and SWE-agent give them: `bash(command)` (stateless: each command runs in a fresh
+shell in the repository, with a timeout and head/tail output truncation), `view(path, start, end)`,
+`edit(path, old, new)` (replace one exact, unique occurrence), `create(path, content)`, and `submit(summary)`.
+At submit, or when the turns run out, the repository is graded as SWE-bench grades it: the agent's diff is
+recorded, the files of `test_patch` are reset to the base commit and the test patch applied (so deleting or
+editing tests changes nothing), the tests run, and the reward is 1 iff every FAIL_TO_PASS and every
+PASS_TO_PASS test passes; the fraction of each is reported. The hidden tests are never in the workspace
+during the episode.
+
+Each episode leases a sandbox of its instance's image from the pool and copies the repository into the
+workspace; generated instances then get their bug (`setup_patch`), lose their test files (`hidden_tests`),
+and start a fresh git history, so `git log` holds no answer.
+"""
+
+from __future__ import annotations
+
+import random
+import shlex
+from pathlib import Path
+from typing import Sequence
+
+from agentrl.env import Score, ToolEnv
+from agentrl.envs.swe.generate import INSTANCES
+from agentrl.envs.swe.instances import load_jsonl, parse_pytest_summary
+from agentrl.tools import PARSERS, ParsedAction, ToolSet, tool
+from agentrl.tools.sandbox import Limits, Runtime, SandboxError
+from agentrl.tools.sandbox.pool import shared_pool
+from agentrl.types import Message, Task, ToolCall
+
+REPO = "repo"  # the repository's place in the workspace
+GIT = "git -c user.name=agentrl -c user.email=agentrl@localhost"
+SYSTEM_PROMPT = (
+    "You fix bugs in a Python repository, which is your working directory. Use bash to explore and run "
+    "code, view to read files, edit and create to change them; every bash command runs in a fresh shell. "
+    "When the bug is fixed, call submit with a one-line summary.\n{fmt}"
+)
+VIEW_LINES = 200
+
+
+class SWEEnv(ToolEnv):
+    def __init__(self, split: str = "train", instances: str | None = None, n_tasks: int | None = None,
+                 parser: str = "hermes", max_turns: int = 20, max_invalid: int = 3, timeout: float = 30.0,
+                 memory_mb: int = 1024, pool_size: int = 4):
+        if parser != "hermes":
+            raise ValueError(f"the SWE env reads Hermes tool calls (arguments span lines); got parser {parser!r}")
+        self.instances = Path(instances).expanduser() if instances else INSTANCES
+        self.n_tasks, self.pool_size = n_tasks, pool_size
+        self.limits = Limits(timeout=timeout, memory_mb=memory_mb, disk_mb=256, pids=128)
+        self._sandbox: Runtime | None = None
+        self._sandbox_image: str | None = None
+
+        @tool(timeout=timeout + 30.0)
+        def bash(command: str) -> str:
+            """Run a shell command in the repository (a fresh shell each time) and return its output.
+
+            Args:
+                command: The command, e.g. "grep -n ordinal -r ." or "python3 -c 'import pkg; print(pkg.f(1))'".
+            """
+            return self.sandbox.run(argv=["bash", "-c", f"cd {REPO} && {command}"]).observation()
+
+        @tool(timeout=30.0)
+        def view(path: str, start: int = 1, end: int = 0) -> str:
+            """Show a file with line numbers.
+
+            Args:
+                path: The file, relative to the repository.
+                start: First line to show.
+                end: Last line to show (0: up to 200 lines from start).
+            """
+            try:
+                lines = self.sandbox.read(f"{REPO}/{path}").splitlines()
+            except OSError as e:
+                return f"error: cannot read {path}: {e}"
+            end = end if end > 0 else start + VIEW_LINES - 1
+            shown = [f"{i:6d}\t{line}" for i, line in enumerate(lines[start - 1:end], start)]
+            return "\n".join(shown) + (f"\n[lines {start}-{min(end, len(lines))} of {len(lines)}]" if lines else "[empty]")
+
+        @tool(timeout=30.0)
+        def edit(path: str, old: str, new: str) -> str:
+            """Replace one exact occurrence of `old` in a file with `new`.
+
+            Args:
+                path: The file, relative to the repository.
+                old: Text that occurs exactly once in the file (include enough context to make it unique).
+                new: The replacement.
+            """
+            try:
+                text = self.sandbox.read(f"{REPO}/{path}")
+            except OSError as e:
+                return f"error: cannot read {path}: {e}"
+            count = text.count(old)
+            if count != 1:
+                return f"error: `old` occurs {count} times in {path}; it must occur exactly once"
+            self.sandbox.write(f"{REPO}/{path}", text.replace(old, new))
+            return f"edited {path}"
+
+        @tool(timeout=30.0)
+        def create(path: str, content: str) -> str:
+            """Create a new file.
+
+            Args:
+                path: The file, relative to the repository.
+                content: Its content.
+            """
+            try:
+                self.sandbox.read(f"{REPO}/{path}")
+                return f"error: {path} exists; change it with edit"
+            except OSError:
+                pass
+            try:
+                self.sandbox.write(f"{REPO}/{path}", content)
+            except OSError as e:
+                return f"error: cannot create {path}: {e}"
+            return f"created {path}"
+
+        @tool(timeout=1.0)
+        def submit(summary: str) -> str:
+            """Finish: the repository as it is now is graded by hidden tests.
+
+            Args:
+                summary: One line on what you changed.
+            """
+            return summary
+
+        super().__init__(ToolSet([bash, view, edit, create, submit]), PARSERS[parser](), split=split,
+                         max_turns=max_turns, max_invalid=max_invalid, reward_weights={"outcome": 1.0},
+                         answer_tool="submit")
+
+    # --- tasks ----------------------------------------------------------------------------------------------
+
+    def load_tasks(self, split: str) -> Sequence[Task]:
+        if not self.instances.exists():
+            raise FileNotFoundError(f"no SWE instances at {self.instances}: generate them with `agentrl swe generate` "
+                                    "(or pass instances=PATH to a SWE-bench style JSONL)")
+        return load_jsonl(self.instances, split)[:self.n_tasks]
+
+    def first_messages(self, task: Task) -> Sequence[Message]:
+        return (Message("system", SYSTEM_PROMPT.format(fmt=self.parser.instructions)),
+                Message("user", task.data["problem_statement"]))
+
+    # --- the sandbox of an episode --------------------------------------------------------------------------
+
+    @property
+    def sandbox(self) -> Runtime:
+        if self._sandbox is None:
+            raise SandboxError("no sandbox: reset() the env first")
+        return self._sandbox
+
+    def on_reset(self, task: Task) -> None:
+        super().on_reset(task)
+        self._release()
+        self._sandbox_image = task.data["image"]
+        self._sandbox = shared_pool("docker", self.limits, self.pool_size, image=self._sandbox_image).acquire()
+        self._setup(task)
+
+    def _setup(self, task: Task) -> None:
+        d = task.data
+        steps = [f"cp -a {shlex.quote(d['repo_dir'])}/. {REPO}", f"cd {REPO}"]
+        if d.get("setup_patch"):
+            self.sandbox.write(".setup.patch", d["setup_patch"])
+            steps.append("git apply ../.setup.patch && rm ../.setup.patch")
+        steps += [f"rm -rf {shlex.quote(p)}" for p in d.get("hidden_tests", [])]
+        if d.get("hidden_tests") or d.get("setup_patch"):  # a fresh history: `git log` must hold no answer
+            steps.append(f"rm -rf .git && git init -q && git add -A && {GIT} commit -qm base")
+        result = self.sandbox.run(argv=["bash", "-c", " && ".join(steps)], timeout=120)
+        if not result.ok:
+            raise SandboxError(f"could not set up {task.id}: {result.observation()[-500:]}")
+
+    def _release(self) -> None:
+        if self._sandbox is not None:
+            sandbox, self._sandbox = self._sandbox, None
+            shared_pool("docker", self.limits, self.pool_size, image=self._sandbox_image).release(sandbox)
+
+    def close(self) -> None:
+        self._release()
+        super().close()
+
+    # --- grading --------------------------------------------------------------------------------------------
+
+    def act(self, action: str):
+        obs, reward, done, info = super().act(action)
+        if not done and self.turn >= self.max_turns:  # SWE-bench grades whatever the repository holds at the end
+            _, reward, done, final = self._finish("")
+            info = {**info, **final, "reason": f"graded at max_turns={self.max_turns}"}
+        return obs, reward, done, info
+
+    def score(self, task: Task, answer: str, transcript: Sequence[ParsedAction]) -> Score:
+        d = task.data
+        diff = self.sandbox.run(argv=["bash", "-c", f"cd {REPO} && git add -A && git diff --cached HEAD"]).stdout
+        test_files = sorted({line.split(" b/", 1)[1] for line in d["test_patch"].splitlines()
+                             if line.startswith("diff --git a/")})
+        restore = [f"(git cat-file -e HEAD:{shlex.quote(f)} 2>/dev/null && git checkout -q HEAD -- {shlex.quote(f)}"
+                   f" || rm -rf {shlex.quote(f)})" for f in test_files]
+        steps = [f"cd {REPO}", *restore]
+        if d["test_patch"]:
+            self.sandbox.write(".test.patch", d["test_patch"])
+            steps.append("git apply ../.test.patch && rm ../.test.patch")
+        # to a file: the summary of every test is longer than a tool call's output budget
+        steps.append(f"(COLUMNS=250 {d['test_cmd']}) > ../.test_output 2>&1; true")
+        result = self.sandbox.run(argv=["bash", "-c", " && ".join(steps)], timeout=max(self.limits.timeout, 300))
+        try:
+            outcomes = parse_pytest_summary(self.sandbox.read(".test_output"))
+        except OSError:
+            outcomes = {}
+        f2p, p2p = (sum(outcomes.get(t) == "PASSED" for t in tests) / len(tests) if tests else 1.0
+                    for tests in (d["FAIL_TO_PASS"], d["PASS_TO_PASS"]))
+        resolved = float(f2p == 1.0 and p2p == 1.0)
+        detail = f"FAIL_TO_PASS {f2p:.2f}, PASS_TO_PASS {p2p:.2f}" + ("" if outcomes else
+                                                                       f"; the tests did not run: {result.observation()[-300:]}")
+        return Score({"outcome": resolved, "fail_to_pass": f2p, "pass_to_pass": p2p}, detail + f"\n--- diff\n{diff}")
+
+    # --- the gold solution ----------------------------------------------------------------------------------
+
+    def gold_actions(self, task: Task) -> list[str]:
+        apply = f"cat > /tmp/fix.patch <<'AGENTRL_PATCH'\n{task.data['patch']}AGENTRL_PATCH\ngit apply /tmp/fix.patch"
+        return [self.parser.format_call(ToolCall("bash", {"command": apply})),
+                self.parser.format_call(ToolCall("submit", {"summary": "applied the fix"}))]
+
+    def demonstration(self, task: Task, rng: random.Random, error_rate: float = 0.0) -> list[str]:
+        """The gold fix; with probability `error_rate`, submitting without changing anything."""
+        if rng.random() < error_rate:
+            return [self.parser.format_call(ToolCall("submit", {"summary": "no change needed"}))]
+        return self.gold_actions(task)

@@ -1,0 +1,68 @@
+"""SWE task instances in SWE-bench's format, and their loader.
+
+SWE-bench fields: `instance_id`, `repo`, `base_commit`, `problem_statement`, `FAIL_TO_PASS`, `PASS_TO_PASS`
+(pytest node ids; SWE-bench files store them as JSON strings, both forms are read), `patch` (the gold fix)
+and `test_patch` (the tests, applied only for grading). agentrl adds:
+    image         the sandbox image holding the repository (required: no registry here to pull from)
+    repo_dir      where the repository is in the image (default "/testbed", SWE-bench's convention)
+    test_cmd      the command that runs the tests, printing pytest's `-rA` summary (default: pytest on the
+                  files that FAIL_TO_PASS and PASS_TO_PASS name)
+    setup_patch   applied when an episode starts (generated tasks: the injected bug)
+    hidden_tests  paths removed when an episode starts (generated tasks: the test files, which
+                  `test_patch` re-creates for grading)
+    split, kind   generated tasks: train / heldout_repo / heldout_kind, and the mutation kind
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+from agentrl.types import Task
+
+REQUIRED = ("instance_id", "problem_statement", "FAIL_TO_PASS", "PASS_TO_PASS", "image")
+
+
+def to_task(d: dict[str, Any], split: str | None = None) -> Task:
+    """A task from one instance dict; a clear error names what is missing."""
+    missing = [k for k in REQUIRED if k not in d]
+    if missing:
+        raise ValueError(f"SWE instance {d.get('instance_id', '?')}: missing {', '.join(missing)}"
+                         + (" (give each instance the sandbox image that holds its repository)" if "image" in missing
+                            else ""))
+    data = dict(d)
+    for key in ("FAIL_TO_PASS", "PASS_TO_PASS", "hidden_tests"):
+        if isinstance(data.get(key), str):  # SWE-bench stores these lists as JSON strings
+            data[key] = json.loads(data[key])
+    data.setdefault("repo_dir", "/testbed")
+    data.setdefault("test_patch", "")
+    if not data.get("test_cmd"):
+        files = sorted({t.split("::")[0] for t in data["FAIL_TO_PASS"] + data["PASS_TO_PASS"]})
+        data["test_cmd"] = "python3 -m pytest -rA --tb=no -p no:cacheprovider -q " + " ".join(files)
+    return Task(d["instance_id"], data, split or d.get("split", "test"))
+
+
+def load_jsonl(path: str | Path, split: str | None = None) -> list[Task]:
+    """SWE-bench / SWE-Gym style instances, one JSON object per line; `split` keeps those of one split."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    tasks = [to_task(r) for r in rows]
+    return [t for t in tasks if split is None or t.split == split]
+
+
+def write_jsonl(instances: Iterable[dict[str, Any]], path: str | Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(i) + "\n" for i in instances))
+    tmp.rename(path)
+
+
+def parse_pytest_summary(output: str) -> dict[str, str]:
+    """Test id → PASSED / FAILED / ERROR / SKIPPED / XFAIL / XPASS, from pytest's `-rA` summary lines."""
+    results = {}
+    for line in output.splitlines():
+        status, _, rest = line.partition(" ")
+        if status in ("PASSED", "FAILED", "ERROR", "XFAIL", "XPASS") and "::" in rest:
+            results[rest.split(" - ")[0].strip()] = status
+    return results

@@ -1,0 +1,92 @@
+"""The repositories that generated SWE tasks are made from: small pure-Python packages whose sdists ship
+their test suites, pinned so that generation is deterministic, and one sandbox image per repository.
+
+Everything is fetched offline-friendly: `pip download` of the pinned sdist (from the configured index or
+`--find-links`) and of the pure-Python test dependencies as wheels, into the cache; the image is built
+FROM the Python sandbox image with no network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from agentrl.tools.sandbox import SandboxError
+from agentrl.tools.sandbox.docker_runtime import build_image
+
+DOCKERFILE = Path(__file__).resolve().parents[2] / "containers" / "swe" / "Dockerfile"
+TEST_WHEELS = ("pytest==9.2.0", "pluggy==1.7.0", "iniconfig==2.3.1", "packaging==26.4", "pygments==2.21.0")
+
+
+@dataclass(frozen=True)
+class RepoSpec:
+    name: str
+    sdist: str  # pip requirement of the pinned source distribution
+    sources: tuple[str, ...]  # library modules bugs are injected into (paths in the repo)
+    tests: tuple[str, ...]  # test files or directories: hidden during episodes, restored for grading
+
+
+REPOS = (
+    RepoSpec("inflection", "inflection==0.5.1", ("inflection/__init__.py",), ("test_inflection.py",)),
+    RepoSpec("toolz", "toolz==1.2.0", ("toolz/itertoolz.py", "toolz/dicttoolz.py", "toolz/functoolz.py"),
+             ("toolz/tests",)),
+    RepoSpec("six", "six==1.17.0", ("six.py",), ("test_six.py",)),
+)
+
+
+def fetch(spec: RepoSpec, cache: Path) -> Path:
+    """The repository snapshot: the sdist, unpacked into `cache/repos/NAME` (once)."""
+    repo = cache / "repos" / spec.name
+    if repo.exists():
+        return repo
+    downloads = cache / "sdists"
+    downloads.mkdir(parents=True, exist_ok=True)
+    _pip("download", "--no-deps", "--no-binary", ":all:", spec.sdist, "-d", str(downloads))
+    name, version = spec.sdist.split("==")
+    prefix = f"{name}-{version}".lower().replace("-", "_")
+    archive = next(p for p in downloads.glob("*.tar.gz") if p.name.lower().replace("-", "_").startswith(prefix))
+    with tempfile.TemporaryDirectory() as tmp, tarfile.open(archive) as tar:
+        tar.extractall(tmp, filter="data")
+        [top] = Path(tmp).iterdir()
+        shutil.copytree(top, repo.with_suffix(".tmp"), dirs_exist_ok=True)
+    repo.with_suffix(".tmp").rename(repo)
+    return repo
+
+
+def test_wheels(cache: Path) -> Path:
+    wheels = cache / "wheels"
+    if not wheels.exists():
+        _pip("download", "--no-deps", "--only-binary", ":all:", *TEST_WHEELS, "-d", str(wheels.with_suffix(".tmp")))
+        wheels.with_suffix(".tmp").rename(wheels)
+    return wheels
+
+
+def image(spec: RepoSpec, cache: Path, docker_client: Any) -> str:
+    """The repository's sandbox image, built unless it exists; tagged by a hash of everything in it."""
+    repo, wheels = fetch(spec, cache), test_wheels(cache)
+    sandbox_image = build_image(docker_client=docker_client)
+    digest = hashlib.sha256(DOCKERFILE.read_bytes() + sandbox_image.encode() + spec.sdist.encode()
+                            + "".join(sorted(p.name for p in wheels.iterdir())).encode()).hexdigest()[:12]
+    tag = f"agentrl/swe-{spec.name.replace('_', '-')}:{digest}"
+    if docker_client.images.list(name=tag):
+        return tag
+    with tempfile.TemporaryDirectory() as context:
+        shutil.copy(DOCKERFILE, Path(context) / "Dockerfile")
+        shutil.copytree(repo, Path(context) / "repo")
+        shutil.copytree(wheels, Path(context) / "wheels")
+        docker_client.images.build(path=context, tag=tag, buildargs={"SANDBOX_IMAGE": sandbox_image}, rm=True,
+                                   network_mode="none")
+    return tag
+
+
+def _pip(*args: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "pip", "-q", *args], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SandboxError(f"pip {' '.join(args)} failed: {result.stderr.strip()[-500:]}")
