@@ -7,7 +7,7 @@ PY    := $(VENV)/bin/python
 TORCH := torch==2.13.0+cpu
 SUDO  := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup setup-vllm setup-browser setup-docker setup-bench demo methods test bench clean
+.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-bench demo methods test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -34,6 +34,11 @@ setup-docker: setup
 	containers/start-dockerd.sh
 	containers/build-base.sh
 	$(VENV)/bin/agentrl sandbox build
+
+# Generated SWE tasks: bugs injected into three real repositories, kept when tests catch them (a few
+# minutes; skipped when up to date).
+setup-swe: setup-docker
+	$(VENV)/bin/agentrl swe generate
 
 # TRL, for bench/trainer_vs_trl.py only (it leaves torch and transformers as they are).
 $(VENV)/.bench: $(VENV)/.installed
@@ -65,11 +70,11 @@ methods: setup
 	for m in $(METHODS); do $(VENV)/bin/agentrl train recipes/cpu_math_$${m}_train.toml || exit 1; done
 	$(VENV)/bin/agentrl compare $(addprefix runs/math-,$(METHODS))
 
-# All tests, the real components included (vLLM on CPU, Chromium, Docker).
-test: setup setup-vllm setup-browser setup-docker
+# All tests, the real components included (vLLM on CPU, Chromium, Docker and the generated SWE tasks).
+test: setup setup-vllm setup-browser setup-swe
 	$(PY) -m pytest -q -rs
 
-bench: setup setup-vllm setup-bench setup-docker
+bench: setup setup-vllm setup-bench setup-swe
 	for b in bench/*.py; do $(PY) $$b --quick; done
 
 clean:

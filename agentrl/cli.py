@@ -22,6 +22,8 @@ app.add_typer(model_app, name="model")
 app.add_typer(serve_app, name="serve")
 sandbox_app = typer.Typer(help="Docker sandboxes for code envs.", no_args_is_help=True)
 app.add_typer(sandbox_app, name="sandbox")
+swe_app = typer.Typer(help="SWE tasks.", no_args_is_help=True)
+app.add_typer(swe_app, name="swe")
 console = Console()
 
 
@@ -90,6 +92,32 @@ def sandbox_clean() -> None:
     from agentrl.tools.sandbox.docker_runtime import cleanup_stale
 
     console.print(f"removed {cleanup_stale()} stale sandbox containers")
+
+
+@swe_app.command("generate")
+def swe_generate(per_repo: int = typer.Option(20, help="Bugs to keep per repository."),
+                 seed: int = typer.Option(0, help="Seed of the order in which bug sites are tried."),
+                 out: Optional[Path] = typer.Option(None, help="Instances JSONL [default: the swe/generated-v0 one]."),
+                 force: bool = typer.Option(False, help="Generate again even if the instances and images exist.")
+                 ) -> None:
+    """Generate SWE tasks offline: inject bugs into real repositories (pinned sdists) with libcst and keep
+    those that make passing tests fail. Deterministic; needs Docker (`make setup-docker`)."""
+    from agentrl.envs.swe.generate import INSTANCES, generate, up_to_date
+    from agentrl.tools.sandbox import SandboxError
+
+    if not force and up_to_date(out or INSTANCES, per_repo, seed):
+        console.print(f"{out or INSTANCES} is up to date (--force to generate again)")
+        return
+    try:
+        instances = generate(out or INSTANCES, per_repo=per_repo, seed=seed, log=console.print)
+    except SandboxError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(1)
+    splits = {}
+    for i in instances:
+        splits[i["split"]] = splits.get(i["split"], 0) + 1
+    console.print(f"{len(instances)} instances ({', '.join(f'{k} {v}' for k, v in sorted(splits.items()))}) "
+                  f"→ {out or INSTANCES}")
 
 
 @app.command()

@@ -16,7 +16,9 @@ per_repo → the same instances.
 from __future__ import annotations
 
 import difflib
+import json
 import random
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -32,6 +34,7 @@ LIMITS = Limits(timeout=120, memory_mb=1024, disk_mb=256, pids=128, output_bytes
 REPO_DIR = "/repo"
 WORKDIR = "repo"  # in the sandbox's workspace
 HELD_OUT_KIND = "swap_arguments"
+ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 
 
 def file_diff(path: str, old: str | None, new: str) -> str:
@@ -68,7 +71,7 @@ def problem_statement(spec: RepoSpec, failing: list[str], output: str) -> str:
     for line in output.splitlines():
         if line.startswith("FAILED ") and " - " in line:
             test, _, message = line[len("FAILED "):].partition(" - ")
-            messages[test.strip()] = message.strip()[:200]
+            messages[test.strip()] = ADDRESS.sub(" at 0x...", message.strip())[:200]  # reprs: deterministic text
     shown = "\n".join(f"- `{t}`" + (f": {messages[t]}" if t in messages else "") for t in failing[:5])
     more = f"\n- ... and {len(failing) - 5} more" if len(failing) > 5 else ""
     return (f"After a recent change to {spec.name}, {len(failing)} of its tests fail:\n\n{shown}{more}\n\n"
@@ -130,6 +133,19 @@ def generate_repo(spec: RepoSpec, cache: Path, per_repo: int, seed: int, split_o
         sandbox.close()
 
 
+def up_to_date(out: Path, per_repo: int, seed: int) -> bool:
+    """Whether `out` was generated with these settings and every image it names exists (same image tags =
+    same repositories, runner and test dependencies)."""
+    settings = out.with_suffix(".settings.json")
+    if not out.exists() or not settings.exists():
+        return False
+    if json.loads(settings.read_text()) != {"per_repo": per_repo, "seed": seed, "repos": [r.sdist for r in REPOS]}:
+        return False
+    docker_client = client()
+    images = {json.loads(line)["image"] for line in out.read_text().splitlines() if line.strip()}
+    return all(docker_client.images.list(name=image) for image in images)
+
+
 def generate(out: Path = INSTANCES, cache: Path = CACHE, per_repo: int = 20, seed: int = 0,
              log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Generates the instances of every repository and writes them to `out` (JSONL, SWE-bench fields)."""
@@ -142,4 +158,6 @@ def generate(out: Path = INSTANCES, cache: Path = CACHE, per_repo: int = 20, see
 
         instances += generate_repo(spec, cache, per_repo, seed, split_of, docker_client, log)
     write_jsonl(instances, out)
+    out.with_suffix(".settings.json").write_text(json.dumps({"per_repo": per_repo, "seed": seed,
+                                                             "repos": [r.sdist for r in REPOS]}))
     return instances

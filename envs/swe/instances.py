@@ -59,7 +59,8 @@ def write_jsonl(instances: Iterable[dict[str, Any]], path: str | Path) -> None:
 
 
 def parse_pytest_summary(output: str) -> dict[str, str]:
-    """Test id → PASSED / FAILED / ERROR / SKIPPED / XFAIL / XPASS, from pytest's `-rA` summary lines."""
+    """Test id → PASSED / FAILED / ERROR / XFAIL / XPASS, from pytest's `-rA` summary lines (a FAILED line
+    is `id - message`: an id that itself holds " - " would be cut there)."""
     results = {}
     for line in output.splitlines():
         status, _, rest = line.partition(" ")
