@@ -304,7 +304,9 @@ def demonstrations(make_env, tasks: list, renderer: Renderer, rollout: RolloutCo
     """Expert episodes (one per task) played through the real env and renderer, so SFT sees exact tokens
     and masks."""
     rng, env = random.Random(seed), make_env()
-    scripts = {t.data["question"]: env.demonstration(t, rng, error_rate) for t in tasks}
+    # Each script is found by its task's own text in the prompt: the last user message the env opens with.
+    scripts = {[m for m in env.first_messages(t) if m.role == "user"][-1].content: env.demonstration(t, rng, error_rate)
+               for t in tasks}
     policy = ScriptedPolicy(renderer, playing(scripts), renderer.generation_prompt)
     engine = RolloutEngine(make_env, policy, renderer, replace(rollout, group_size=1))
     with JsonlWriter(path) as writer:

@@ -214,12 +214,36 @@ class SWEEnv(ToolEnv):
     # --- the gold solution ----------------------------------------------------------------------------------
 
     def gold_actions(self, task: Task) -> list[str]:
-        apply = f"cat > /tmp/fix.patch <<'AGENTRL_PATCH'\n{task.data['patch']}AGENTRL_PATCH\ngit apply /tmp/fix.patch"
-        return [self.parser.format_call(ToolCall("bash", {"command": apply})),
-                self.parser.format_call(ToolCall("submit", {"summary": "applied the fix"}))]
+        """The gold patch as one `edit` when it is one hunk of one file (short enough for small models),
+        else applied with `git apply`; then submit."""
+        edit = single_hunk_edit(task.data["patch"])
+        if edit is not None:
+            fix = ToolCall("edit", edit)
+        else:
+            fix = ToolCall("bash", {"command": f"cat > /tmp/fix.patch <<'AGENTRL_PATCH'\n{task.data['patch']}"
+                                               "AGENTRL_PATCH\ngit apply /tmp/fix.patch"})
+        return [self.parser.format_call(fix), self.parser.format_call(ToolCall("submit", {"summary": "fixed"}))]
 
     def demonstration(self, task: Task, rng: random.Random, error_rate: float = 0.0) -> list[str]:
         """The gold fix; with probability `error_rate`, submitting without changing anything."""
         if rng.random() < error_rate:
             return [self.parser.format_call(ToolCall("submit", {"summary": "no change needed"}))]
         return self.gold_actions(task)
+
+
+def single_hunk_edit(patch: str) -> dict[str, str] | None:
+    """{"path", "old", "new"} of a patch that changes one hunk of one file (the hunk's two sides, context
+    included, which makes `old` unique in practice); None otherwise."""
+    lines = patch.splitlines(keepends=True)
+    files = [line for line in lines if line.startswith("diff --git ")]
+    hunks = [i for i, line in enumerate(lines) if line.startswith("@@")]
+    if len(files) != 1 or len(hunks) != 1 or "\\ No newline" in patch:
+        return None
+    old, new = [], []
+    for line in lines[hunks[0] + 1:]:
+        tag, text = line[:1], line[1:]
+        if tag in (" ", "-"):
+            old.append(text)
+        if tag in (" ", "+"):
+            new.append(text)
+    return {"path": files[0].split(" b/", 1)[1].strip(), "old": "".join(old), "new": "".join(new)}
