@@ -72,6 +72,22 @@ def test_loader_reads_swe_bench_instances(tmp_path):
         to_task({k: v for k, v in row.items() if k != "image"})
 
 
+def test_folder_format(tmp_path):
+    from agentrl.envs.swe.instances import load
+
+    task_dir = tmp_path / "tasks" / "mylib-1"
+    task_dir.mkdir(parents=True)
+    (task_dir / "instance.json").write_text(json.dumps({
+        "FAIL_TO_PASS": ["tests/test_a.py::test_x"], "PASS_TO_PASS": [], "image": "me/mylib:1", "repo_dir": "/repo",
+        "problem_statement": "overridden below", "split": "train"}))
+    (task_dir / "problem_statement.md").write_text("`x()` returns 2, not 1.")
+    (task_dir / "patch.diff").write_text("diff --git a/a.py b/a.py\n")
+    [task] = load(tmp_path / "tasks", split="train")
+    assert task.id == "mylib-1" and task.data["problem_statement"] == "`x()` returns 2, not 1."
+    assert task.data["patch"].startswith("diff --git") and task.data["repo_dir"] == "/repo"
+    assert load(tmp_path / "tasks", split="heldout") == []
+
+
 def test_pytest_summary_parsing():
     out = ("PASSED t.py::test_a\nFAILED t.py::test_b[x-y] - AssertionError: assert 1 == 2\nERROR t.py::test_c\n"
            "SKIPPED [1] t.py:3: no gdbm\n== 1 failed, 1 passed ==\n")

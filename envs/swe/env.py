@@ -23,7 +23,7 @@ from typing import Sequence
 
 from agentrl.env import Score, ToolEnv
 from agentrl.envs.swe.generate import INSTANCES
-from agentrl.envs.swe.instances import load_jsonl, parse_pytest_summary
+from agentrl.envs.swe.instances import load, parse_pytest_summary
 from agentrl.tools import PARSERS, ParsedAction, ToolSet, tool
 from agentrl.tools.sandbox import Limits, Runtime, SandboxError
 from agentrl.tools.sandbox.pool import shared_pool
@@ -133,8 +133,8 @@ class SWEEnv(ToolEnv):
     def load_tasks(self, split: str) -> Sequence[Task]:
         if not self.instances.exists():
             raise FileNotFoundError(f"no SWE instances at {self.instances}: generate them with `agentrl swe generate` "
-                                    "(or pass instances=PATH to a SWE-bench style JSONL)")
-        return load_jsonl(self.instances, split)[:self.n_tasks]
+                                    "(or pass instances=PATH: a SWE-bench style JSONL, or a folder of tasks)")
+        return load(self.instances, split)[:self.n_tasks]
 
     def first_messages(self, task: Task) -> Sequence[Message]:
         return (Message("system", SYSTEM_PROMPT.format(fmt=self.parser.instructions)),

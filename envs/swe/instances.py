@@ -50,6 +50,26 @@ def load_jsonl(path: str | Path, split: str | None = None) -> list[Task]:
     return [t for t in tasks if split is None or t.split == split]
 
 
+def load_folder(path: str | Path, split: str | None = None) -> list[Task]:
+    """Our own tasks, one directory each: `instance.json` with the fields, and optionally the long ones as
+    files beside it (`problem_statement.md`, `patch.diff`, `test_patch.diff`, `setup_patch.diff`), which
+    take precedence. The directory name is the default instance_id."""
+    tasks = []
+    for directory in sorted(p for p in Path(path).iterdir() if (p / "instance.json").exists()):
+        d = {"instance_id": directory.name, **json.loads((directory / "instance.json").read_text())}
+        for key, name in (("problem_statement", "problem_statement.md"), ("patch", "patch.diff"),
+                          ("test_patch", "test_patch.diff"), ("setup_patch", "setup_patch.diff")):
+            if (directory / name).exists():
+                d[key] = (directory / name).read_text()
+        tasks.append(to_task(d))
+    return [t for t in tasks if split is None or t.split == split]
+
+
+def load(path: str | Path, split: str | None = None) -> list[Task]:
+    """Instances from a JSONL file or a folder of task directories."""
+    return load_folder(path, split) if Path(path).is_dir() else load_jsonl(path, split)
+
+
 def write_jsonl(instances: Iterable[dict[str, Any]], path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
