@@ -146,3 +146,5 @@ def test_ppo_config_says_what_is_wrong():
         PPOConfig(dynamic_sampling=True)
     with pytest.raises(ValueError, match="gamma and lam"):
         PPOConfig(lam=1.5)
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        PPOConfig(minibatch_size=8, micro_batch_size=16)

@@ -64,6 +64,8 @@ class GRPOConfig:
             raise ValueError(f"loss must be one of {sorted(POLICY_LOSSES)}, got {self.loss!r}")
         if self.rollout.group_size < 2:
             raise ValueError("GRPO needs rollout.group_size >= 2 to compare samples of one task")
+        if self.micro_batch_size is not None and not 1 <= self.micro_batch_size <= self.minibatch_size:
+            raise ValueError(f"micro_batch_size must be in [1, minibatch_size], got {self.micro_batch_size}")
 
 
 class TaskStream:
@@ -135,7 +137,7 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
     each, with gradient clipping. `loss_fn(micro_batch, rows)` → (loss, metrics), where `rows` indexes
     `batch`. With `cfg.micro_batch_size`, each minibatch is run in micro-batches whose gradients accumulate,
     weighted so that the step equals the whole minibatch's (`micro_batch_weight`). Returns the mean of each
-    metric (over micro-batches; grad_norm over steps)."""
+    metric (over micro-batches; grad_norm over steps). PPO's config has the same fields and uses it too."""
     device, totals, counts = next(model.parameters()).device, {}, {}
 
     def add(metrics: dict) -> None:

@@ -75,6 +75,8 @@ class PPOConfig:
             raise ValueError(f"kl_kind must be one of {KL_KINDS}, got {self.kl_kind!r}")
         if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
             raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")
+        if self.micro_batch_size is not None and not 1 <= self.micro_batch_size <= self.minibatch_size:
+            raise ValueError(f"micro_batch_size must be in [1, minibatch_size], got {self.micro_batch_size}")
         if self.dynamic_sampling:
             raise ValueError("dynamic_sampling is a GRPO option: PPO's critic, not the group, is the baseline")
 
