@@ -75,7 +75,9 @@ class SWEEnv(ToolEnv):
                 return f"error: cannot read {path}: {e}"
             end = end if end > 0 else start + VIEW_LINES - 1
             shown = [f"{i:6d}\t{line}" for i, line in enumerate(lines[start - 1:end], start)]
-            return "\n".join(shown) + (f"\n[lines {start}-{min(end, len(lines))} of {len(lines)}]" if lines else "[empty]")
+            if not lines:
+                return "[empty]"
+            return "\n".join(shown) + f"\n[lines {start}-{min(end, len(lines))} of {len(lines)}]"
 
         @tool(timeout=30.0)
         def edit(path: str, old: str, new: str) -> str:
@@ -207,8 +209,9 @@ class SWEEnv(ToolEnv):
         f2p, p2p = (sum(outcomes.get(t) == "PASSED" for t in tests) / len(tests) if tests else 1.0
                     for tests in (d["FAIL_TO_PASS"], d["PASS_TO_PASS"]))
         resolved = float(f2p == 1.0 and p2p == 1.0)
-        detail = f"FAIL_TO_PASS {f2p:.2f}, PASS_TO_PASS {p2p:.2f}" + ("" if outcomes else
-                                                                       f"; the tests did not run: {result.observation()[-300:]}")
+        detail = f"FAIL_TO_PASS {f2p:.2f}, PASS_TO_PASS {p2p:.2f}"
+        if not outcomes:
+            detail += f"; the tests did not run: {result.observation()[-300:]}"
         return Score({"outcome": resolved, "fail_to_pass": f2p, "pass_to_pass": p2p}, detail + f"\n--- diff\n{diff}")
 
     # --- the gold solution ----------------------------------------------------------------------------------

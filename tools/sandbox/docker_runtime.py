@@ -52,6 +52,9 @@ def client() -> Any:
 
 def image_tag() -> str:
     """The Python sandbox image's tag: a hash of its Dockerfile and runner, so a change rebuilds it."""
+    if not DOCKERFILE.exists():
+        raise SandboxError(f"{DOCKERFILE} is missing: the Dockerfiles live in the repository's containers/ folder; "
+                           "install agentrl from a checkout (pip install -e .)")
     digest = hashlib.sha256(DOCKERFILE.read_bytes() + _runner_source()).hexdigest()[:12]
     return f"agentrl/python:{digest}"
 
