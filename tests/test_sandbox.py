@@ -53,6 +53,8 @@ def test_local_runtime_runs_times_out_and_truncates(tmp_path):
         rt.write("data/x.txt", "hi")
         assert rt.run(code="print(open('data/x.txt').read())").stdout == "hi\n"
         assert rt.read("data/x.txt") == "hi"
+        with pytest.raises(PermissionError, match="outside the workspace"):
+            rt.read("../../etc/passwd")
         slow = rt.run(code="import time\nprint('started', flush=True)\ntime.sleep(30)")
         assert slow.timed_out and slow.exit_code is None and "started" in slow.stdout and slow.seconds < 5
         loud = rt.run(code="print('x' * 100_000)")

@@ -131,14 +131,19 @@ class LocalRuntime:
         return _result(reply)
 
     def read(self, path: str) -> str:
-        self.start()
-        return (self.workspace / path).read_text()
+        return self._inside(path).read_text()
 
     def write(self, path: str, content: str) -> None:
-        self.start()
-        target = self.workspace / path
+        target = self._inside(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(content)
+
+    def _inside(self, path: str) -> Path:
+        self.start()
+        full = (self.workspace / path).resolve()
+        if not full.is_relative_to(self.workspace.resolve()):
+            raise PermissionError(f"{path!r} is outside the workspace")
+        return full
 
     def reset(self) -> None:
         self.close()
