@@ -107,8 +107,9 @@ def test_docker_runs_code_as_an_unprivileged_user_in_the_workspace(sandbox):
     assert sandbox.read("pkg/mod.py") == "X = 5\n"
     assert sandbox.run(argv=["sh", "-c", "echo out; echo err >&2; exit 3"]).observation() == "out\nerr\n[exit code 3]"
     # the process probe the battery relies on does see a process that is alive
-    probe = sandbox.run(code="import subprocess; subprocess.Popen(['sleep', '7'])\n" + PROCESSES)
-    assert "sleep 7" in probe.stdout
+    probe = sandbox.run(code="import subprocess, time; subprocess.Popen(['sleep', '7']); time.sleep(0.3)\n"
+                        + PROCESSES)
+    assert "sleep S sleep 7" in probe.stdout.splitlines(), probe
 
 
 # The security battery. Each attack must be contained, with a clear observation, within the timeout (3 s).
@@ -159,12 +160,16 @@ def test_security_battery(sandbox, attack, tmp_path):
     assert not os.path.exists("/etc/evil")
 
 
+# "name state command line" of every process but the runner (PID 1) and the probe itself; the name and
+# state come from /proc/PID/stat, which a process has even before exec or as a zombie.
 PROCESSES = ("import os\nfor p in os.listdir('/proc'):\n    if p.isdigit() and int(p) not in (1, os.getpid()):\n"
-             "        print(open(f'/proc/{p}/cmdline', 'rb').read().replace(bytes(1), b' ').decode())")
+             "        stat = open(f'/proc/{p}/stat').read()\n"
+             "        cmd = open(f'/proc/{p}/cmdline', 'rb').read().replace(bytes(1), b' ').decode().strip()\n"
+             "        print(stat[stat.index('(') + 1:stat.rindex(')')], stat[stat.rindex(')') + 2], cmd)")
 
 
 def other_processes(sandbox) -> list[str]:
-    """Command lines of the processes in the container besides the runner (PID 1) and this probe."""
+    """The processes in the container besides the runner (PID 1) and this probe."""
     return sandbox.run(code=PROCESSES).stdout.splitlines()
 
 
