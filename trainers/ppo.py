@@ -113,18 +113,24 @@ def token_rewards(trajectories: Sequence[Trajectory], rewards_B: Sequence[float]
 
 @torch.no_grad()
 def advantages(batch: Batch, trajectories: Sequence[Trajectory], rewards_B: Sequence[float], critic: torch.nn.Module,
-               ref: torch.nn.Module | None, cfg: PPOConfig) -> tuple[Batch, torch.Tensor, torch.Tensor, dict]:
-    """(batch with GAE advantages, values_BT, returns_BT, metrics) from the critic's values at collection time."""
+               ref: torch.nn.Module | None, cfg: PPOConfig, policy: torch.nn.Module | None = None
+               ) -> tuple[Batch, torch.Tensor, torch.Tensor, dict]:
+    """(batch with GAE advantages, values_BT, returns_BT, metrics) from the critic's values at collection time.
+    With `ref`, the KL penalty compares `policy`'s own logprobs (the trainer's numerics, like the reference's)
+    with the reference's: an engine's logprobs differ from the trainer's by float noise, which whitening
+    would amplify when the advantages are nearly equal."""
     device = next(critic.parameters()).device
     ids_BT, attention_BT, mask_BT = (x.to(device) for x in (batch.ids_BT, batch.attention_BT, batch.mask_BT))
     values_BT = (token_values(critic, ids_BT, attention_BT) * mask_BT).cpu()
     rewards_BT = token_rewards(trajectories, rewards_B, ids_BT.shape[1])
     metrics = {}
     if ref is not None:
-        ref_logp_BT, _ = token_logprobs(ref, ids_BT, attention_BT, mask_BT=mask_BT)
-        rewards_BT = kl_in_reward(rewards_BT, batch.old_logp_BT, ref_logp_BT.cpu(), batch.mask_BT, beta=cfg.kl_coef,
-                                  kind=cfg.kl_kind)
-        metrics["kl"] = masked_mean(batch.old_logp_BT - ref_logp_BT.cpu(), batch.mask_BT).item()
+        if policy is None:
+            raise ValueError("the KL penalty needs the policy model, to compare its logprobs with the reference's")
+        logp_BT = token_logprobs(policy, ids_BT, attention_BT, mask_BT=mask_BT)[0].cpu()
+        ref_logp_BT = token_logprobs(ref, ids_BT, attention_BT, mask_BT=mask_BT)[0].cpu()
+        rewards_BT = kl_in_reward(rewards_BT, logp_BT, ref_logp_BT, batch.mask_BT, beta=cfg.kl_coef, kind=cfg.kl_kind)
+        metrics["kl"] = masked_mean(logp_BT - ref_logp_BT, batch.mask_BT).item()
     adv_BT, returns_BT = gae(rewards_BT, values_BT, batch.mask_BT, gamma=cfg.gamma, lam=cfg.lam)
     metrics.update(advantage_mean=masked_mean(adv_BT, batch.mask_BT).item(),
                    return_mean=masked_mean(returns_BT, batch.mask_BT).item())
@@ -198,7 +204,7 @@ def _update(kept: list[Group], model, critic, ref, optimizer, critic_optimizer, 
     trajectories = [t for g in kept for t in g.valid]
     rewards_B = [r for g in kept for r in group_rewards(g, cfg.reward)]
     batch, values_BT, returns_BT, metrics = advantages(make_batch(trajectories, [0.0] * len(trajectories)),
-                                                       trajectories, rewards_B, critic, ref, cfg)
+                                                       trajectories, rewards_B, critic, ref, cfg, policy=model)
     metrics["train_reward"] = sum(rewards_B) / len(rewards_B)
     metrics.update(update(model, None, optimizer, batch, cfg, torch.Generator().manual_seed(cfg.seed + step)))
     metrics.update(update_critic(critic, critic_optimizer, batch, values_BT, returns_BT, cfg,
