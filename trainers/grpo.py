@@ -191,7 +191,6 @@ def train(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Polic
     from after each sync. Returns the metrics of the steps run now. `periodic_eval(step)` runs after each
     sync; what it returns (e.g. held-out metrics, or {} when not due) is logged under `heldout`."""
     torch.manual_seed(cfg.seed)
-    renderer = Renderer(tokenizer)
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     stream, start = TaskStream(tasks, cfg.seed), 0
@@ -199,6 +198,29 @@ def train(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Polic
         load_model(model, checkpoint)
         resumed = load_trainer_state(checkpoint, optimizer, None)
         start, stream.position = resumed["step"], resumed["state"]["data_position"]
+
+    def train_step(kept: list[Group], collected: list[Group], step: int) -> dict:
+        metrics = majority_vote_metrics(collected) if "majority_vote" in cfg.reward.terms else {}
+        if kept:
+            rewards = [group_rewards(g, cfg.reward) for g in kept]
+            metrics["train_reward"] = sum(map(sum, rewards)) / sum(map(len, rewards))
+            batch = to_batch(kept, cfg.advantage, rewards)
+            metrics.update(update(model, ref, optimizer, batch, cfg, torch.Generator().manual_seed(cfg.seed + step)))
+        return metrics
+
+    return run_steps(cfg, model, tokenizer, policy, make_env, stream, start, out_dir, train_step,
+                     lambda: ({}, {}), optimizer, on_step, periodic_eval)
+
+
+def run_steps(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy,
+              make_env: Callable[[], TextEnv], stream: TaskStream, start: int, out_dir: Path,
+              train_step: Callable[[list[Group], list[Group], int], dict],
+              checkpoint_extras: Callable[[], tuple[dict, dict]], optimizer: torch.optim.Optimizer,
+              on_step: Callable[[int, dict], None] | None, periodic_eval: Callable[[int], dict] | None) -> list[dict]:
+    """The step loop GRPO and PPO share: collect → `train_step(kept, collected, step)` → weight sync →
+    metrics (rollout, timing, held-out) → checkpoint, whose extra state and submodels come from
+    `checkpoint_extras()`. Returns the metrics of the steps run."""
+    renderer = Renderer(tokenizer)
     asyncio.run(policy.sync_weights(model, start))
     max_reward = make_env().max_reward
     logger, history = MetricsLogger(out_dir), []
@@ -207,13 +229,7 @@ def train(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Polic
         kept, collected = collect_step(make_env, policy, renderer, stream, cfg, step)
         t1 = time.perf_counter()
         metrics = rollout_metrics(collected, max_reward)
-        if "majority_vote" in cfg.reward.terms:
-            metrics.update(majority_vote_metrics(collected))
-        if kept:
-            rewards = [group_rewards(g, cfg.reward) for g in kept]
-            metrics["train_reward"] = sum(map(sum, rewards)) / sum(map(len, rewards))
-            batch = to_batch(kept, cfg.advantage, rewards)
-            metrics.update(update(model, ref, optimizer, batch, cfg, torch.Generator().manual_seed(cfg.seed + step)))
+        metrics.update(train_step(kept, collected, step))
         t2 = time.perf_counter()
         asyncio.run(policy.sync_weights(model, step + 1))
         t3 = time.perf_counter()
@@ -226,7 +242,8 @@ def train(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Polic
         if on_step:
             on_step(step + 1, metrics)
         if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or step + 1 == cfg.steps:
+            state, submodels = checkpoint_extras()
             save_checkpoint(out_dir, step + 1, model, tokenizer, optimizer, None,
-                            {"data_position": stream.position, "weight_version": step + 1})
+                            {"data_position": stream.position, "weight_version": step + 1, **state}, submodels)
     logger.close()
     return history

@@ -15,9 +15,7 @@ It is saved with each checkpoint under `critic/` and loads with `from_pretrained
 
 from __future__ import annotations
 
-import asyncio
 import copy
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -30,14 +28,12 @@ from transformers import AutoModelForTokenClassification
 from agentrl.config import STRICT
 from agentrl.env import TextEnv
 from agentrl.policy import Policy
-from agentrl.renderer import Renderer
 from agentrl.rollout import RolloutConfig
 from agentrl.trainers.advantages import gae, masked_whiten, turn_rewards_to_tokens
 from agentrl.trainers.batch import Batch, make_batch, token_logprobs
-from agentrl.trainers.checkpoint import latest_checkpoint, load_model, load_trainer_state, save_checkpoint
-from agentrl.trainers.grpo import TaskStream, collect_step, optimize, update
+from agentrl.trainers.checkpoint import latest_checkpoint, load_model, load_trainer_state
+from agentrl.trainers.grpo import TaskStream, optimize, run_steps, update
 from agentrl.trainers.losses import KL_KINDS, POLICY_LOSSES, PolicyLossConfig, kl_in_reward, masked_mean, value_loss
-from agentrl.trainers.metrics import MetricsLogger, rollout_metrics
 from agentrl.trainers.rewards import RewardConfig, group_rewards
 from agentrl.types import Group, Task, Trajectory
 
@@ -158,7 +154,6 @@ def train(cfg: PPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy
     """Runs (or resumes, from the latest checkpoint in `out_dir`) PPO on `model`, which `policy` samples
     from after each sync. Same contract as `grpo.train`."""
     torch.manual_seed(cfg.seed)
-    renderer = Renderer(tokenizer)
     critic = make_critic(model)
     ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
@@ -170,33 +165,13 @@ def train(cfg: PPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy
         resumed = load_trainer_state(checkpoint, optimizer, None)
         critic_optimizer.load_state_dict(resumed["state"]["critic_optimizer"])
         start, stream.position = resumed["step"], resumed["state"]["data_position"]
-    asyncio.run(policy.sync_weights(model, start))
-    max_reward = make_env().max_reward
-    logger, history = MetricsLogger(out_dir), []
-    for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        kept, collected = collect_step(make_env, policy, renderer, stream, cfg, step)
-        t1 = time.perf_counter()
-        metrics = rollout_metrics(collected, max_reward)
-        if kept:
-            metrics.update(_update(kept, model, critic, ref, optimizer, critic_optimizer, cfg, step))
-        t2 = time.perf_counter()
-        asyncio.run(policy.sync_weights(model, step + 1))
-        t3 = time.perf_counter()
-        metrics.update(groups_trained=len(kept), time={"rollout": t1 - t0, "train": t2 - t1, "sync": t3 - t2},
-                       tokens_per_s=metrics["sampled_tokens"] / max(t1 - t0, 1e-9))
-        if periodic_eval is not None and (heldout := periodic_eval(step + 1)):
-            metrics["heldout"] = heldout
-        logger.log(step + 1, metrics)
-        history.append(metrics)
-        if on_step:
-            on_step(step + 1, metrics)
-        if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or step + 1 == cfg.steps:
-            save_checkpoint(out_dir, step + 1, model, tokenizer, optimizer, None,
-                            {"data_position": stream.position, "weight_version": step + 1,
-                             "critic_optimizer": critic_optimizer.state_dict()}, submodels={"critic": critic})
-    logger.close()
-    return history
+
+    def train_step(kept: list[Group], collected: list[Group], step: int) -> dict:
+        return _update(kept, model, critic, ref, optimizer, critic_optimizer, cfg, step) if kept else {}
+
+    return run_steps(cfg, model, tokenizer, policy, make_env, stream, start, out_dir, train_step,
+                     lambda: ({"critic_optimizer": critic_optimizer.state_dict()}, {"critic": critic}),
+                     optimizer, on_step, periodic_eval)
 
 
 def _update(kept: list[Group], model, critic, ref, optimizer, critic_optimizer, cfg: PPOConfig, step: int) -> dict:
