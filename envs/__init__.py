@@ -2,6 +2,7 @@
 
 from agentrl.registration import register
 from agentrl.suites import Suite, SuiteEntry, register_suite
+from agentrl.envs.web.miniwob import HELDOUT_TYPES as MINIWOB_HELDOUT_TYPES, TRAIN_TYPES as MINIWOB_TRAIN_TYPES
 
 register("math/arith-v0", "agentrl.envs.math:ArithmeticEnv")
 register("search/r1-v0", "agentrl.envs.search.env:SearchEnv", parser="search_r1")
@@ -11,6 +12,9 @@ register("code/humaneval-v0", "agentrl.envs.code:CodeEnv", source="humaneval")
 register("code/generated-v0", "agentrl.envs.code:CodeEnv", source="generated")
 register("swe/generated-v0", "agentrl.envs.swe:SWEEnv")  # `agentrl swe generate` first
 register("swe/instances-v0", "agentrl.envs.swe:SWEEnv")  # instances=PATH: SWE-bench style JSONL with images
+register("web/miniwob-v0", "agentrl.envs.web.miniwob:MiniWoBEnv")  # splits train / heldout_seeds / heldout_types
+for _name in (*MINIWOB_TRAIN_TYPES, *MINIWOB_HELDOUT_TYPES):  # the tasks with scripted solvers; others: tasks=[name]
+    register(f"web/miniwob-{_name}-v0", "agentrl.envs.web.miniwob:MiniWoBEnv", tasks=[_name])
 
 register_suite(Suite("math/heldout", (SuiteEntry("math/arith-v0", "heldout", 200),),
                      description="Arithmetic expression and word problems the training split never holds."))

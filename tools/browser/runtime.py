@@ -1,0 +1,306 @@
+"""A real Chromium for the web envs, driven through Playwright.
+
+    browser = shared_browser()              # one Chromium per process, launched on first use
+    with browser.session() as page:         # a fresh context (cookies, storage, cache) per episode
+        page.goto("file:///.../task.html")  # only file:// and loopback URLs load; the rest is blocked
+        state = page.observe()              # URL, title, and the page as text with numbered elements
+        page.click(3)                       # act on element [3] of the observation
+
+Playwright's sync API belongs to the thread that started it, and the rollout engine steps envs from many
+threads; so the async API runs on one private event-loop thread and every call is submitted to it. At most
+`max_sessions` contexts are open at once; every call has a timeout. The browser closes at exit; if this
+process is killed, Playwright's driver sees its pipe close and takes the browser down with it.
+
+Two kinds of failure: `ActionError` is the model's (no element [7], a click that cannot land, a blocked URL):
+the env shows it as the observation's error line. `BrowserError` is the browser's (crashed, hung): the episode
+ends as `error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import os
+import shutil
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib.resources import files
+from typing import Any, Coroutine, Iterator
+from urllib.parse import urlsplit
+
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+ALWAYS_ALLOWED_SCHEMES = ("file", "data", "about", "blob")
+# Marks this process's Chromium on its command line, so that tests (and people) can find leftovers.
+OWNER_FLAG = "--agentrl-owner"
+_OBSERVE_JS = files("agentrl.tools.browser").joinpath("observe.js").read_text()
+INSTALL_HINT = ("Install Debian's Chromium and the Playwright package (its own browser download is not used):\n"
+                "    apt-get install -y chromium && pip install playwright     # or: make setup-browser")
+
+
+class BrowserError(RuntimeError):
+    """The browser failed (crashed, closed, or did not answer in time): the episode ends as `error`."""
+
+
+class ActionError(Exception):
+    """The model's action could not be carried out; the message is written for the model."""
+
+
+def is_local(url: str) -> bool:
+    """Whether the runtime lets `url` load: file/data/about/blob URLs and http(s) on the loopback."""
+    parts = urlsplit(url)
+    if parts.scheme in ALWAYS_ALLOWED_SCHEMES:
+        return True
+    return parts.scheme in ("http", "https", "ws", "wss") and (parts.hostname or "") in LOCAL_HOSTS
+
+
+def find_chromium() -> str:
+    """The Chromium executable: $AGENTRL_CHROMIUM, else `chromium` (Debian) or `chromium-browser` on PATH."""
+    path = os.environ.get("AGENTRL_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if not path:
+        raise BrowserError(f"no Chromium found (set AGENTRL_CHROMIUM to its path). {INSTALL_HINT}")
+    return path
+
+
+@dataclass
+class PageState:
+    """What a text policy sees of the page. `lines` holds one line per element, actionable ones numbered."""
+
+    url: str
+    title: str
+    lines: list[str]
+    elements: list[dict[str, Any]] = field(default_factory=list)
+
+    def element(self, id: int) -> dict[str, Any] | None:
+        return next((e for e in self.elements if e["id"] == id), None)
+
+    def find(self, role: str | None = None, name: str | None = None) -> list[dict[str, Any]]:
+        """Elements with this role and (case-insensitively) this exact name, in page order."""
+        return [e for e in self.elements if (role is None or e["role"] == role)
+                and (name is None or e["name"].lower() == name.lower())]
+
+
+class Browser:
+    """One Chromium process; `session()` opens a fresh context and page for one episode."""
+
+    def __init__(self, executable: str | None = None, max_sessions: int = 8, action_timeout: float = 5.0,
+                 launch_timeout: float = 60.0, headless: bool = True):
+        try:
+            from playwright.async_api import async_playwright
+        except ImportError as e:
+            raise BrowserError(f"the web envs need Playwright. {INSTALL_HINT}") from e
+        self.executable = executable or find_chromium()
+        self.action_timeout = action_timeout
+        self.blocked: list[str] = []  # requests the runtime refused, for tests and logs
+        self._slots = threading.BoundedSemaphore(max_sessions)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="agentrl-browser", daemon=True)
+        self._thread.start()
+        self._closed = False
+        try:
+            self._playwright = self.call(async_playwright().start(), launch_timeout)
+            self._browser = self.call(self._playwright.chromium.launch(
+                executable_path=self.executable, headless=headless,
+                args=[f"{OWNER_FLAG}={os.getpid()}",
+                      # Hostnames other than localhost do not resolve: a second wall behind the request filter,
+                      # for requests that filter cannot see (service workers, prefetch).
+                      "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE localhost",
+                      "--disable-dev-shm-usage", "--no-first-run", "--disable-background-networking"]),
+                launch_timeout)
+        except BaseException:
+            self.close()
+            raise
+        atexit.register(self.close)
+
+    def call(self, coroutine: Coroutine, timeout: float | None = None) -> Any:
+        """Runs `coroutine` on the browser's loop and returns its result (Playwright errors → BrowserError)."""
+        if self._closed:
+            coroutine.close()
+            raise BrowserError("the browser is closed")
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result(timeout if timeout is not None else self.action_timeout + 30.0)
+        except TimeoutError:
+            future.cancel()
+            raise BrowserError(f"the browser did not answer within {timeout} s") from None
+        except ActionError:
+            raise
+        except Exception as e:  # Playwright's errors: a closed target, a crashed browser
+            raise BrowserError(f"{type(e).__name__}: {e}") from e
+
+    @property
+    def connected(self) -> bool:
+        return not self._closed and self._browser.is_connected()
+
+    @contextmanager
+    def session(self, timeout: float = 120.0, viewport: tuple[int, int] = (1280, 800)) -> Iterator["Session"]:
+        """A fresh context and page, closed on exit; waits up to `timeout` s for one of `max_sessions`."""
+        page = self.open_session(timeout, viewport)
+        try:
+            yield page
+        finally:
+            page.close()
+
+    def open_session(self, timeout: float = 120.0, viewport: tuple[int, int] = (1280, 800)) -> "Session":
+        """Like `session()`, for callers that close it themselves (envs, whose episodes span calls)."""
+        if not self._slots.acquire(timeout=timeout):
+            raise BrowserError(f"all browser sessions stayed busy for {timeout:.0f} s")
+        try:
+            context, page = self.call(self._new_context(viewport))
+        except BaseException:
+            self._slots.release()
+            raise
+        return Session(self, context, page)
+
+    async def _new_context(self, viewport: tuple[int, int]):
+        context = await self._browser.new_context(viewport={"width": viewport[0], "height": viewport[1]},
+                                                  service_workers="block")
+        context.set_default_timeout(self.action_timeout * 1000)
+
+        async def only_local(route):
+            if is_local(route.request.url):
+                await route.continue_()
+            else:
+                self.blocked.append(route.request.url)
+                await route.abort("blockedbyclient")
+
+        await context.route("**/*", only_local)
+        return context, await context.new_page()
+
+    def close(self) -> None:
+        """Closes the browser and the driver; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+
+        async def shutdown():
+            for name in ("_browser", "_playwright"):
+                thing = getattr(self, name, None)
+                if thing is not None:
+                    try:
+                        await (thing.close() if name == "_browser" else thing.stop())
+                    except Exception:  # noqa: BLE001 -- already dead: nothing left to close
+                        pass
+
+        if self._loop.is_running():
+            try:
+                asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(30)
+            except Exception:  # noqa: BLE001 -- closing is best effort; the driver kills Chromium when it exits
+                pass
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+
+
+class Session:
+    """One episode's page. Element ids are those of the latest `observe()`."""
+
+    def __init__(self, browser: Browser, context, page):
+        self.browser, self._context, self.page = browser, context, page
+        self.closed = False
+
+    # ---- reading ----
+    def observe(self, root: str | None = None) -> PageState:
+        """The page as text: every visible element under `root` (a CSS selector; default the body)."""
+        async def read():
+            snapshot = await self.page.evaluate(_OBSERVE_JS, root)
+            return PageState(self.page.url, await self.page.title(), snapshot["lines"], snapshot["elements"])
+        return self._call(read())
+
+    def evaluate(self, expression: str, arg: Any = None) -> Any:
+        return self._call(self.page.evaluate(expression, arg))
+
+    def screenshot(self) -> bytes:
+        return self._call(self.page.screenshot(type="png"))
+
+    # ---- acting ----
+    def goto(self, url: str) -> None:
+        if not is_local(url):
+            raise ActionError(f"{url} is not a local page; only file:// and localhost URLs can be opened")
+        async def goto():
+            try:
+                await self.page.goto(url, wait_until="load")
+            except Exception as e:  # a missing file, a refused port, a slow page
+                if not self.browser.connected:
+                    raise
+                raise ActionError(f"could not open {url}: {str(e).splitlines()[0]}") from e
+        self._call(goto())
+
+    def click(self, id: int) -> None:
+        self._act(id, "click")
+
+    def fill(self, id: int, text: str) -> None:
+        self._act(id, "fill", text)
+
+    def select(self, id: int, option: str) -> None:
+        self._act(id, "select_option", label=option)
+
+    def press(self, key: str) -> None:
+        async def press():
+            try:
+                await self.page.keyboard.press(key)
+            except Exception as e:
+                if "Unknown key" in str(e):
+                    raise ActionError(f"unknown key {key!r}; use names like Enter, Tab, ArrowDown, a, Control+a") from e
+                raise
+            await self._settle()
+        self._call(press())
+
+    def scroll(self, direction: str) -> None:
+        deltas = {"down": (0, 600), "up": (0, -600), "right": (600, 0), "left": (-600, 0)}
+        if direction not in deltas:
+            raise ActionError(f"scroll direction must be one of {', '.join(deltas)}; got {direction!r}")
+        self._call(self.page.mouse.wheel(*deltas[direction]))
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.browser.connected:
+                self.browser.call(self._context.close(), 30)
+        finally:
+            self.browser._slots.release()
+
+    # ---- internals ----
+    def _call(self, coroutine: Coroutine) -> Any:
+        if self.closed:
+            coroutine.close()
+            raise BrowserError("this browser session is closed")
+        return self.browser.call(coroutine)
+
+    def _act(self, id: int, method: str, *args: Any, **kwargs: Any) -> None:
+        async def act():
+            locator = self.page.locator(f'[data-agentrl-id="{int(id)}"]')
+            if await locator.count() == 0:
+                raise ActionError(f"there is no element [{id}] on this page; use a number from the latest page")
+            try:
+                await getattr(locator.first, method)(*args, **kwargs)
+            except Exception as e:  # the element is covered, detached, not editable, has no such option...
+                if not self.browser.connected:
+                    raise
+                first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise ActionError(f"{method.replace('_option', '')} on [{id}] failed: {first_line}") from e
+            await self._settle()
+        self._call(act())
+
+    async def _settle(self) -> None:
+        """Lets a navigation or script that the action started finish before the next observation."""
+        try:
+            await self.page.wait_for_load_state("load", timeout=self.browser.action_timeout * 1000)
+        except Exception:  # noqa: BLE001 -- a slow page: observe what is there
+            pass
+
+
+_SHARED: Browser | None = None
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_browser(max_sessions: int = 8) -> Browser:
+    """This process's browser, launched on first use and again if it has died."""
+    global _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None or not _SHARED.connected:
+            if _SHARED is not None:
+                _SHARED.close()
+            _SHARED = Browser(max_sessions=max_sessions)
+        return _SHARED
