@@ -15,6 +15,7 @@ register("swe/instances-v0", "agentrl.envs.swe:SWEEnv")  # instances=PATH: SWE-b
 register("web/miniwob-v0", "agentrl.envs.web.miniwob:MiniWoBEnv")  # splits train / heldout_seeds / heldout_types
 for _name in (*MINIWOB_TRAIN_TYPES, *MINIWOB_HELDOUT_TYPES):  # the tasks with scripted solvers; others: tasks=[name]
     register(f"web/miniwob-{_name}-v0", "agentrl.envs.web.miniwob:MiniWoBEnv", tasks=[_name])
+register("web/shop-v0", "agentrl.envs.web.shop.env:ShopEnv")
 
 register_suite(Suite("math/heldout", (SuiteEntry("math/arith-v0", "heldout", 200),),
                      description="Arithmetic expression and word problems the training split never holds."))

@@ -213,7 +213,7 @@ def render(state: PageState, max_words: int, error: str | None = None) -> str:
     head = [f"URL: {state.url}", f"Title: {state.title}"]
     if error:
         head.append(f"Last action failed: {error}")
-    kept, words = [], sum(len(line.split()) for line in head)
+    kept, words = [], 0
     for i, line in enumerate(state.lines):
         n = len(line.split())
         if words + n > max_words:

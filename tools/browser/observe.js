@@ -119,7 +119,7 @@
       const role = roleOf(child);
       if (role && (ACTIONABLE.has(role) || role === "heading" || role === "img")) {
         let id = child.getAttribute(ATTR);
-        if (!id) { id = String(window.__agentrlNextId++); child.setAttribute(ATTR, id); }
+        if (!id && ACTIONABLE.has(role)) { id = String(window.__agentrlNextId++); child.setAttribute(ATTR, id); }
         flush();
         const name = clean(nameOf(child, role));
         if ((role === "checkbox" || role === "radio") && !labelOf(child) && child.nextSibling)

@@ -104,7 +104,7 @@ class Browser:
                 args=[f"{OWNER_FLAG}={os.getpid()}",
                       # Hostnames other than localhost do not resolve: a second wall behind the request filter,
                       # for requests that filter cannot see (service workers, prefetch).
-                      "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE localhost",
+                      "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE localhost, EXCLUDE 127.0.0.1",
                       "--disable-dev-shm-usage", "--no-first-run", "--disable-background-networking"]),
                 launch_timeout)
         except BaseException:

@@ -1,0 +1,309 @@
+"""The web envs in a real Chromium (`browser` marker): MiniWoB++ task pages from the `miniwob` package and the
+local shop, read as numbered text and acted on through tools. Pure parts (the URL filter, the observation
+budget, the shop's reward) are checked by hand without a browser."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+import agentrl
+from agentrl.envs.web.env import render
+from agentrl.envs.web.miniwob import HELDOUT_TYPES, SOLVERS, TRAIN_TYPES
+from agentrl.envs.web.shop.catalog import Goal, Product, reward
+from agentrl.renderer import Renderer
+from agentrl.rollout import RolloutConfig, RolloutEngine
+from agentrl.scripted_policy import ScriptedPolicy
+from agentrl.tools.browser import Browser, BrowserError, PageState, is_local, shared_browser
+from agentrl.tools.browser.runtime import OWNER_FLAG
+from agentrl.types import Status, ToolCall
+
+
+def chromium_pids(owner: int) -> list[int]:
+    """Live Chromium processes launched by the agentrl process `owner`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if f"{OWNER_FLAG}={owner}".encode() in cmdline and state != "Z":
+            pids.append(int(entry.name))
+    return pids
+
+
+def call(env, name: str, **arguments) -> str:
+    return env.parser.format_call(ToolCall(name, arguments))
+
+
+# ------------------------------------------------------------------------------------------------ pure
+@pytest.mark.parametrize("url, ok", [
+    ("file:///tmp/page.html", True), ("http://127.0.0.1:8000/x", True), ("http://localhost/", True),
+    ("http://[::1]:9/", True), ("data:text/html,hi", True), ("about:blank", True),
+    ("https://example.com/", False), ("http://10.0.0.1/", False), ("http://127.0.0.1.nip.io/", False),
+    ("ftp://localhost/", False), ("http://localhost.example.com/", False),
+])
+def test_only_local_urls_are_allowed(url, ok):
+    assert is_local(url) is ok
+
+
+def test_observation_budget_cuts_at_a_line_and_says_so():
+    state = PageState("file:///p.html", "P", ["one two three", "[1] button \"Go\"", "four five six seven"])
+    full = render(state, 100)
+    assert full.splitlines() == ["URL: file:///p.html", "Title: P", "", "one two three", "[1] button \"Go\"",
+                                 "four five six seven"]
+    # "one two three" (3 words) and the button line (3) fit in 7, the last line (4) does not
+    cut = render(state, 7, error="no element [9]")
+    assert cut.splitlines()[2] == "Last action failed: no element [9]"
+    assert cut.splitlines()[-2:] == ["[1] button \"Go\"", "[1 more lines not shown: the observation is limited "
+                                                          "to 7 words; scroll or act on what is shown]"]
+
+
+def test_shop_reward_by_hand():
+    goal = Goal("P0001", "t-shirt", ("cotton", "slim fit"), {"color": "red", "size": "M"}, 20.0)
+    shirt = Product("P0001", "A Cotton T-Shirt", "t-shirt", ("cotton", "slim fit"), {"color": ("red",)}, 15.0)
+    assert reward(goal, shirt, {"color": "red", "size": "M"})[0] == 1.0
+    # 1 of 2 attributes, 1 of 2 options, price over the limit: (1 + 1 + 0) / 5
+    dear = Product("P0002", "B", "t-shirt", ("cotton", "v-neck"), {}, 25.0)
+    total, parts = reward(goal, dear, {"color": "Red", "size": "L"})
+    assert total == pytest.approx(2 / 5) and parts == {"r_type": 1.0, "attributes_matched": 1,
+                                                       "options_matched": 1, "price_ok": 0.0}
+    # another clothing type: r_type 0.5; everything else matched: 0.5 * 5/5
+    hoodie = Product("P0003", "C", "hoodie", ("cotton", "slim fit"), {}, 10.0)
+    assert reward(goal, hoodie, {"color": "red", "size": "M"})[0] == pytest.approx(0.5)
+    # another category: 0.1 * (0 + 0 + 1) / 5
+    mug = Product("P0004", "D", "mug", ("ceramic",), {}, 5.0)
+    assert reward(goal, mug, {})[0] == pytest.approx(0.02)
+
+
+def test_task_splits_are_disjoint():
+    assert len(SOLVERS) >= 10 and set(SOLVERS) == {*TRAIN_TYPES, *HELDOUT_TYPES}
+    assert not set(TRAIN_TYPES) & set(HELDOUT_TYPES)
+    train = {t.id for t in agentrl.make("web/miniwob-v0", per_type=5).tasks}
+    seeds = {t.id for t in agentrl.make("web/miniwob-v0", split="heldout_seeds", per_type=5).tasks}
+    assert len(train) == 5 * len(TRAIN_TYPES) and not train & seeds
+    shop_train = agentrl.make("web/shop-v0", n_tasks=50).tasks
+    shop_heldout = agentrl.make("web/shop-v0", split="heldout", n_tasks=50).tasks
+    assert not {t.data["goal"]["product_id"] for t in shop_train} & {t.data["goal"]["product_id"] for t in shop_heldout}
+
+
+# --------------------------------------------------------------------------------------------- browser
+@pytest.mark.browser
+@pytest.mark.parametrize("name", sorted(SOLVERS))
+def test_miniwob_scripted_solver_gets_the_page_reward(name):
+    """17 task types: the page's own reward, read from WOB_RAW_REWARD_GLOBAL, is the maximum."""
+    env = agentrl.make(f"web/miniwob-{name}-v0", per_type=3)
+    try:
+        assert env.validate(3) == []
+    finally:
+        env.close()
+
+
+@pytest.mark.browser
+def test_envs_check_passes_for_miniwob_and_shop():
+    for env_id in ("web/miniwob-click-checkboxes-v0", "web/shop-v0"):
+        assert agentrl.check(env_id, n_tasks=2) == [], env_id
+
+
+@pytest.mark.browser
+def test_miniwob_wrong_answer_gets_the_page_negative_reward():
+    env = agentrl.make("web/miniwob-click-test-2-v0", per_type=2)
+    obs, _ = env.reset(seed=0, options={"task": env.tasks[0]})
+    target = "TWO" if "button ONE" in obs[1].content else "ONE"  # the wrong one
+    page = env.session.observe()
+    _, reward, terminated, _, info = env.step(call(env, "click", id=page.find("button", target)[0]["id"]))
+    assert terminated and reward == 0.0 and info["reward_components"] == {"success": 0.0, "raw_reward": -1.0}
+    assert info["ended_by"] == "page"
+    env.close()
+
+
+@pytest.mark.browser
+def test_bad_actions_become_corrective_observations():
+    env = agentrl.make("web/miniwob-choose-list-v0", per_type=1)
+    obs, _ = env.reset(seed=0, options={"task": env.tasks[0]})
+    assert "[1] combobox" in obs[1].content and "Task: Select" in obs[1].content
+    for action, message in [
+        (call(env, "click", id=99), "there is no element [99]"),
+        (call(env, "select", id=1, option="Nobody"), "select on [1] failed"),
+        (call(env, "press", key="NoSuchKey"), "unknown key"),
+        (call(env, "scroll", direction="sideways"), "scroll direction must be one of"),
+        (call(env, "goto", url="https://example.com/"), "is not a local page"),
+    ]:
+        obs, reward, terminated, truncated, _ = env.step(action)
+        assert not terminated and reward == 0.0
+        failure = obs[0].content.splitlines()[2]
+        assert failure.startswith("Last action failed: ") and message in failure, obs[0].content
+        assert obs[0].content.startswith("URL: file://")  # the page is still shown
+    env.close()
+
+
+@pytest.mark.browser
+def test_element_ids_are_stable_while_the_page_lives():
+    env = agentrl.make("web/miniwob-login-user-v0", per_type=1)
+    env.reset(seed=0, options={"task": env.tasks[0]})
+    before = env.session.observe().elements
+    obs, *_ = env.step(call(env, "fill", id=before[0]["id"], text="alice"))
+    after = env.session.observe().elements
+    assert [(e["id"], e["role"]) for e in after] == [(e["id"], e["role"]) for e in before]
+    assert f'[{before[0]["id"]}] textbox value="alice"' in obs[0].content
+    env.close()
+
+
+@pytest.mark.browser
+def test_requests_to_other_hosts_are_blocked(tmp_path):
+    page = tmp_path / "page.html"
+    page.write_text("<img src='https://example.com/pixel.png'><script>fetch('http://10.1.2.3/x').catch(() => {})"
+                    "</script><p>hello</p>")
+    browser = shared_browser()
+    with browser.session() as session:
+        session.goto(page.as_uri())
+        time.sleep(0.5)
+        assert "hello" in session.observe().lines
+    assert {"https://example.com/pixel.png", "http://10.1.2.3/x"} <= set(browser.blocked)
+
+
+@pytest.mark.browser
+def test_sessions_are_bounded_and_isolated(tmp_path):
+    page = tmp_path / "page.html"
+    page.write_text("<p>hi</p>")
+    browser = Browser(max_sessions=1)
+    try:
+        with browser.session() as first:
+            first.goto(page.as_uri())
+            first.evaluate("() => localStorage.setItem('k', 'v')")
+            assert first.evaluate("() => localStorage.getItem('k')") == "v"
+            with pytest.raises(BrowserError, match="all browser sessions stayed busy"):
+                browser.open_session(timeout=0.5)
+        with browser.session() as second:  # the slot is free again, in a fresh context: nothing stored
+            second.goto(page.as_uri())
+            assert second.evaluate("() => localStorage.getItem('k')") is None
+    finally:
+        browser.close()
+    assert not browser.connected
+
+
+@pytest.mark.browser
+def test_shop_episode_through_the_rollout_engine(tiny_model_dir, tmp_path):
+    """A scripted shopper plays the whole episode through the renderer: search, results, item, options, buy."""
+    env = agentrl.make("web/shop-v0", split="heldout", n_tasks=4, screenshots=str(tmp_path / "shots"))
+    task = env.tasks[1]
+    plays = {}
+
+    def respond(prompt: str, turn: int) -> str:
+        if turn == 0:
+            plays["gold"] = env.gold_actions(task)
+        return next(plays["gold"])
+
+    renderer = Renderer(AutoTokenizer.from_pretrained(tiny_model_dir))
+    policy = ScriptedPolicy(renderer, respond, "<|im_start|>assistant")
+    engine = RolloutEngine(lambda: env, policy, renderer, RolloutConfig(max_turns=12, max_total_tokens=16384))
+    try:
+        [group] = asyncio.run(engine.run([task]))
+    finally:
+        engine.close()
+    t = group.trajectories[0]
+    assert t.status == Status.OK and t.reward == 1.0 and t.reward_components == {"shop_reward": 1.0, "success": 1.0}
+    pages = [m.content for m in t.messages if m.role == "tool"]
+    assert "Search results" in pages[1] and task.data["title"] in pages[1]
+    assert "Buy Now" in pages[-1]  # the item page, last before the order
+    shots = sorted((tmp_path / "shots").glob("*.png"))
+    assert len(shots) == len(pages) + 1 and all(s.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for s in shots)
+
+
+@pytest.mark.browser
+def test_shop_wrong_purchase_gets_webshop_partial_reward():
+    env = agentrl.make("web/shop-v0", n_tasks=4)
+    task = env.tasks[0]
+    goal = Goal.from_dict(task.data["goal"])
+    env.reset(seed=0, options={"task": task})
+    gold = env.gold_actions(task)
+    for _ in range(3):  # fill, search, open the goal's product (each action reads the page the last one left)
+        env.step(next(gold))
+    # buy without choosing options: options matched 0
+    page = env.session.observe()
+    _, reward, terminated, _, info = env.step(call(env, "click", id=page.find("button", "Buy Now")[0]["id"]))
+    product = env.by_id[goal.product_id]
+    expected = (sum(a in product.attributes for a in goal.attributes) + 1) / (len(goal.attributes) + len(goal.options) + 1)
+    assert terminated and reward == pytest.approx(expected) and info["reward_components"]["success"] == 0.0
+    env.close()
+
+
+@pytest.mark.browser
+def test_concurrent_episodes_share_one_browser():
+    def play(i: int) -> list[str]:
+        env = agentrl.make("web/miniwob-v0", per_type=2)
+        try:
+            return env.validate(4)
+        finally:
+            env.close()
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(play, range(4))) == [[]] * 4
+
+
+@pytest.mark.browser
+def test_a_browser_crash_ends_the_episode_as_error_and_the_next_one_relaunches(tiny_model_dir):
+    env = agentrl.make("web/miniwob-click-button-v0", per_type=2)
+    task = env.tasks[0]
+
+    def respond(prompt: str, turn: int) -> str:
+        for pid in chromium_pids(os.getpid()):  # the browser dies under the episode
+            os.kill(pid, signal.SIGKILL)
+        return call(env, "click", id=1)
+
+    renderer = Renderer(AutoTokenizer.from_pretrained(tiny_model_dir))
+    engine = RolloutEngine(lambda: env, ScriptedPolicy(renderer, respond, "<|im_start|>assistant"), renderer,
+                           RolloutConfig(max_total_tokens=4096))
+    try:
+        [group] = asyncio.run(engine.run([task]))
+    finally:
+        engine.close()
+    t = group.trajectories[0]
+    assert t.status == Status.ERROR and "BrowserError" in t.reason, t.reason
+    env.close()
+    fresh = agentrl.make("web/miniwob-click-button-v0", per_type=2)
+    assert fresh.validate(1) == []  # shared_browser() launched a new Chromium
+    fresh.close()
+
+
+LEAK_SCRIPT = textwrap.dedent("""
+    import sys, agentrl
+    env = agentrl.make("web/miniwob-enter-text-v0", per_type=2)
+    env.reset(seed=0, options={"task": env.tasks[0]})
+    print("ready", flush=True)
+    if sys.argv[1] == "interrupt":
+        import time
+        try:
+            time.sleep(60)
+        except KeyboardInterrupt:
+            raise SystemExit(130)
+    else:
+        import time; time.sleep(60)
+""")
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("how", ["interrupt", "kill"])
+def test_no_chromium_is_left_after_an_episode_is_killed(how, tmp_path):
+    script = tmp_path / "episode.py"
+    script.write_text(LEAK_SCRIPT)
+    proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    assert chromium_pids(proc.pid), "the episode's Chromium should be running"
+    proc.send_signal(signal.SIGINT if how == "interrupt" else signal.SIGKILL)
+    proc.wait(30)
+    deadline = time.monotonic() + 20
+    while chromium_pids(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert chromium_pids(proc.pid) == []
