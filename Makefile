@@ -23,8 +23,8 @@ $(VENV)/.vllm: $(VENV)/.installed
 	$(VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
-# Debian's Chromium for the browser tests (report and viewer pages); Playwright drives it. Playwright's
-# own browser download needs the internet, so it is never used.
+# Debian's Chromium for the web envs and the browser tests (web episodes, report and viewer pages);
+# Playwright drives it. Playwright's own browser download needs the internet, so it is never used.
 setup-browser: setup
 	command -v chromium >/dev/null || ($(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium)
 
@@ -74,7 +74,7 @@ methods: setup
 test: setup setup-vllm setup-browser setup-swe
 	$(PY) -m pytest -q -rs
 
-bench: setup setup-vllm setup-bench setup-swe
+bench: setup setup-vllm setup-bench setup-browser setup-swe
 	for b in bench/*.py; do $(PY) $$b --quick; done
 
 clean:

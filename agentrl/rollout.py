@@ -83,6 +83,7 @@ class _Episode:
     tool_calls: int = 0
     answer: str | None = None  # the final answer, when the env reports one (ToolEnv does)
     untrained: int = 0  # sampled tokens that a frozen partner wrote (tandem rollouts): loss mask 0
+    screenshots: list[str] = field(default_factory=list)  # PNG paths of the page after each turn (web envs)
 
     def extend(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None = None,
                trainable: Sequence[int] = ()) -> None:
@@ -123,7 +124,8 @@ class RolloutEngine:
                           group, env_seed, version,
                           {"tool_calls": ep.tool_calls, "answer": ep.answer,
                            "seconds": round(time.perf_counter() - start, 3),
-                           **({"untrained_tokens": ep.untrained} if ep.untrained else {})})
+                           **({"untrained_tokens": ep.untrained} if ep.untrained else {}),
+                           **({"screenshots": ep.screenshots} if ep.screenshots else {})})
 
     async def _play(self, env: TextEnv, task: Task, env_seed: int, sample_seed: int,
                     ep: _Episode) -> tuple[Status, str, int]:
@@ -156,6 +158,8 @@ class RolloutEngine:
             ep.components.update(info.get("reward_components", {}))
             ep.tool_calls += info.get("tool_calls", 0)
             ep.answer = info.get("answer", ep.answer)
+            if "screenshot" in info:
+                ep.screenshots.append(info["screenshot"])
             end = len(ep.ids)
             if terminated or truncated or turn + 1 == cfg.max_turns:
                 ep.turns.append(Turn(start, end, end, reward))

@@ -219,6 +219,7 @@ def test_shop_episode_through_the_rollout_engine(tiny_model_dir, tmp_path):
     assert "Buy Now" in pages[-1]  # the item page, last before the order
     shots = sorted((tmp_path / "shots").glob("*.png"))
     assert len(shots) == len(pages) + 1 and all(s.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for s in shots)
+    assert t.info["screenshots"] == [str(s) for s in sorted(shots, key=lambda p: int(p.stem.rsplit("-", 1)[1]))]
 
 
 @pytest.mark.browser
@@ -234,7 +235,8 @@ def test_shop_wrong_purchase_gets_webshop_partial_reward():
     page = env.session.observe()
     _, reward, terminated, _, info = env.step(call(env, "click", id=page.find("button", "Buy Now")[0]["id"]))
     product = env.by_id[goal.product_id]
-    expected = (sum(a in product.attributes for a in goal.attributes) + 1) / (len(goal.attributes) + len(goal.options) + 1)
+    matched = sum(a in product.attributes for a in goal.attributes)
+    expected = (matched + 0 + 1) / (len(goal.attributes) + len(goal.options) + 1)  # no options, price ok
     assert terminated and reward == pytest.approx(expected) and info["reward_components"]["success"] == 0.0
     env.close()
 

@@ -84,13 +84,17 @@ class Browser:
     """One Chromium process; `session()` opens a fresh context and page for one episode."""
 
     def __init__(self, executable: str | None = None, max_sessions: int = 8, action_timeout: float = 5.0,
-                 launch_timeout: float = 60.0, headless: bool = True):
+                 launch_timeout: float = 60.0, headless: bool = True, warm_contexts: int = 2,
+                 viewport: tuple[int, int] = (1280, 800)):
         try:
             from playwright.async_api import async_playwright
         except ImportError as e:
             raise BrowserError(f"the web envs need Playwright. {INSTALL_HINT}") from e
         self.executable = executable or find_chromium()
-        self.action_timeout = action_timeout
+        self.action_timeout, self.viewport = action_timeout, viewport
+        # Contexts made ahead (a new one costs ~250 ms): a session takes one and the loop makes the next while
+        # the episode runs. Only the loop thread touches these.
+        self.warm_contexts, self._warm, self._warming = warm_contexts, [], 0
         self.blocked: list[str] = []  # requests the runtime refused, for tests and logs
         self._slots = threading.BoundedSemaphore(max_sessions)
         self._loop = asyncio.new_event_loop()
@@ -133,27 +137,43 @@ class Browser:
         return not self._closed and self._browser.is_connected()
 
     @contextmanager
-    def session(self, timeout: float = 120.0, viewport: tuple[int, int] = (1280, 800)) -> Iterator["Session"]:
+    def session(self, timeout: float = 120.0) -> Iterator["Session"]:
         """A fresh context and page, closed on exit; waits up to `timeout` s for one of `max_sessions`."""
-        page = self.open_session(timeout, viewport)
+        page = self.open_session(timeout)
         try:
             yield page
         finally:
             page.close()
 
-    def open_session(self, timeout: float = 120.0, viewport: tuple[int, int] = (1280, 800)) -> "Session":
+    def open_session(self, timeout: float = 120.0) -> "Session":
         """Like `session()`, for callers that close it themselves (envs, whose episodes span calls)."""
         if not self._slots.acquire(timeout=timeout):
             raise BrowserError(f"all browser sessions stayed busy for {timeout:.0f} s")
         try:
-            context, page = self.call(self._new_context(viewport))
+            context, page = self.call(self._take_context())
         except BaseException:
             self._slots.release()
             raise
         return Session(self, context, page)
 
-    async def _new_context(self, viewport: tuple[int, int]):
-        context = await self._browser.new_context(viewport={"width": viewport[0], "height": viewport[1]},
+    async def _take_context(self):
+        made = self._warm.pop() if self._warm else await self._new_context()
+        while len(self._warm) + self._warming < self.warm_contexts:
+            self._warming += 1
+            self._loop.create_task(self._make_warm())
+        return made
+
+    async def _make_warm(self) -> None:
+        try:
+            self._warm.append(await self._new_context())
+        except Exception:  # noqa: BLE001 -- the browser is going away; a session will report it
+            pass
+        finally:
+            self._warming -= 1
+
+    async def _new_context(self):
+        width, height = self.viewport
+        context = await self._browser.new_context(viewport={"width": width, "height": height},
                                                   service_workers="block")
         context.set_default_timeout(self.action_timeout * 1000)
 
@@ -174,6 +194,11 @@ class Browser:
         self._closed = True
 
         async def shutdown():
+            for context, _ in self._warm:
+                try:
+                    await context.close()
+                except Exception:  # noqa: BLE001 -- already dead
+                    pass
             for name in ("_browser", "_playwright"):
                 thing = getattr(self, name, None)
                 if thing is not None:

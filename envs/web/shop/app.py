@@ -68,7 +68,8 @@ def build_app(products: list[Product], orders: dict[str, tuple[Product, dict[str
     def item(session: str, product_id: str, q: str = "", page: int = 1):
         p = by_id.get(product_id)
         if p is None:
-            return _page("Not found", f"<p>No product {esc(product_id)}. <a href='/{esc(session)}/'>Back to Search</a></p>")
+            return _page("Not found", f"<p>No product {esc(product_id)}. "
+                                      f"<a href='/{esc(session)}/'>Back to Search</a></p>")
         options = "".join(
             f"<fieldset><legend>{esc(name)}</legend>" + " ".join(
                 f"<label><input type='radio' name='{esc(name)}' value='{esc(v)}'>{esc(v)}</label>" for v in values)

@@ -108,7 +108,8 @@ def generate_catalog(seed: int = 0, n_products: int = 400) -> list[Product]:
         options = {name: tuple(sorted(rng.sample(values, min(len(values), rng.randint(2, 5))),
                                       key=values.index))
                    for name, values in spec["options"].items()}
-        title = f"{rng.choice(BRANDS)} {attributes[0].title()} {type_name.title()} {rng.choice('ABCDEFGHKMRTX')}{rng.randint(10, 99)}"
+        model = f"{rng.choice('ABCDEFGHKMRTX')}{rng.randint(10, 99)}"
+        title = f"{rng.choice(BRANDS)} {attributes[0].title()} {type_name.title()} {model}"
         if title in titles:
             continue
         titles.add(title)
