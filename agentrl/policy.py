@@ -6,6 +6,7 @@ Two backends implement it: in-process transformers (`agentrl.hf_policy.HFPolicy`
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, Sequence, runtime_checkable
 
@@ -14,6 +15,11 @@ from pydantic import with_config
 from agentrl.config import STRICT
 
 FinishReason = Literal["stop", "length"]
+
+
+# The episode a `generate` call belongs to, set by the rollout engine for each episode's asyncio task: a
+# router of several engines keeps an episode on one engine with it (`agentrl.router`).
+current_episode: ContextVar[str | None] = ContextVar("agentrl_current_episode", default=None)
 
 
 class PolicyError(RuntimeError):

@@ -9,6 +9,7 @@ exceptions become data, so a failing tool or env never stops the batch.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections import Counter
@@ -22,7 +23,7 @@ from pydantic import with_config
 from agentrl.config import STRICT
 from agentrl.engines import EngineConfig
 from agentrl.env import TextEnv
-from agentrl.policy import Policy, SamplingParams
+from agentrl.policy import Policy, SamplingParams, current_episode
 from agentrl.renderer import Renderer
 from agentrl.types import Group, Message, Status, Task, Trajectory, Turn
 
@@ -36,6 +37,7 @@ class RolloutConfig:
     max_total_tokens: int = 2048  # prompt + all turns; also capped by the sampler per turn
     step_timeout: float = 60.0  # seconds for one env.reset / env.step (tools have their own timeouts)
     env_workers: int = 16  # threads for env calls
+    retries: int = 2  # plays again an episode that ended in a retryable error (its Ray env worker died)
     seed: int = 0
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
@@ -63,6 +65,9 @@ class RolloutJob:
     env_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to agentrl.make
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)  # transformers in-process, or vLLM
+
+
+_plays = itertools.count()  # makes every play's episode key unique, replays included
 
 
 class EnvTimeout(TimeoutError):
@@ -108,7 +113,17 @@ class RolloutEngine:
             raise EnvTimeout(f"{getattr(fn, '__name__', fn)} took more than {self.config.step_timeout}s") from None
 
     async def run_episode(self, task: Task, env_seed: int, sample_seed: int, group: int = 0) -> Trajectory:
-        ep, env, version = _Episode(), None, self.policy.weight_version
+        """One episode. One that failed in a retryable way (an exception with `retryable = True`, such as a
+        lost Ray env worker) is played again from the start, and the replay replaces it."""
+        for attempt in range(1, self.config.retries + 2):
+            trajectory, retryable = await self._run_once(task, env_seed, sample_seed, group)
+            if not retryable:
+                break
+        return replace(trajectory, info={**trajectory.info, "attempts": attempt}) if attempt > 1 else trajectory
+
+    async def _run_once(self, task: Task, env_seed: int, sample_seed: int, group: int) -> tuple[Trajectory, bool]:
+        ep, env, version, retryable = _Episode(), None, self.policy.weight_version, False
+        current_episode.set(f"{task.id}@{env_seed}/{sample_seed}/{next(_plays)}")
         status, reason, prompt_len = Status.OK, "", 0
         start = time.perf_counter()
         try:
@@ -116,6 +131,7 @@ class RolloutEngine:
             status, reason, prompt_len = await self._play(env, task, env_seed, sample_seed, ep)
         except Exception as e:  # the one capture point: any failure becomes an `error` trajectory
             status, reason = Status.ERROR, f"{type(e).__name__}: {e}"
+            retryable = getattr(e, "retryable", False)
         finally:
             if env is not None:
                 env.close()
@@ -125,7 +141,7 @@ class RolloutEngine:
                           {"tool_calls": ep.tool_calls, "answer": ep.answer,
                            "seconds": round(time.perf_counter() - start, 3),
                            **({"untrained_tokens": ep.untrained} if ep.untrained else {}),
-                           **({"screenshots": ep.screenshots} if ep.screenshots else {})})
+                           **({"screenshots": ep.screenshots} if ep.screenshots else {})}), retryable
 
     async def _play(self, env: TextEnv, task: Task, env_seed: int, sample_seed: int,
                     ep: _Episode) -> tuple[Status, str, int]:
