@@ -55,6 +55,12 @@ def make_batch(trajectories: Sequence[Trajectory], advantages: Sequence[float | 
     return Batch(ids, attention, mask, old_logp, adv)
 
 
+def _sharded(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
 def token_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: torch.Tensor,
                    with_entropy: bool = False, mask_BT: torch.Tensor | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -68,10 +74,14 @@ def token_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: t
     - rows that start with the same prompt (a group, a shared system prompt) run that prefix once: its
       keys and values are computed for one row and repeated, gradients included. Only positions before
       every row's first masked token are shared, so every trained logprob comes from the per-row pass."""
-    if mask_BT is None:
+    if mask_BT is None or _sharded(model):  # FSDP gathers parameters in the root's forward: call only that
         logp_BTV = F.log_softmax(model(input_ids=ids_BT, attention_mask=attention_BT).logits[:, :-1].float(), -1)
         logp_BT = F.pad(logp_BTV.gather(-1, ids_BT[:, 1:, None]).squeeze(-1), (1, 0))
-        return logp_BT, F.pad(-(logp_BTV.exp() * logp_BTV).sum(-1), (1, 0)) if with_entropy else None
+        entropy_BT = F.pad(-(logp_BTV.exp() * logp_BTV).sum(-1), (1, 0)) if with_entropy else None
+        if mask_BT is not None:  # the same outputs as the masked path: 0 off the mask
+            keep_BT = mask_BT > 0
+            logp_BT, entropy_BT = logp_BT * keep_BT, entropy_BT * keep_BT if with_entropy else None
+        return logp_BT, entropy_BT
     # Gradient checkpointing turns the KV cache off in training, and with it the prefix sharing.
     checkpointing = model.training and getattr(model, "is_gradient_checkpointing", False)
     L = 0 if checkpointing else _shared_prefix_len(ids_BT, mask_BT)

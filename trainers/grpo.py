@@ -29,6 +29,7 @@ from agentrl.rollout import RolloutConfig, RolloutEngine
 from agentrl.trainers.advantages import ADVANTAGES
 from agentrl.trainers.batch import Batch, make_batch, token_logprobs
 from agentrl.trainers.checkpoint import latest_checkpoint, load_model, load_trainer_state, save_checkpoint
+from agentrl.trainers.fsdp import data_parallel
 from agentrl.trainers.losses import POLICY_LOSSES, PolicyLossConfig, kl_loss, masked_mean, micro_batch_weight
 from agentrl.trainers.metrics import MetricsLogger, rollout_metrics
 from agentrl.trainers.rewards import RewardConfig, group_rewards, majority_vote_metrics
@@ -137,8 +138,12 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
     each, with gradient clipping. `loss_fn(micro_batch, rows)` → (loss, metrics), where `rows` indexes
     `batch`. With `cfg.micro_batch_size`, each minibatch is run in micro-batches whose gradients accumulate,
     weighted so that the step equals the whole minibatch's (`micro_batch_weight`). Returns the mean of each
-    metric (over micro-batches; grad_norm over steps). PPO's config has the same fields and uses it too."""
+    metric (over micro-batches; grad_norm over steps). PPO's config has the same fields and uses it too.
+
+    In a process group (the trainer sharded with FSDP, `trainers/fsdp.py`), rank r runs rows[r::world] of each
+    minibatch, weighted by `world` times their share, since FSDP averages the ranks' gradients."""
     device, totals, counts = next(model.parameters()).device, {}, {}
+    rank, world = data_parallel()
 
     def add(metrics: dict) -> None:
         for k, v in metrics.items():
@@ -149,9 +154,11 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
         order = torch.randperm(len(batch), generator=generator)
         for rows in order.split(cfg.minibatch_size):
             optimizer.zero_grad()
-            for micro_rows in rows.split(cfg.micro_batch_size or len(rows)):
+            # A rank left without rows still runs one, at weight 0: FSDP's collectives need every rank.
+            mine, share = (rows[rank::world], world) if len(rows) > rank else (rows[:1], 0)
+            for micro_rows in mine.split(cfg.micro_batch_size or len(rows)):
                 loss, metrics = loss_fn(batch.select(micro_rows).to(device), micro_rows)
-                (loss * micro_batch_weight(batch.mask_BT[micro_rows], batch.mask_BT[rows], agg)).backward()
+                (loss * share * micro_batch_weight(batch.mask_BT[micro_rows], batch.mask_BT[rows], agg)).backward()
                 add({**metrics, "loss": loss.item()})
             add({"grad_norm": torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item()})
             optimizer.step()

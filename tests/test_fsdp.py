@@ -1,0 +1,88 @@
+"""The trainer sharded with FSDP2 over 2 processes (gloo, CPU) takes the same step as one process on the whole
+minibatch, and the gathered full state dict is what the engine's weight sync receives."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from transformers import AutoModelForCausalLM
+
+from agentrl.trainers.batch import Batch
+from agentrl.trainers.grpo import GRPOConfig, update
+from agentrl.trainers.losses import PolicyLossConfig
+
+
+def batch() -> Batch:
+    """6 sequences with different numbers of sampled tokens (so the ranks' shares differ)."""
+    g = torch.Generator().manual_seed(0)
+    B, T = 6, 12
+    ids = torch.randint(10, 4000, (B, T), generator=g)
+    attention = torch.ones(B, T, dtype=torch.long)
+    attention[1, 9:], attention[3, 6:] = 0, 0
+    mask = torch.zeros(B, T)
+    mask[0, 3:], mask[1, 5:9], mask[2, 8:], mask[3, 2:6], mask[4, 1:], mask[5, 10:] = 1, 1, 1, 1, 1, 1
+    adv = torch.randn(B, 1, generator=g) * mask
+    return Batch(ids, attention, mask, torch.full((B, T), -8.0) * mask, adv)
+
+
+def config(agg: str) -> GRPOConfig:
+    # minibatches of 3 rows: one rank gets 2 rows, the other 1. No clipping and plain SGD, so that the step is
+    # the gradient itself (Adam and clipping would hide a wrongly scaled one); the norm is compared instead.
+    return GRPOConfig(minibatch_size=3, epochs=2, max_grad_norm=1e9, policy_loss=PolicyLossConfig(agg=agg))
+
+
+def step(model, agg: str) -> dict:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return update(model, None, optimizer, batch(), config(agg), torch.Generator().manual_seed(0))
+
+
+def sharded_worker(rank: int, model_dir: str, agg: str, out: str) -> None:
+    from agentrl.trainers import fsdp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["TEST_FSDP_PORT"], RANK=str(rank),
+                      WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    assert fsdp.init("gloo") == (rank, 2)
+    model = fsdp.shard(AutoModelForCausalLM.from_pretrained(model_dir))
+    shapes = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
+    metrics = step(model, agg)
+    state = fsdp.full_state_dict(model)
+    if rank == 0:
+        torch.save({"state": state, "local_shapes": shapes, "grad_norm": metrics["grad_norm"]}, out)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_sharded_step_equals_the_single_process_step(tiny_model_dir, tmp_path, agg):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["TEST_FSDP_PORT"] = str(s.getsockname()[1])
+    out = tmp_path / "rank0.pt"
+    mp.spawn(sharded_worker, args=(str(tiny_model_dir), agg, str(out)), nprocs=2, join=True)
+    saved = torch.load(out)
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    before = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    metrics = step(reference, agg)
+    assert saved["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)  # the norm over all shards
+    full = dict(reference.named_parameters())
+    assert set(saved["state"]) >= set(full)  # every parameter, gathered whole on rank 0
+    embed = next(n for n in full if "embed_tokens" in n)
+    assert saved["local_shapes"][embed][0] == full[embed].shape[0] // 2  # each rank held half of it
+    moved = max((full[n] - before[n]).abs().max().item() for n in full)
+    error = max((saved["state"][n] - full[n].detach()).abs().max().item() for n in full)
+    # float noise of the summation order, carried through 4 SGD steps; a wrongly weighted rank
+    # would be off by a share of the step itself
+    assert error < 1e-3 * moved, (error, moved)
+    # the gathered weights load into a plain model: what a checkpoint-path weight sync does
+    synced = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    synced.load_state_dict(saved["state"], strict=True)
+    ids = batch().ids_BT[:2]
+    # the gathered weights give the reference model's logits
+    torch.testing.assert_close(synced(ids).logits, reference(ids).logits, atol=1e-3, rtol=1e-3)
