@@ -37,7 +37,7 @@ enough either. What is left is less work, not faster work.
 
     python bench/trainer_vs_trl.py [--quick] [--steps N] [--max-new-tokens N] [--minibatch M] [--threads T]
 
-Needs `trl==1.16.0` beside the pinned torch/transformers (`make setup-bench`). The last line printed is
+Needs `trl==1.16.0` beside the pinned torch/transformers (`make setup-adapters`). The last line printed is
 one JSON object.
 """
 
@@ -232,7 +232,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     a = parser.parse_args()
     if importlib.util.find_spec("trl") is None:
-        sys.exit("TRL is not installed: `make setup-bench` (pip install trl==1.16.0 beside the pinned torch).")
+        sys.exit("TRL is not installed: `make setup-adapters` (pip install trl==1.16.0 beside the pinned torch).")
     if BATCH % a.minibatch:
         parser.error(f"--minibatch must divide {BATCH}")
     if a.threads:
