@@ -116,11 +116,14 @@ def test_retries_are_bounded(pool):
 def test_rollout_command_runs_envs_on_ray(tiny_model_dir, tmp_path):
     import json
     import subprocess
+    import sys
+    from pathlib import Path
 
     config = tmp_path / "rollout.toml"
     config.write_text("env = \"math/arith-v0\"\n[ray]\nworkers = 2\n")
     out = tmp_path / "out.jsonl"
-    subprocess.run(["agentrl", "rollout", "--config", str(config), "--model", str(tiny_model_dir), "--n", "4",
+    agentrl_cli = str(Path(sys.executable).parent / "agentrl")  # this venv's, whether or not it is on PATH
+    subprocess.run([agentrl_cli, "rollout", "--config", str(config), "--model", str(tiny_model_dir), "--n", "4",
                     "--max-tokens", "16", "--max-total-tokens", "512", "--out", str(out)], check=True, timeout=300)
     trajectories = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(trajectories) == 4 and all(t["status"] != "error" for t in trajectories), trajectories
