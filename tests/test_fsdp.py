@@ -86,3 +86,76 @@ def test_sharded_step_equals_the_single_process_step(tiny_model_dir, tmp_path, a
     ids = batch().ids_BT[:2]
     # the gathered weights give the reference model's logits
     torch.testing.assert_close(synced(ids).logits, reference(ids).logits, atol=1e-3, rtol=1e-3)
+
+
+RECIPE = """
+env = "math/arith-v0"
+model = "{model}"
+out_dir = "{out}"
+[env_kwargs]
+n_tasks = 32
+[eval]
+n = 4
+[eval.rollout]
+max_total_tokens = 512
+[eval.rollout.sampling]
+max_tokens = 16
+temperature = 0.0
+[grpo]
+steps = {steps}
+tasks_per_step = 4
+lr = 1e-3
+minibatch_size = 8
+checkpoint_every = 1
+[grpo.reward]
+terms = {{env = 1.0, length = -0.01}}   # varied rewards: the random tiny model's updates are not zero
+[grpo.rollout]
+group_size = 4
+max_total_tokens = 512
+[grpo.rollout.sampling]
+max_tokens = 16
+"""
+
+
+def train(tmp_path, model_dir, out: str, steps: int, ranks: int) -> list[dict]:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    recipe = tmp_path / f"{out}-{steps}.toml"
+    recipe.write_text(RECIPE.format(model=model_dir, out=tmp_path / out, steps=steps))
+    cli = str(Path(sys.executable).parent / "agentrl")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+              os.environ["TEST_FSDP_PORT"]] if ranks > 1 else [sys.executable]
+    subprocess.run([*launch, cli, "train", str(recipe)], check=True, timeout=600,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_train_command_under_torchrun(tiny_model_dir, tmp_path):
+    """`agentrl train` on 2 ranks: the same first step as one process, and a resumed run equals a straight one."""
+    import socket
+
+    from safetensors.torch import load_file
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["TEST_FSDP_PORT"] = str(s.getsockname()[1])
+    straight = train(tmp_path, tiny_model_dir, "sharded", 2, ranks=2)
+    single = train(tmp_path, tiny_model_dir, "single", 1, ranks=1)
+    assert len(straight) == 2 and len(single) == 1
+    for key in ("mean_reward", "train_reward", "sampled_tokens"):  # the same rollouts from the same weights
+        assert straight[0][key] == single[0][key], key
+    weights = [load_file(tmp_path / run / "checkpoints" / "step-000001" / "model.safetensors") for run in
+               ("sharded", "single")]
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    moved = max((weights[1][k] - start[k]).abs().max().item() for k in weights[1])
+    error = max((weights[0][k] - weights[1][k]).abs().max().item() for k in weights[1])
+    assert moved > 0 and error < 1e-3 * moved, (error, moved)
+
+    train(tmp_path, tiny_model_dir, "resumed", 1, ranks=2)
+    resumed = train(tmp_path, tiny_model_dir, "resumed", 2, ranks=2)
+    for key in ("mean_reward", "train_reward", "loss", "grad_norm"):
+        assert resumed[1][key] == straight[1][key], key

@@ -19,10 +19,12 @@ from agentrl.trainers.lora import has_lora, load_adapter, save_adapter
 from agentrl.weights import save_full
 
 
-def save_checkpoint(out_dir: Path, step: int, model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer,
-                    scheduler: Any, state: dict[str, Any], submodels: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(out_dir: Path, step: int, model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer | None,
+                    scheduler: Any, state: dict[str, Any], submodels: dict[str, Any] | None = None,
+                    optimizer_state: dict[str, Any] | None = None) -> Path:
     """`state` holds what else the loop needs (data position, other optimizers' state dicts); `submodels`
-    are saved with `save_pretrained` in subdirectories of the same name (e.g. PPO's critic)."""
+    are saved with `save_pretrained` in subdirectories of the same name (e.g. PPO's critic). A sharded
+    trainer passes its gathered `optimizer_state` instead of the optimizer, and a plain copy as `model`."""
     final = Path(out_dir) / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -30,7 +32,7 @@ def save_checkpoint(out_dir: Path, step: int, model: Any, tokenizer: Any, optimi
     for name, submodel in (submodels or {}).items():
         save_full(submodel, tmp / name)
     torch.save({
-        "step": step, "state": state, "optimizer": optimizer.state_dict(),
+        "step": step, "state": state, "optimizer": optimizer_state if optimizer is None else optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
     }, tmp / "trainer_state.pt")
@@ -62,11 +64,30 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load_trainer_state(checkpoint: Path, optimizer: torch.optim.Optimizer, scheduler: Any) -> dict[str, Any]:
-    """Restores optimizer, scheduler and RNGs in place (the model is loaded from the same directory with
-    `from_pretrained`); returns {"step": ..., "state": ...}."""
+def resume(model: Any, optimizer: torch.optim.Optimizer, checkpoint: Path, scheduler: Any = None) -> dict[str, Any]:
+    """Model and trainer state from `checkpoint`; a model sharded with FSDP gets rank 0's full weights and
+    optimizer state scattered to every rank's shards."""
+    from agentrl.trainers.fsdp import data_parallel, load_full_state_dict, load_optimizer_state
+
+    rank, world = data_parallel()
+    if world == 1:
+        load_model(model, checkpoint)
+        return load_trainer_state(checkpoint, optimizer, scheduler)
+    from transformers import AutoModelForCausalLM
+
+    full = AutoModelForCausalLM.from_pretrained(checkpoint).state_dict() if rank == 0 else {}
+    load_full_state_dict(model, full)
     saved = torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False)
-    optimizer.load_state_dict(saved["optimizer"])
+    load_optimizer_state(model, optimizer, saved["optimizer"] if rank == 0 else {})
+    return load_trainer_state(checkpoint, None, scheduler)
+
+
+def load_trainer_state(checkpoint: Path, optimizer: torch.optim.Optimizer | None, scheduler: Any) -> dict[str, Any]:
+    """Restores optimizer (unless None), scheduler and RNGs in place (the model is loaded from the same
+    directory with `from_pretrained`); returns {"step": ..., "state": ...}."""
+    saved = torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False)
+    if optimizer is not None:
+        optimizer.load_state_dict(saved["optimizer"])
     if scheduler is not None and saved["scheduler"] is not None:
         scheduler.load_state_dict(saved["scheduler"])
     random.setstate(saved["rng"]["python"])

@@ -17,6 +17,7 @@ loss aggregation. Gloo on CPU (tests), NCCL on GPUs.
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -30,11 +31,17 @@ def data_parallel() -> tuple[int, int]:
     return 0, 1
 
 
+def launched() -> bool:
+    """Whether a launcher (torchrun) started this process as one of several."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def init(backend: str | None = None) -> tuple[int, int]:
-    """Joins the process group that torchrun describes in the environment; NCCL with GPUs, else gloo."""
+    """Joins the process group that torchrun describes in the environment; NCCL with GPUs, else gloo. The
+    timeout is long: the other ranks wait in a collective while rank 0 evaluates."""
     if not dist.is_initialized():
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, timeout=timedelta(hours=2))
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return data_parallel()
@@ -71,3 +78,25 @@ def broadcast(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def load_full_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Loads rank 0's full `state` into the shards of every rank (a collective; other ranks pass {})."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state gathered whole on rank 0, for checkpoints (a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Rank 0's full optimizer `state` into every rank's shards (a collective; other ranks pass {})."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 from pydantic import with_config
+from transformers import AutoModelForCausalLM
 
 from agentrl.config import STRICT
 from agentrl.env import TextEnv
@@ -28,8 +29,8 @@ from agentrl.renderer import Renderer
 from agentrl.rollout import RolloutConfig, RolloutEngine
 from agentrl.trainers.advantages import ADVANTAGES
 from agentrl.trainers.batch import Batch, make_batch, token_logprobs
-from agentrl.trainers.checkpoint import latest_checkpoint, load_model, load_trainer_state, save_checkpoint
-from agentrl.trainers.fsdp import data_parallel
+from agentrl.trainers.checkpoint import latest_checkpoint, resume, save_checkpoint
+from agentrl.trainers.fsdp import broadcast, data_parallel, full_optimizer_state, full_state_dict
 from agentrl.trainers.losses import POLICY_LOSSES, PolicyLossConfig, kl_loss, masked_mean, micro_batch_weight
 from agentrl.trainers.metrics import MetricsLogger, rollout_metrics
 from agentrl.trainers.rewards import RewardConfig, group_rewards, majority_vote_metrics
@@ -202,8 +203,7 @@ def train(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Polic
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     stream, start = TaskStream(tasks, cfg.seed), 0
     if (checkpoint := latest_checkpoint(out_dir)) is not None:  # resume: weights, optimizer, RNGs, data
-        load_model(model, checkpoint)
-        resumed = load_trainer_state(checkpoint, optimizer, None)
+        resumed = resume(model, optimizer, checkpoint)
         start, stream.position = resumed["step"], resumed["state"]["data_position"]
 
     def train_step(kept: list[Group], collected: list[Group], step: int) -> dict:
@@ -226,31 +226,55 @@ def run_steps(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: P
               on_step: Callable[[int, dict], None] | None, periodic_eval: Callable[[int], dict] | None) -> list[dict]:
     """The step loop GRPO and PPO share: collect → `train_step(kept, collected, step)` → weight sync →
     metrics (rollout, timing, held-out) → checkpoint, whose extra state and submodels come from
-    `checkpoint_extras()`. Returns the metrics of the steps run."""
-    renderer = Renderer(tokenizer)
-    asyncio.run(policy.sync_weights(model, start))
+    `checkpoint_extras()`.
+
+    With the trainer sharded over ranks (`trainers/fsdp.py`), rank 0 alone samples, evaluates, logs and
+    writes checkpoints: it broadcasts each step's rollouts, every rank trains on its share, and each sync
+    gathers the full weights into rank 0's plain copy (`policy` is None on the other ranks).
+    Returns the metrics of the steps run."""
+    rank, world = data_parallel()
+    renderer, plain = Renderer(tokenizer), None
+    if world > 1 and rank == 0:  # the sampler's own model when in-process, else a CPU copy to export from
+        plain = getattr(policy, "model", None) or AutoModelForCausalLM.from_config(model.config)
+
+    def sync(version: int) -> None:
+        if world == 1:
+            asyncio.run(policy.sync_weights(model, version))
+            return
+        state = full_state_dict(model)  # every rank takes part
+        if rank == 0:
+            plain.load_state_dict(state)
+            asyncio.run(policy.sync_weights(plain, version))
+
+    sync(start)
     max_reward = make_env().max_reward
-    logger, history = MetricsLogger(out_dir), []
+    logger, history = (MetricsLogger(out_dir), []) if rank == 0 else (None, [])
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
-        kept, collected = collect_step(make_env, policy, renderer, stream, cfg, step)
+        rollouts = collect_step(make_env, policy, renderer, stream, cfg, step) if rank == 0 else None
+        kept, collected = broadcast(rollouts) if world > 1 else rollouts
         t1 = time.perf_counter()
         metrics = rollout_metrics(collected, max_reward)
         metrics.update(train_step(kept, collected, step))
         t2 = time.perf_counter()
-        asyncio.run(policy.sync_weights(model, step + 1))
+        sync(step + 1)
         t3 = time.perf_counter()
         metrics.update(groups_trained=len(kept), time={"rollout": t1 - t0, "train": t2 - t1, "sync": t3 - t2},
                        tokens_per_s=metrics["sampled_tokens"] / max(t1 - t0, 1e-9))
-        if periodic_eval is not None and (heldout := periodic_eval(step + 1)):
-            metrics["heldout"] = heldout
-        logger.log(step + 1, metrics)
-        history.append(metrics)
-        if on_step:
-            on_step(step + 1, metrics)
+        if rank == 0:
+            if periodic_eval is not None and (heldout := periodic_eval(step + 1)):
+                metrics["heldout"] = heldout
+            logger.log(step + 1, metrics)
+            history.append(metrics)
+            if on_step:
+                on_step(step + 1, metrics)
         if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or step + 1 == cfg.steps:
             state, submodels = checkpoint_extras()
-            save_checkpoint(out_dir, step + 1, model, tokenizer, optimizer, None,
-                            {"data_position": stream.position, "weight_version": step + 1, **state}, submodels)
-    logger.close()
+            optimizer_state = full_optimizer_state(model, optimizer) if world > 1 else None
+            if rank == 0:
+                save_checkpoint(out_dir, step + 1, plain or model, tokenizer, None if world > 1 else optimizer,
+                                None, {"data_position": stream.position, "weight_version": step + 1, **state},
+                                submodels, optimizer_state=optimizer_state)
+    if logger is not None:
+        logger.close()
     return history

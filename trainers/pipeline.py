@@ -36,7 +36,7 @@ from agentrl.renderer import Renderer
 from agentrl.rollout import JsonlWriter, RolloutConfig, RolloutEngine, write_jsonl
 from agentrl.scripted_policy import ScriptedPolicy, playing
 from agentrl.tiny_model import load_tokenizer
-from agentrl.trainers import tango
+from agentrl.trainers import fsdp, tango
 from agentrl.trainers.checkpoint import latest_checkpoint, load_model, save_checkpoint, save_model
 from agentrl.trainers.dpo import DPOConfig, preference_pairs, train_dpo
 from agentrl.trainers.grpo import GRPOConfig, train as train_grpo
@@ -113,6 +113,12 @@ class TrainJob:
 
 
 def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The whole job; resumable. Under torchrun (several processes), the GRPO trainer is sharded with FSDP2
+    over the ranks and rank 0 samples, evaluates and writes (`trainers/fsdp.py`, docs/scaling.md)."""
+    rank, world = fsdp.init() if fsdp.launched() else (0, 1)
+    if world > 1:
+        check_shardable(job)
+        log = log if rank == 0 else (lambda message: None)
     out = Path(os.path.expanduser(job.out_dir))
     out.mkdir(parents=True, exist_ok=True)
     summary_path = out / "summary.json"
@@ -124,14 +130,20 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     make_env = ray_env_factory(job.env, job.env_kwargs, job.ray) if job.ray else \
         lambda split="train": make(job.env, split=split, **job.env_kwargs)
     tasks = list(env.tasks)[:job.train_tasks]
-    if job.engine.kind == "transformers":  # the sampler shares the trainer's model: syncing is free
-        policy = HFPolicy.load(job.model, device=job.device, dtype=getattr(torch, job.dtype))
+    dtype = getattr(torch, job.dtype)
+    if job.engine.kind == "transformers" and world == 1:  # the sampler shares the trainer's model: free syncs
+        policy = HFPolicy.load(job.model, device=job.device, dtype=dtype)
         model = policy.model
-    else:  # vLLM samples from its own copy; every sync into it is parity-checked on two task prompts
-        prompts = [renderer.prompt_ids(env.first_messages(t), env.tool_schemas) for t in tasks[:2]]
-        policy = open_policy(job.model, job.engine, parity_prompts=prompts)
-        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(job.model),
-                                                     dtype=getattr(torch, job.dtype)).to(job.device)
+    else:  # the engine samples from its own copy (vLLM: every sync parity-checked on two task prompts)
+        policy = None
+        if rank == 0 and job.engine.kind == "transformers":
+            policy = HFPolicy.load(job.model, device=job.device, dtype=dtype)
+        elif rank == 0:
+            prompts = [renderer.prompt_ids(env.first_messages(t), env.tool_schemas) for t in tasks[:2]]
+            policy = open_policy(job.model, job.engine, parity_prompts=prompts)
+        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(job.model), dtype=dtype).to(job.device)
+        if world > 1:
+            fsdp.shard(model)
     if job.lora:  # in place: the in-process sampler holds this very model
         add_lora(model, job.lora)
     if job.gradient_checkpointing:  # non-reentrant: works when the embeddings are frozen (LoRA)
@@ -145,7 +157,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         metrics, trajectories = heldout(job, policy, renderer, make_env, log, label)
         return {**metrics, "handoff": handoff.evaluate(trajectories, renderer, make_env, log)} if handoff else metrics
 
-    if job.eval and "before" not in summary:
+    if job.eval and "before" not in summary and rank == 0:
         summary["before"] = evaluate_now("before RL")
         save()
 
@@ -172,6 +184,8 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
 
         loop(cfg, model, tokenizer, handoff.training_policy() if handoff else policy, make_env, tasks, out,
              on_step=lambda step, m: log(_progress_line(step, cfg.steps, m)), periodic_eval=periodic_eval)
+    if rank > 0:  # rank 0 evaluates and writes
+        return summary
     summary["rl_seconds"] = round(time.perf_counter() - started, 1)
     if job.eval and (job.dpo or job.tango or job.rl.steps):
         summary["after"] = evaluate_now("after RL")
@@ -182,6 +196,16 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     if handoff:
         asyncio.run(handoff.junior.close())
     return summary
+
+
+def check_shardable(job: TrainJob) -> None:
+    """What a sharded (torchrun) job supports so far; the rest is a clear error, not a silent single process."""
+    unsupported = [name for name in ("warmup", "sft", "lora", "ppo", "tandem", "tango", "dpo") if getattr(job, name)]
+    if unsupported:
+        raise ValueError(f"a sharded (torchrun) job runs the GRPO loop only; remove {unsupported}. Run warm starts "
+                         "in one process first and set model to their output (e.g. runs/X/sft_model).")
+    if job.grpo.kl_coef > 0:
+        raise ValueError("a sharded job has no reference model yet: set grpo.kl_coef = 0")
 
 
 def warm_start(job: TrainJob, model, tokenizer, policy, renderer, make_env, tasks, summary: dict,

@@ -41,7 +41,8 @@ class GymnasiumEnv(TextEnv):
         elif isinstance(space, gym.spaces.Text):
             self.actions = "Answer with your action as text."
         else:
-            raise ValueError(f"{gym_id}'s action space {space} is neither Discrete nor Text: no text action maps onto it")
+            raise ValueError(f"{gym_id}'s action space {space} is neither Discrete nor Text: "
+                             "no text action maps onto it")
         self.actions = f"{instructions} {self.actions}".strip()
         self._first = ""
         self.total = 0.0

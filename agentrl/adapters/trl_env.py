@@ -72,7 +72,8 @@ def _tool_method(name: str, fn) -> Any:
     return method
 
 
-def trl_dataset(env_id: str, split: str = "train", n: int | None = None, seed: int = 0, **env_kwargs: Any) -> list[dict]:
+def trl_dataset(env_id: str, split: str = "train", n: int | None = None, seed: int = 0,
+                **env_kwargs: Any) -> list[dict]:
     """Rows for TRL: the env's first messages as the prompt, and the task id and seed that `reset` replays."""
     env = make(env_id, split=split, **env_kwargs)
     rows = []
