@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from agentrl.trainers.batch import Batch
 from agentrl.trainers.grpo import GRPOConfig, update
@@ -101,30 +101,30 @@ max_total_tokens = 512
 [eval.rollout.sampling]
 max_tokens = 16
 temperature = 0.0
-[grpo]
+[{loop}]
 steps = {steps}
 tasks_per_step = 4
 lr = 1e-3
 minibatch_size = 8
 checkpoint_every = 1
-[grpo.reward]
+[{loop}.reward]
 terms = {{env = 1.0, length = -0.01}}   # varied rewards: the random tiny model's updates are not zero
-[grpo.rollout]
+[{loop}.rollout]
 group_size = 4
 max_total_tokens = 512
-[grpo.rollout.sampling]
+[{loop}.rollout.sampling]
 max_tokens = 16
 """
 
 
-def train(tmp_path, model_dir, out: str, steps: int, ranks: int) -> list[dict]:
+def train(tmp_path, model_dir, out: str, steps: int, ranks: int, loop: str) -> list[dict]:
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     recipe = tmp_path / f"{out}-{steps}.toml"
-    recipe.write_text(RECIPE.format(model=model_dir, out=tmp_path / out, steps=steps))
+    recipe.write_text(RECIPE.format(model=model_dir, out=tmp_path / out, steps=steps, loop=loop))
     cli = str(Path(sys.executable).parent / "agentrl")
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
               os.environ["TEST_FSDP_PORT"]] if ranks > 1 else [sys.executable]
@@ -134,8 +134,10 @@ def train(tmp_path, model_dir, out: str, steps: int, ranks: int) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_train_command_under_torchrun(tiny_model_dir, tmp_path):
-    """`agentrl train` on 2 ranks: the same first step as one process, and a resumed run equals a straight one."""
+@pytest.mark.parametrize("loop", ["grpo", "ppo"])
+def test_train_command_under_torchrun(tiny_model_dir, tmp_path, loop):
+    """`agentrl train` on 2 ranks: the same first step as one process, and a resumed run equals a straight one
+    (PPO: its critic sharded too, and resumed with its optimizer)."""
     import socket
 
     from safetensors.torch import load_file
@@ -143,19 +145,27 @@ def test_train_command_under_torchrun(tiny_model_dir, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ["TEST_FSDP_PORT"] = str(s.getsockname()[1])
-    straight = train(tmp_path, tiny_model_dir, "sharded", 2, ranks=2)
-    single = train(tmp_path, tiny_model_dir, "single", 1, ranks=1)
+    straight = train(tmp_path, tiny_model_dir, "sharded", 2, ranks=2, loop=loop)
+    single = train(tmp_path, tiny_model_dir, "single", 1, ranks=1, loop=loop)
     assert len(straight) == 2 and len(single) == 1
     for key in ("mean_reward", "train_reward", "sampled_tokens"):  # the same rollouts from the same weights
         assert straight[0][key] == single[0][key], key
     weights = [load_file(tmp_path / run / "checkpoints" / "step-000001" / "model.safetensors") for run in
                ("sharded", "single")]
+    if loop == "ppo":  # the critic's checkpoint, gathered from its shards, loads like any other
+        AutoModelForTokenClassification.from_pretrained(tmp_path / "sharded" / "checkpoints" / "step-000002" / "critic")
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     moved = max((weights[1][k] - start[k]).abs().max().item() for k in weights[1])
     error = max((weights[0][k] - weights[1][k]).abs().max().item() for k in weights[1])
-    assert moved > 0 and error < 1e-3 * moved, (error, moved)
+    # PPO: the critic's values carry float noise of the sharded forward, which whitening the advantages
+    # amplifies (as it amplified the engine's noise, see test_ppo); still a small share of the step
+    assert moved > 0 and error < (1e-3 if loop == "grpo" else 5e-2) * moved, (error, moved)
 
-    train(tmp_path, tiny_model_dir, "resumed", 1, ranks=2)
-    resumed = train(tmp_path, tiny_model_dir, "resumed", 2, ranks=2)
-    for key in ("mean_reward", "train_reward", "loss", "grad_norm"):
+    train(tmp_path, tiny_model_dir, "resumed", 1, ranks=2, loop=loop)
+    resumed = train(tmp_path, tiny_model_dir, "resumed", 2, ranks=2, loop=loop)
+    for key in ("mean_reward", "train_reward", "sampled_tokens"):  # the same rollouts after the resume
         assert resumed[1][key] == straight[1][key], key
+    # GRPO resumes bit for bit; PPO's losses agree to float noise (its sharded critic's round trip is not
+    # bit-exact: a relative 3e-7 measured)
+    for key in ("loss", "grad_norm") + (("value_loss",) if loop == "ppo" else ()):
+        assert resumed[1][key] == (straight[1][key] if loop == "grpo" else pytest.approx(straight[1][key], rel=1e-5))

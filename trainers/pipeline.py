@@ -200,12 +200,12 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
 
 def check_shardable(job: TrainJob) -> None:
     """What a sharded (torchrun) job supports so far; the rest is a clear error, not a silent single process."""
-    unsupported = [name for name in ("warmup", "sft", "lora", "ppo", "tandem", "tango", "dpo") if getattr(job, name)]
+    unsupported = [name for name in ("warmup", "sft", "lora", "tandem", "tango", "dpo") if getattr(job, name)]
     if unsupported:
-        raise ValueError(f"a sharded (torchrun) job runs the GRPO loop only; remove {unsupported}. Run warm starts "
-                         "in one process first and set model to their output (e.g. runs/X/sft_model).")
-    if job.grpo.kl_coef > 0:
-        raise ValueError("a sharded job has no reference model yet: set grpo.kl_coef = 0")
+        raise ValueError(f"a sharded (torchrun) job runs the GRPO or PPO loop only; remove {unsupported}. Run warm "
+                         "starts in one process first and set model to their output (e.g. runs/X/sft_model).")
+    if job.rl.kl_coef > 0:
+        raise ValueError(f"a sharded job has no reference model yet: set {'ppo' if job.ppo else 'grpo'}.kl_coef = 0")
 
 
 def warm_start(job: TrainJob, model, tokenizer, policy, renderer, make_env, tasks, summary: dict,

@@ -31,7 +31,9 @@ from agentrl.policy import Policy
 from agentrl.rollout import RolloutConfig
 from agentrl.trainers.advantages import gae, masked_whiten, turn_rewards_to_tokens
 from agentrl.trainers.batch import Batch, make_batch, token_logprobs
-from agentrl.trainers.checkpoint import latest_checkpoint, load_model, load_trainer_state
+from agentrl.trainers.checkpoint import latest_checkpoint, load_model, resume
+from agentrl.trainers.fsdp import (data_parallel, full_optimizer_state, full_state_dict, load_full_state_dict,
+                                   load_optimizer_state, shard)
 from agentrl.trainers.grpo import TaskStream, optimize, run_steps, update
 from agentrl.trainers.losses import KL_KINDS, POLICY_LOSSES, PolicyLossConfig, kl_in_reward, masked_mean, value_loss
 from agentrl.trainers.rewards import RewardConfig, group_rewards
@@ -78,16 +80,26 @@ class PPOConfig:
 
 
 def make_critic(model: torch.nn.Module) -> torch.nn.Module:
-    """The policy's transformer with a scalar value head at 0 (no dropout: values must not be noisy)."""
+    """The policy's transformer with a scalar value head at 0 (no dropout: values must not be noisy). From a
+    policy sharded with FSDP, the critic is made from the gathered weights and sharded the same way."""
+    rank, world = data_parallel()
     config = copy.deepcopy(model.config)
     config.num_labels, config.classifier_dropout = 1, 0.0
     critic = AutoModelForTokenClassification.from_config(config, dtype=next(model.parameters()).dtype)
-    critic.base_model.load_state_dict(model.base_model.state_dict())
+    if world == 1:
+        critic.base_model.load_state_dict(model.base_model.state_dict())
+    elif (full := full_state_dict(model)):  # rank 0; a collective, every rank takes part
+        prefix = model.base_model_prefix + "."
+        critic.base_model.load_state_dict({k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)})
     head = [m for m in critic.modules() if isinstance(m, torch.nn.Linear) and m.out_features == 1][-1]
     torch.nn.init.zeros_(head.weight)
     if head.bias is not None:
         torch.nn.init.zeros_(head.bias)
-    return critic.to(next(model.parameters()).device)
+    critic = critic.to(next(model.parameters()).device)
+    if world > 1:
+        start = critic.state_dict() if rank == 0 else {}
+        load_full_state_dict(shard(critic), start)
+    return critic
 
 
 def token_values(critic: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: torch.Tensor) -> torch.Tensor:
@@ -159,19 +171,36 @@ def train(cfg: PPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr)
     stream, start = TaskStream(tasks, cfg.seed), 0
+    rank, world = data_parallel()
     if (checkpoint := latest_checkpoint(out_dir)) is not None:  # resume: both models, optimizers, RNGs, data
-        load_model(model, checkpoint)
-        load_model(critic, checkpoint / "critic")
-        resumed = load_trainer_state(checkpoint, optimizer, None)
-        critic_optimizer.load_state_dict(resumed["state"]["critic_optimizer"])
+        resumed = resume(model, optimizer, checkpoint)
+        critic_state = resumed["state"]["critic_optimizer"]
+        if world == 1:
+            load_model(critic, checkpoint / "critic")
+            critic_optimizer.load_state_dict(critic_state)
+        else:
+            path = checkpoint / "critic"
+            load_full_state_dict(critic, AutoModelForTokenClassification.from_pretrained(path).state_dict()
+                                 if rank == 0 else {})
+            load_optimizer_state(critic, critic_optimizer, critic_state if rank == 0 else {})
         start, stream.position = resumed["step"], resumed["state"]["data_position"]
 
     def train_step(kept: list[Group], collected: list[Group], step: int) -> dict:
         return _update(kept, model, critic, ref, optimizer, critic_optimizer, cfg, step) if kept else {}
 
+    def checkpoint_extras() -> tuple[dict, dict]:
+        """The critic and its optimizer state (gathered on rank 0 when sharded: collectives on every rank)."""
+        if world == 1:
+            return {"critic_optimizer": critic_optimizer.state_dict()}, {"critic": critic}
+        optimizer_state, weights = full_optimizer_state(critic, critic_optimizer), full_state_dict(critic)
+        if rank > 0:
+            return {}, {}
+        plain = AutoModelForTokenClassification.from_config(critic.config, dtype=next(iter(weights.values())).dtype)
+        plain.load_state_dict(weights)
+        return {"critic_optimizer": optimizer_state}, {"critic": plain}
+
     return run_steps(cfg, model, tokenizer, policy, make_env, stream, start, out_dir, train_step,
-                     lambda: ({"critic_optimizer": critic_optimizer.state_dict()}, {"critic": critic}),
-                     optimizer, on_step, periodic_eval)
+                     checkpoint_extras, optimizer, on_step, periodic_eval)
 
 
 def _update(kept: list[Group], model, critic, ref, optimizer, critic_optimizer, cfg: PPOConfig, step: int) -> dict:
