@@ -48,7 +48,6 @@ def build_app(env_id: str, max_sessions: int = 64, **env_kwargs: Any):
 
         def __init__(self):
             super().__init__()
-            self.envs: dict[str, Any] = {}
             self.env = make(env_id, **env_kwargs)
             self._state = State(episode_id=str(uuid.uuid4()), step_count=0)
 
