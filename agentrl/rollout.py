@@ -90,7 +90,7 @@ class _Episode:
     tool_calls: int = 0
     answer: str | None = None  # the final answer, when the env reports one (ToolEnv does)
     untrained: int = 0  # sampled tokens that a frozen partner wrote (tandem rollouts): loss mask 0
-    screenshots: list[str] = field(default_factory=list)  # PNG paths of the page after each turn (web envs)
+    screenshots: list[tuple[int, str]] = field(default_factory=list)  # (turn, PNG path) of the page after it (web)
 
     def extend(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None = None,
                trainable: Sequence[int] = ()) -> None:
@@ -177,7 +177,7 @@ class RolloutEngine:
             ep.tool_calls += info.get("tool_calls", 0)
             ep.answer = info.get("answer", ep.answer)
             if "screenshot" in info:
-                ep.screenshots.append(info["screenshot"])
+                ep.screenshots.append((turn, info["screenshot"]))
             end = len(ep.ids)
             if terminated or truncated or turn + 1 == cfg.max_turns:
                 ep.turns.append(Turn(start, end, end, reward))

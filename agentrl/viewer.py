@@ -74,6 +74,7 @@ def episode_view(index: int, t: Trajectory, decode: Callable[[list[int]], str] |
         "seconds": info.get("seconds"), "difficulty": info.get("difficulty") or {},
         "turns": len(t.turns), "tokens": len(t.token_ids), "sampled": t.num_sampled, "weight_version": t.weight_version,
         "blocks": turn_blocks(t, decode),
+        "screenshots": {turn: path for turn, path in info.get("screenshots", [])},  # web envs: the page after a turn
     }
 
 

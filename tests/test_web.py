@@ -219,7 +219,14 @@ def test_shop_episode_through_the_rollout_engine(tiny_model_dir, tmp_path):
     assert "Buy Now" in pages[-1]  # the item page, last before the order
     shots = sorted((tmp_path / "shots").glob("*.png"))
     assert len(shots) == len(pages) + 1 and all(s.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for s in shots)
-    assert t.info["screenshots"] == [str(s) for s in sorted(shots, key=lambda p: int(p.stem.rsplit("-", 1)[1]))]
+    in_order = [str(s) for s in sorted(shots, key=lambda p: int(p.stem.rsplit("-", 1)[1]))]
+    assert t.info["screenshots"] == [(turn, path) for turn, path in enumerate(in_order)]  # one per turn here
+    # the viewer shows each turn's page: written as JSONL and read back, as an eval run's file is
+    from agentrl.rollout import write_jsonl
+    from agentrl.viewer import write_viewer
+    write_jsonl([t], tmp_path / "episodes.jsonl")
+    page = write_viewer(tmp_path / "episodes.jsonl").read_text()
+    assert all(f'<img src="{path}"' in page for path in in_order)
 
 
 @pytest.mark.browser
