@@ -297,7 +297,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, *, force: bool = False,
     build with the same settings, nothing is rebuilt unless `force`.
     """
     settings = TinyModelSettings(seed=seed, **overrides)
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).expanduser()  # recipes and scripts write "~/.cache/..."
     log = (lambda msg: None) if quiet else _console.print
     record = _build_record(settings)
     if not force and _is_complete(out_dir, record):

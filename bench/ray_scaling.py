@@ -18,6 +18,7 @@ import asyncio
 import json
 import sys
 import time
+from pathlib import Path
 
 import agentrl
 from agentrl.ray_envs import RayConfig, RayEnvPool, init_ray
@@ -29,7 +30,7 @@ from agentrl.tiny_model import build_tiny_model, load_tokenizer
 ENV = "search/r1-v0"
 
 
-def episodes_per_second(make_env, tasks, renderer, respond) -> float:
+def episodes_per_second(make_env, tasks, renderer, respond, check: bool = True) -> float:
     engine = RolloutEngine(make_env, ScriptedPolicy(renderer, respond, "<|im_start|>assistant"), renderer,
                            RolloutConfig(concurrency=32, max_total_tokens=4096))
     start = time.perf_counter()
@@ -37,7 +38,9 @@ def episodes_per_second(make_env, tasks, renderer, respond) -> float:
         groups = asyncio.run(engine.run(tasks))
     finally:
         engine.close()
-    assert all(t.status.value == "ok" for g in groups for t in g.trajectories)
+    failed = [t.reason for g in groups for t in g.trajectories if t.status.value != "ok"]
+    if failed and check:
+        sys.exit(f"{len(failed)} episodes did not end ok, e.g. {failed[:3]}")
     return len(tasks) / (time.perf_counter() - start)
 
 
@@ -47,7 +50,7 @@ def main() -> None:
     parser.add_argument("--model", default="~/.cache/agentrl/models/tiny", help="whose tokenizer renders")
     a = parser.parse_args()
     n = 64 if a.quick else 256
-    renderer = Renderer(load_tokenizer(build_tiny_model(a.model)))
+    renderer = Renderer(load_tokenizer(build_tiny_model(Path(a.model).expanduser(), quiet=True)))
     env = agentrl.make(ENV)
     tasks = list(env.tasks)[:n]
     respond = playing({t.data["question"]: env.gold_actions(t) for t in tasks})
@@ -57,7 +60,9 @@ def main() -> None:
     rates = {}
     for workers in (1, 2):
         pool = RayEnvPool(ENV, {}, RayConfig(workers=workers))
-        episodes_per_second(pool.make, tasks[:8], renderer, respond)  # warm: each worker loads the index
+        # warm-up: each worker loads the index on its first search, which can outlast the search tool's
+        # timeout on a busy machine; those episodes are not measured
+        episodes_per_second(pool.make, tasks[:8], renderer, respond, check=False)
         rates[workers] = episodes_per_second(pool.make, tasks, renderer, respond)
         pool.close()
     ratio, overhead = rates[2] / rates[1], in_process / rates[1]
