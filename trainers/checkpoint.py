@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM
 
+from agentrl.trainers.fsdp import data_parallel, load_full_state_dict, load_optimizer_state
 from agentrl.trainers.lora import has_lora, load_adapter, save_adapter
 from agentrl.weights import save_full
 
@@ -65,32 +67,27 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 
 
 def resume(model: Any, optimizer: torch.optim.Optimizer, checkpoint: Path, scheduler: Any = None) -> dict[str, Any]:
-    """Model and trainer state from `checkpoint`; a model sharded with FSDP gets rank 0's full weights and
-    optimizer state scattered to every rank's shards."""
-    from agentrl.trainers.fsdp import data_parallel, load_full_state_dict, load_optimizer_state
-
-    rank, world = data_parallel()
-    if world == 1:
-        load_model(model, checkpoint)
-        return load_trainer_state(checkpoint, optimizer, scheduler)
-    from transformers import AutoModelForCausalLM
-
-    full = AutoModelForCausalLM.from_pretrained(checkpoint).state_dict() if rank == 0 else {}
-    load_full_state_dict(model, full)
+    """Restores the model, optimizer, scheduler and RNGs from `checkpoint` in place; returns {"step": ...,
+    "state": ...}."""
     saved = torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False)
-    load_optimizer_state(model, optimizer, saved["optimizer"] if rank == 0 else {})
-    return load_trainer_state(checkpoint, None, scheduler)
-
-
-def load_trainer_state(checkpoint: Path, optimizer: torch.optim.Optimizer | None, scheduler: Any) -> dict[str, Any]:
-    """Restores optimizer (unless None), scheduler and RNGs in place (the model is loaded from the same
-    directory with `from_pretrained`); returns {"step": ..., "state": ...}."""
-    saved = torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False)
-    if optimizer is not None:
-        optimizer.load_state_dict(saved["optimizer"])
+    restore(model, optimizer, checkpoint, saved["optimizer"], AutoModelForCausalLM)
     if scheduler is not None and saved["scheduler"] is not None:
         scheduler.load_state_dict(saved["scheduler"])
     random.setstate(saved["rng"]["python"])
     np.random.set_state(saved["rng"]["numpy"])
     torch.set_rng_state(saved["rng"]["torch"])
     return {"step": saved["step"], "state": saved["state"]}
+
+
+def restore(model: Any, optimizer: torch.optim.Optimizer, path: Path, optimizer_state: dict[str, Any],
+            auto_class: Any) -> None:
+    """The weights saved at `path` and `optimizer_state` into a live model and its optimizer. A model sharded
+    with FSDP gets rank 0's full weights (loaded with `auto_class`) and optimizer state scattered to every
+    rank's shards."""
+    rank, world = data_parallel()
+    if world == 1:
+        load_model(model, path)
+        optimizer.load_state_dict(optimizer_state)
+        return
+    load_full_state_dict(model, auto_class.from_pretrained(path).state_dict() if rank == 0 else {})
+    load_optimizer_state(model, optimizer, optimizer_state if rank == 0 else {})

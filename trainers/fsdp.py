@@ -73,6 +73,14 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def gather_into(model: torch.nn.Module, plain: torch.nn.Module | None) -> None:
+    """The full weights of the sharded `model` into rank 0's unsharded copy `plain` (a collective; the other
+    ranks pass None)."""
+    state = full_state_dict(model)
+    if plain is not None:
+        plain.load_state_dict(state)
+
+
 def broadcast(obj: Any) -> Any:
     """Rank 0's `obj` on every rank (e.g. the batch that rank 0's rollouts produced)."""
     box = [obj]

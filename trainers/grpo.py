@@ -30,7 +30,7 @@ from agentrl.rollout import RolloutConfig, RolloutEngine
 from agentrl.trainers.advantages import ADVANTAGES
 from agentrl.trainers.batch import Batch, make_batch, token_logprobs
 from agentrl.trainers.checkpoint import latest_checkpoint, resume, save_checkpoint
-from agentrl.trainers.fsdp import broadcast, data_parallel, full_optimizer_state, full_state_dict
+from agentrl.trainers.fsdp import broadcast, data_parallel, full_optimizer_state, gather_into
 from agentrl.trainers.losses import POLICY_LOSSES, PolicyLossConfig, kl_loss, masked_mean, micro_batch_weight
 from agentrl.trainers.metrics import MetricsLogger, rollout_metrics
 from agentrl.trainers.rewards import RewardConfig, group_rewards, majority_vote_metrics
@@ -241,9 +241,8 @@ def run_steps(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: P
         if world == 1:
             asyncio.run(policy.sync_weights(model, version))
             return
-        state = full_state_dict(model)  # every rank takes part
+        gather_into(model, plain)  # every rank takes part
         if rank == 0:
-            plain.load_state_dict(state)
             asyncio.run(policy.sync_weights(plain, version))
 
     sync(start)

@@ -130,17 +130,16 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     make_env = ray_env_factory(job.env, job.env_kwargs, job.ray) if job.ray else \
         lambda split="train": make(job.env, split=split, **job.env_kwargs)
     tasks = list(env.tasks)[:job.train_tasks]
-    dtype = getattr(torch, job.dtype)
-    if job.engine.kind == "transformers" and world == 1:  # the sampler shares the trainer's model: free syncs
+    dtype, in_process = getattr(torch, job.dtype), job.engine.kind == "transformers"
+    policy = None  # rank 0 samples: in-process, or vLLM with every sync parity-checked on two task prompts
+    if rank == 0 and in_process:
         policy = HFPolicy.load(job.model, device=job.device, dtype=dtype)
+    elif rank == 0:
+        prompts = [renderer.prompt_ids(env.first_messages(t), env.tool_schemas) for t in tasks[:2]]
+        policy = open_policy(job.model, job.engine, parity_prompts=prompts)
+    if in_process and world == 1:  # the sampler shares the trainer's model: syncing is free
         model = policy.model
-    else:  # the engine samples from its own copy (vLLM: every sync parity-checked on two task prompts)
-        policy = None
-        if rank == 0 and job.engine.kind == "transformers":
-            policy = HFPolicy.load(job.model, device=job.device, dtype=dtype)
-        elif rank == 0:
-            prompts = [renderer.prompt_ids(env.first_messages(t), env.tool_schemas) for t in tasks[:2]]
-            policy = open_policy(job.model, job.engine, parity_prompts=prompts)
+    else:  # the trainer has its own copy (sharded over the ranks under torchrun)
         model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(job.model), dtype=dtype).to(job.device)
         if world > 1:
             fsdp.shard(model)

@@ -31,9 +31,9 @@ from agentrl.policy import Policy
 from agentrl.rollout import RolloutConfig
 from agentrl.trainers.advantages import gae, masked_whiten, turn_rewards_to_tokens
 from agentrl.trainers.batch import Batch, make_batch, token_logprobs
-from agentrl.trainers.checkpoint import latest_checkpoint, load_model, resume
-from agentrl.trainers.fsdp import (data_parallel, full_optimizer_state, full_state_dict, load_full_state_dict,
-                                   load_optimizer_state, shard)
+from agentrl.trainers.checkpoint import latest_checkpoint, restore, resume
+from agentrl.trainers.fsdp import (data_parallel, full_optimizer_state, full_state_dict, gather_into,
+                                   load_full_state_dict, shard)
 from agentrl.trainers.grpo import TaskStream, optimize, run_steps, update
 from agentrl.trainers.losses import KL_KINDS, POLICY_LOSSES, PolicyLossConfig, kl_in_reward, masked_mean, value_loss
 from agentrl.trainers.rewards import RewardConfig, group_rewards
@@ -174,16 +174,12 @@ def train(cfg: PPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy
     rank, world = data_parallel()
     if (checkpoint := latest_checkpoint(out_dir)) is not None:  # resume: both models, optimizers, RNGs, data
         resumed = resume(model, optimizer, checkpoint)
-        critic_state = resumed["state"]["critic_optimizer"]
-        if world == 1:
-            load_model(critic, checkpoint / "critic")
-            critic_optimizer.load_state_dict(critic_state)
-        else:
-            path = checkpoint / "critic"
-            load_full_state_dict(critic, AutoModelForTokenClassification.from_pretrained(path).state_dict()
-                                 if rank == 0 else {})
-            load_optimizer_state(critic, critic_optimizer, critic_state if rank == 0 else {})
+        restore(critic, critic_optimizer, checkpoint / "critic", resumed["state"]["critic_optimizer"],
+                AutoModelForTokenClassification)
         start, stream.position = resumed["step"], resumed["state"]["data_position"]
+    # rank 0's unsharded critic, which checkpoints save
+    plain_critic = AutoModelForTokenClassification.from_config(critic.config, dtype=next(critic.parameters()).dtype) \
+        if world > 1 and rank == 0 else None
 
     def train_step(kept: list[Group], collected: list[Group], step: int) -> dict:
         return _update(kept, model, critic, ref, optimizer, critic_optimizer, cfg, step) if kept else {}
@@ -192,12 +188,9 @@ def train(cfg: PPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy
         """The critic and its optimizer state (gathered on rank 0 when sharded: collectives on every rank)."""
         if world == 1:
             return {"critic_optimizer": critic_optimizer.state_dict()}, {"critic": critic}
-        optimizer_state, weights = full_optimizer_state(critic, critic_optimizer), full_state_dict(critic)
-        if rank > 0:
-            return {}, {}
-        plain = AutoModelForTokenClassification.from_config(critic.config, dtype=next(iter(weights.values())).dtype)
-        plain.load_state_dict(weights)
-        return {"critic_optimizer": optimizer_state}, {"critic": plain}
+        optimizer_state = full_optimizer_state(critic, critic_optimizer)
+        gather_into(critic, plain_critic)
+        return ({"critic_optimizer": optimizer_state}, {"critic": plain_critic}) if rank == 0 else ({}, {})
 
     return run_steps(cfg, model, tokenizer, policy, make_env, stream, start, out_dir, train_step,
                      checkpoint_extras, optimizer, on_step, periodic_eval)

@@ -19,21 +19,24 @@ from typing import Any, Callable, Sequence
 
 import gymnasium as gym
 
-from agentrl.env import TextEnv
+from agentrl.adapters.seeded import SeededEnv
 from agentrl.types import Message, Task
 
 SYSTEM_PROMPT = "You act in an environment. {actions} Observations come as text."
 
 
-class GymnasiumEnv(TextEnv):
+class GymnasiumEnv(SeededEnv):
+    solver_signature = "(env, observation) -> action"
+
     def __init__(self, gym_id: str, split: str = "train", n_tasks: int = 1000, max_turns: int = 50,
                  max_reward: float = 1.0, solver: Callable[[gym.Env, Any], Any] | str | None = None,
                  instructions: str = "", **make_kwargs: Any):
-        super().__init__(split=split, max_turns=max_turns)
         if isinstance(solver, str):  # "module:function", as registrations name it
             module, _, name = solver.partition(":")
             solver = getattr(importlib.import_module(module), name)
-        self.env_id, self.n_tasks, self.solver, self.max_reward = gym_id, n_tasks, solver, max_reward
+        super().__init__(split, max_turns, n_tasks, solver)
+        self.env_id = self.task_prefix = gym_id
+        self.max_reward = max_reward
         self.inner = gym.make(gym_id, **make_kwargs)
         space = self.inner.action_space
         if isinstance(space, gym.spaces.Discrete):
@@ -46,10 +49,6 @@ class GymnasiumEnv(TextEnv):
         self.actions = f"{instructions} {self.actions}".strip()
         self._first = ""
         self.total = 0.0
-
-    def load_tasks(self, split: str) -> Sequence[Task]:
-        offset = 0 if split == "train" else 1_000_000  # any other split: held-out seeds
-        return [Task(f"{self.env_id}/{offset + i}", {"seed": offset + i}) for i in range(self.n_tasks)]
 
     def on_reset(self, task: Task) -> None:
         self.observation, _ = self.inner.reset(seed=task.data["seed"])
@@ -87,11 +86,8 @@ class GymnasiumEnv(TextEnv):
             result["reason"] = "the Gymnasium env truncated the episode"
         return [Message("user", self.text(self.observation))], float(reward), done, result
 
-    def gold_actions(self, task: Task):
-        if self.solver is None:
-            raise NotImplementedError(f"{self.env_id} has no gold solution: pass solver=(env, observation) -> action")
-        while True:  # validate() stops at the end of the episode
-            yield str(self.solver(self.inner, self.observation))
+    def solver_inputs(self) -> tuple:
+        return self.inner, self.observation
 
     def close(self) -> None:
         self.inner.close()

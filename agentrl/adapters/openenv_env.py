@@ -14,11 +14,13 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Sequence
 
-from agentrl.env import TextEnv
+from agentrl.adapters.seeded import SeededEnv
 from agentrl.types import Message, Task
 
 
-class OpenEnvEnv(TextEnv):
+class OpenEnvEnv(SeededEnv):
+    task_prefix, solver_signature = "openenv", "(messages) -> text"
+
     def __init__(self, url: str, split: str = "train", n_tasks: int = 1000, max_turns: int = 30,
                  action_field: str = "text", action: Callable[[str], dict] | None = None,
                  agentrl_server: bool = False, solver: Callable[[list[Message]], str] | None = None):
@@ -27,16 +29,12 @@ class OpenEnvEnv(TextEnv):
         except ImportError as e:
             raise ImportError("the OpenEnv adapter needs `pip install --no-deps openenv 'fastmcp>=4' websockets` "
                               "(or make setup-adapters)") from e
-        super().__init__(split=split, max_turns=max_turns)
-        self.url, self.n_tasks, self.agentrl_server, self.solver = url, n_tasks, agentrl_server, solver
+        super().__init__(split, max_turns, n_tasks, solver)
+        self.url, self.agentrl_server = url, agentrl_server
         self.to_action = action or (lambda text: {action_field: text})
         self._client_cls, self.client = GenericEnvClient, None
         self._first: list[Message] = []
         self.history: list[Message] = []
-
-    def load_tasks(self, split: str) -> Sequence[Task]:
-        offset = 0 if split == "train" else 1_000_000
-        return [Task(f"openenv/{split}/{offset + i}", {"seed": offset + i, "index": i}) for i in range(self.n_tasks)]
 
     def on_reset(self, task: Task) -> None:
         self.close()
@@ -58,11 +56,8 @@ class OpenEnvEnv(TextEnv):
         info = {"reward_components": {"openenv": reward}} if result.done else {}
         return observation, reward, bool(result.done), info
 
-    def gold_actions(self, task: Task):
-        if self.solver is None:
-            raise NotImplementedError("an OpenEnv server has no gold solutions: pass solver=(messages) -> text")
-        while True:
-            yield self.solver(self.history)
+    def solver_inputs(self) -> tuple:
+        return (self.history,)
 
     def close(self) -> None:
         if self.client is not None:

@@ -12,25 +12,23 @@ from __future__ import annotations
 import re
 from typing import Callable, Sequence
 
-from agentrl.env import TextEnv
+from agentrl.adapters.seeded import SeededEnv
 from agentrl.types import Message, Task
 
 
-class TextArenaEnv(TextEnv):
+class TextArenaEnv(SeededEnv):
+    solver_signature = "(transcript) -> move"
+
     def __init__(self, game: str = "GuessTheNumber-v0", split: str = "train", n_tasks: int = 1000,
                  max_turns: int = 30, solver: Callable[[str], str] | None = None):
         try:
             import textarena
         except ImportError as e:
             raise ImportError("the TextArena adapter needs `pip install textarena`") from e
-        super().__init__(split=split, max_turns=max_turns)
-        self.game, self.n_tasks, self._ta = game, n_tasks, textarena
-        self.solver = solver or SOLVERS.get(game.removesuffix("-raw"))
+        super().__init__(split, max_turns, n_tasks, solver or SOLVERS.get(game.removesuffix("-raw")))
+        self.game, self._ta = game, textarena
+        self.task_prefix = f"textarena/{game}"
         self.inner, self._transcript = None, ""
-
-    def load_tasks(self, split: str) -> Sequence[Task]:
-        offset = 0 if split == "train" else 1_000_000
-        return [Task(f"textarena/{self.game}/{offset + i}", {"seed": offset + i}) for i in range(self.n_tasks)]
 
     def on_reset(self, task: Task) -> None:
         self.close()
@@ -54,12 +52,8 @@ class TextArenaEnv(TextEnv):
         lines = [line for line in new.strip().splitlines() if not line.startswith("[Player]")]
         return [Message("user", "\n".join(lines).strip())], 0.0, False, {}
 
-    def gold_actions(self, task: Task):
-        """The solver's moves, each from the transcript so far (a generator: validate() plays it live)."""
-        if self.solver is None:
-            raise NotImplementedError(f"no solver for TextArena's {self.game}: pass solver=(transcript) -> move")
-        while True:
-            yield self.solver(self._transcript)
+    def solver_inputs(self) -> tuple:
+        return (self._transcript,)
 
     def close(self) -> None:
         if self.inner is not None:
