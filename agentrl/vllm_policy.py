@@ -12,15 +12,18 @@ that was in flight when the server died, raises `PolicyError` (the rollout engin
 times) with the last synced weights loaded back into it; requests that had not reached the dead server,
 and those that arrive meanwhile, wait for the restart and are sent to the new server.
 
-Weight sync (CPU and GPU): the trainer's model is saved as a safetensors checkpoint, then
-`/pause` (in-flight requests finish on the old weights), `/collective_rpc reload_weights`,
-`/reset_prefix_cache` (cached KV was computed with the old weights) and `/resume`. The GPU-only NCCL
-transfer is not implemented (docs/vllm.md says why).
+Weight sync, two ways (`weight_transfer`, set where the server is started):
+- `checkpoint` (default): the trainer's model is saved as a safetensors checkpoint, then `/pause` (in-flight
+  requests finish on the old weights), `/collective_rpc reload_weights`, `/reset_prefix_cache` (cached KV was
+  computed with the old weights) and `/resume`. Works for any device; the server must see the trainer's disk.
+- `gloo` / `nccl`: the same pause and reset around vLLM's weight-transfer API; the tensors are broadcast from
+  the trainer's memory (`agentrl.weight_transfer`), no disk involved.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import subprocess
 import tempfile
@@ -32,7 +35,7 @@ from rich.console import Console
 
 from agentrl.parity import ParityCheck, ParityError, check_parity
 from agentrl.policy import PolicyError, Sample, SamplingParams
-from agentrl.vllm_server import ServerConfig, ServerError, VLLMServer
+from agentrl.vllm_server import ServerConfig, ServerError, VLLMServer, WeightTransfer, free_port
 
 _console = Console(stderr=True)
 # The request never reached the server: safe to send again.
@@ -44,11 +47,15 @@ class VLLMPolicy:
 
     `server`: the `VLLMServer` behind `base_url`, if this process started it; the policy then restarts it
     when it dies. `timeout`: seconds per request. `parity`: check engine/trainer logprob parity after syncs.
+    `weight_transfer`: how syncs reach the engine (default: the server's setting, else checkpoint); it must
+    match the server's `--weight-transfer-config`. `transfer_host`: the address at which the engine's workers
+    reach this process for a gloo/nccl transfer.
     """
 
     def __init__(self, base_url: str, model_name: str, *, server: VLLMServer | None = None, timeout: float = 600.0,
                  retries: int = 3, backoff: float = 0.5, max_restarts: int = 3, max_connections: int = 256,
-                 checkpoint_dir: str | Path | None = None, parity: ParityCheck | None = None):
+                 checkpoint_dir: str | Path | None = None, parity: ParityCheck | None = None,
+                 weight_transfer: WeightTransfer | None = None, transfer_host: str = "127.0.0.1"):
         self.base_url, self.model_name, self.server = base_url.rstrip("/"), model_name, server
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.max_restarts, self.max_connections, self.parity = max_restarts, max_connections, parity
@@ -63,6 +70,11 @@ class VLLMPolicy:
         self._client_loop: asyncio.AbstractEventLoop | None = None
         self._restart: asyncio.Task | None = None
         self._stop_server_on_close = False
+        default = server.config.weight_transfer if server is not None else "checkpoint"
+        self.weight_transfer, self.transfer_host = weight_transfer or default, transfer_host
+        self._transfer = None  # vLLM's trainer-side transfer engine, opened at the first gloo/nccl sync
+        self._synced_model: Any = None  # what a restarted server is re-sent (transfer syncs keep no checkpoint)
+        self._rejected: str | None = None  # why the engine's weights must not be sampled (a failed parity check)
 
     @classmethod
     def start(cls, config: ServerConfig, progress: bool = False, **kwargs: Any) -> VLLMPolicy:
@@ -86,6 +98,8 @@ class VLLMPolicy:
     # ------------------------------------------------------------------ the protocol
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
+        if self._rejected:
+            raise PolicyError(self._rejected)
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise PolicyError("empty prompt: the policy needs at least one token to continue")
@@ -107,6 +121,9 @@ class VLLMPolicy:
 
         Requests in flight finish on the old weights first; new ones wait until the new weights are in."""
         refuse_tied_embeddings(model)
+        if self.weight_transfer != "checkpoint":
+            await self._sync_by_transfer(model, version)
+            return
         if self._checkpoints is None:
             self._checkpoints = Path(tempfile.mkdtemp(prefix="agentrl-weights-"))
         path, previous = self._checkpoints / f"v{version}-{self.syncs + 1}", self._checkpoint
@@ -122,6 +139,21 @@ class VLLMPolicy:
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
 
+    async def _sync_by_transfer(self, model: Any, version: int) -> None:
+        """Broadcast the weights. The previous ones are not kept, so a failed parity check cannot roll back:
+        the engine then refuses to sample until a sync passes."""
+        self._synced_model = model
+        await self._send_weights(model)
+        self._rejected = None
+        if self.parity is not None and self.parity.due(self.syncs + 1):
+            try:
+                await check_parity(self, model, self.parity)
+            except ParityError as e:
+                self._rejected = (f"the engine holds weights that failed the parity check ({e}); sync again "
+                                  "with weights that pass before sampling")
+                raise
+        self.weight_version, self.syncs = version, self.syncs + 1
+
     async def _check_or_roll_back(self, model: Any, previous: Path | None) -> None:
         try:
             await check_parity(self, model, self.parity)
@@ -133,6 +165,7 @@ class VLLMPolicy:
         if self._client is not None and self._client_loop is asyncio.get_running_loop():
             await self._client.aclose()
         self._client = None
+        self._drop_transfer()
         if self._stop_server_on_close and self.server is not None:
             await asyncio.to_thread(self.server.stop)
         if self._owns_checkpoints and self._checkpoints is not None:
@@ -216,8 +249,12 @@ class VLLMPolicy:
         if self._client is not None:  # its pooled connections went to the dead process
             await self._client.aclose()
             self._client = None
-        if self._checkpoint is not None:  # the new process loaded the served model: put the synced weights back
+        # The new process loaded the served model: put the synced weights back.
+        self._drop_transfer()  # its group died with the old process
+        if self._checkpoint is not None:
             await self._load_checkpoint(self._checkpoint)
+        elif self._synced_model is not None:  # the trainer does not step while its rollouts run
+            await self._send_weights(self._synced_model)
         _console.print("[green]vLLM server restarted[/]")
 
     async def _ready(self) -> None:
@@ -242,6 +279,38 @@ class VLLMPolicy:
             await self._post("/reset_prefix_cache")
         finally:
             await self._post("/resume")
+
+    async def _send_weights(self, model: Any) -> None:
+        """Broadcast `model`'s weights with no request running, and drop the KV computed with the old ones."""
+        await self._post("/pause", params={"mode": "wait"})
+        try:
+            await asyncio.to_thread(self._transfer_weights, model)
+            await self._post("/reset_prefix_cache")
+        finally:
+            await self._post("/resume")
+
+    def _transfer_weights(self, model: Any) -> None:
+        from agentrl.weight_transfer import open_transfer
+
+        try:
+            if self._transfer is None:
+                response = httpx.get(f"{self.base_url}/get_world_size", timeout=self.timeout)
+                response.raise_for_status()
+                workers = int(response.json()["world_size"])
+                self._transfer = open_transfer(self.weight_transfer, self.base_url, model, self.transfer_host,
+                                               free_port(self.transfer_host), 1 + workers)
+            self._transfer.source.model = model
+            self._transfer.send_weights()
+        except Exception as e:
+            self._drop_transfer()  # a broken group cannot be reused; the next sync opens a new one
+            raise PolicyError(f"{self.weight_transfer} weight transfer into {self.base_url} failed: "
+                              f"{type(e).__name__}: {e}{_transfer_hint(e)}") from e
+
+    def _drop_transfer(self) -> None:
+        transfer, self._transfer = self._transfer, None
+        if transfer is not None:
+            with contextlib.suppress(Exception):
+                transfer.shutdown()
 
     async def _served_weights(self) -> str:
         """The weights the server started with (rollback target before any sync)."""
@@ -281,6 +350,14 @@ def _hint(path: str, status: int) -> str:
     if status == 404 and path != "/v1/completions":
         return ("\nWeight sync needs the server's dev routes: start it with VLLM_SERVER_DEV_MODE=1 "
                 "(`agentrl serve policy` does).")
+    return ""
+
+
+def _transfer_hint(error: Exception) -> str:
+    text = str(error)
+    if "404" in text or "Weight transfer not configured" in text:
+        return ("\nThe server was not started for this transfer: start it with the same weight_transfer "
+                "(`agentrl serve policy --weight-transfer gloo|nccl`).")
     return ""
 
 

