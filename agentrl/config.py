@@ -35,7 +35,7 @@ def load_config(cls: type[T], source: str | Path | dict[str, Any] | None = None,
             data, where = tomllib.loads(path.read_text()), str(path)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
-    data = _merge(data, overrides or {})
+    data = merge(data, overrides or {})
     try:
         return TypeAdapter(cls).validate_python(data)
     except ValidationError as e:
@@ -43,8 +43,9 @@ def load_config(cls: type[T], source: str | Path | dict[str, Any] | None = None,
         raise ConfigError(f"{where} is not a valid {cls.__name__}:\n{problems}") from None
 
 
-def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `overrides` applied on top, nested dicts merged key by key (neither is modified)."""
     out = dict(base)
     for key, value in overrides.items():
-        out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
+        out[key] = merge(out.get(key, {}), value) if isinstance(value, dict) else value
     return out

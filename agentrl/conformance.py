@@ -23,6 +23,10 @@ BAD_ACTIONS = ("", "🙂 \x00 junk {", '<tool_call>{"name": "nope", "arguments":
 
 
 def conformance(make_env: Callable[[], TextEnv], n_tasks: int = 3, concurrency: int = 4) -> list[str]:
+    """The problems of the env that `make_env` makes, by the checks above; `[]` when it conforms.
+
+    `make_env` is called twice, then once per concurrent episode (from threads): each call must give a new
+    env."""
     problems = check_instance(make_env(), n_tasks)
     env = make_env()
     try:

@@ -98,6 +98,7 @@ class TextEnv(gym.Env[Observation, str]):
 
     @property
     def tasks(self) -> Sequence[Task]:
+        """The split's tasks, loaded by `load_tasks` on first use."""
         if self._tasks is None:  # lazy: building tasks can be slow and not every user needs them
             self._tasks = self.load_tasks(self.split)
         return self._tasks
@@ -130,10 +131,12 @@ class TextEnv(gym.Env[Observation, str]):
 
     # ---- the subclass's part ----
     @abc.abstractmethod
-    def load_tasks(self, split: str) -> Sequence[Task]: ...
+    def load_tasks(self, split: str) -> Sequence[Task]:
+        """The tasks of `split`; `tasks` calls it once, on first use."""
 
     @abc.abstractmethod
-    def first_messages(self, task: Task) -> Sequence[Message]: ...
+    def first_messages(self, task: Task) -> Sequence[Message]:
+        """The observation at reset: the messages that open an episode of `task` (called after `on_reset`)."""
 
     @abc.abstractmethod
     def act(self, action: str) -> tuple[Sequence[Message], float, bool, dict[str, Any]]:

@@ -117,6 +117,8 @@ class EpisodeInfo:
 
     @classmethod
     def of(cls, t: Trajectory) -> EpisodeInfo:
+        """The eval fields of `t.info`; raises `ValueError` when `entry`, `sample` or `success` is missing
+        (not a trajectory of an eval run)."""
         missing = [key for key in ("entry", "sample", "success") if key not in t.info]
         if missing:
             raise ValueError(f"trajectory of task {t.task_id!r} has no info {missing}: summarize_run needs the "

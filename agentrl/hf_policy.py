@@ -59,6 +59,7 @@ class HFPolicy:
     @classmethod
     def load(cls, model_dir_or_name: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
              max_batch_size: int = 64) -> HFPolicy:
+        """An `HFPolicy` on the model and tokenizer at `model_dir_or_name` (a directory or a hub name), on `device`."""
         from transformers import AutoModelForCausalLM
 
         model_dir_or_name = os.path.expanduser(str(model_dir_or_name))
@@ -67,6 +68,10 @@ class HFPolicy:
         return cls(model, tokenizer, max_batch_size)
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
+        """Return `sampling.n` samples continuing `prompt_ids`, decoded in the next batch.
+
+        Raises `PolicyError` when the policy is closed, or the prompt is empty, fills the context or has ids outside
+        the vocabulary."""
         if self._closed:
             raise PolicyError("HFPolicy is closed")
         prompt = [int(t) for t in prompt_ids]
@@ -91,6 +96,7 @@ class HFPolicy:
         self.weight_version = version
 
     async def close(self) -> None:
+        """Stop the worker; requests still waiting fail with `PolicyError`, and later ones too."""
         self._closed = True
         if self._worker is not None:
             self._worker.cancel()

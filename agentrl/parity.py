@@ -55,6 +55,7 @@ class ParityCheck:
             raise ValueError("every must be >= 1 and threshold > 0")
 
     def due(self, sync_count: int) -> bool:
+        """Whether the `sync_count`-th sync gets a check."""
         return sync_count % self.every == 0
 
 

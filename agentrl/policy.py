@@ -64,6 +64,8 @@ class Sample:
 
 @runtime_checkable
 class Policy(Protocol):
+    """A sampling backend: what the rollout engine calls to continue a prompt."""
+
     weight_version: int  # bumped by each sync; trajectories record the version that sampled them
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
@@ -74,4 +76,6 @@ class Policy(Protocol):
         """Make the engine sample from `model`'s current weights (a transformers causal LM), as `version`."""
         ...
 
-    async def close(self) -> None: ...
+    async def close(self) -> None:
+        """Release the backend (worker, server, connections); no calls after it."""
+        ...

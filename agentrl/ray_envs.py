@@ -81,6 +81,7 @@ class EnvWorker:
         self._lock = threading.Lock()
 
     def open(self, episode: int, kwargs: dict[str, Any]) -> None:
+        """Make the env of `episode` (the worker's env kwargs updated with `kwargs`)."""
         from agentrl.registration import make
 
         env = make(self.env_id, **{**self.env_kwargs, **kwargs})
@@ -89,6 +90,7 @@ class EnvWorker:
             self.opened += 1
 
     def call(self, episode: int, name: str, args: tuple, kwargs: dict) -> Any:
+        """Call the method `name` of the env of `episode`; raises `EpisodeGone` if this worker does not hold it."""
         return getattr(self._env(episode), name)(*args, **kwargs)
 
     def attribute(self, episode: int, name: str) -> tuple[str, Any]:
@@ -103,12 +105,14 @@ class EnvWorker:
             raise EpisodeGone(f"episode {episode} is not in this worker: it restarted") from None
 
     def close(self, episode: int) -> None:
+        """Close and forget the env of `episode`; an episode it does not hold is a no-op."""
         with self._lock:
             env = self.envs.pop(episode, None)
         if env is not None:
             env.close()
 
     def stats(self) -> dict[str, int]:
+        """The worker's pid, how many envs it opened in all, and how many are open now."""
         return {"pid": os.getpid(), "opened": self.opened, "open": len(self.envs)}
 
 
@@ -133,6 +137,7 @@ class RayEnvPool:
         return RemoteEnv(self, worker, next(self._episodes), kwargs)
 
     def close(self) -> None:
+        """Kill the worker actors (their envs go with them)."""
         import ray
 
         for worker in self.workers:
@@ -155,15 +160,19 @@ class RemoteEnv:
         return (lambda *args, **kwargs: self._call(name, args, kwargs)) if kind == "method" else value
 
     def reset(self, *args: Any, **kwargs: Any):
+        """The env's `reset`, in the worker."""
         return self._call("reset", args, kwargs)
 
     def step(self, *args: Any, **kwargs: Any):
+        """The env's `step`, in the worker."""
         return self._call("step", args, kwargs)
 
     def assistant_message(self, *args: Any, **kwargs: Any):
+        """The env's `assistant_message`, in the worker."""
         return self._call("assistant_message", args, kwargs)
 
     def close(self) -> None:
+        """Close the env in its worker; if the worker died, there is nothing left to close."""
         try:
             self._get(self._worker.close.remote(self._episode))
         except WorkerLost:

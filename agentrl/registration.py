@@ -28,6 +28,7 @@ class EnvSpec:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def load(self) -> type[TextEnv]:
+        """Import the env class that `entry_point` names."""
         module, _, attr = self.entry_point.partition(":")
         return getattr(importlib.import_module(module), attr)
 
@@ -52,6 +53,7 @@ def registry() -> dict[str, EnvSpec]:
 
 
 def spec(id: str) -> EnvSpec:
+    """The registration of `id`; an unknown id raises `KeyError` naming the closest registered ids."""
     specs = registry()
     if id not in specs:
         close = difflib.get_close_matches(id, specs, n=3, cutoff=0.4)

@@ -42,6 +42,8 @@ EXTRA_TURN_ENDS = {"<|return|>": ("<|call|>", "<|end|>")}
 
 
 class Renderer:
+    """Chat messages to token ids through a tokenizer's chat template, append-only as described above."""
+
     def __init__(self, tokenizer: Any, turn_end: Sequence[str] | None = None,
                  template_kwargs: dict[str, Any] | None = None):
         """`tokenizer`: a Hugging Face tokenizer with a chat template. `turn_end`: the special tokens that
@@ -72,6 +74,7 @@ class Renderer:
     # ---- text ----
     def render(self, messages: Sequence[Message], tools: Sequence[dict] | None = None,
                add_generation_prompt: bool = False) -> str:
+        """The conversation as text by the chat template (with `tools`, and the generation prompt if asked)."""
         return self.tokenizer.apply_chat_template(
             [m.to_dict() for m in messages], tools=None if tools is None else list(tools), tokenize=False,
             add_generation_prompt=add_generation_prompt, **self.template_kwargs)
@@ -81,10 +84,12 @@ class Renderer:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def decode(self, ids: Sequence[int]) -> str:
+        """Ids to text, special tokens written out."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     # ---- ids ----
     def prompt_ids(self, messages: Sequence[Message], tools: Sequence[dict] | None = None) -> Ids:
+        """The ids of the conversation followed by the generation prompt: what the policy continues."""
         return self.encode(self.render(messages, tools, add_generation_prompt=True))
 
     def observation_ids(self, history: Sequence[Message], assistant: Message, observation: Sequence[Message],
@@ -95,6 +100,10 @@ class Renderer:
 
     def observation_text(self, history: Sequence[Message], assistant: Message, observation: Sequence[Message],
                          sampled_ids: Sequence[int], tools: Sequence[dict] | None = None) -> str:
+        """The text of `observation_ids` (`delta_k` above), led by the turn-end marker if the policy did not write it.
+
+        Raises `RendererError` when the template does not close the assistant's turn with a `turn_end` marker, or
+        drops an observation message."""
         before = self.render([*history], tools, add_generation_prompt=True)
         upto = self.render([*history, assistant], tools, add_generation_prompt=False)
         full = self.render([*history, assistant, *observation], tools, add_generation_prompt=True)

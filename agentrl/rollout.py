@@ -100,6 +100,8 @@ class _Episode:
 
 
 class RolloutEngine:
+    """Plays episodes of envs from `make_env` (a fresh env per episode) with `policy`, rendered by `renderer`."""
+
     def __init__(self, make_env: Callable[[], TextEnv], policy: Policy, renderer: Renderer,
                  config: RolloutConfig = RolloutConfig()):
         self.make_env, self.policy, self.renderer, self.config = make_env, policy, renderer, config
@@ -208,6 +210,7 @@ class RolloutEngine:
         return [Group(task, tuple(results[i * G:(i + 1) * G])) for i, task in enumerate(tasks)]
 
     def close(self) -> None:
+        """Shut the env thread pool down, cancelling env calls not yet started."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -219,6 +222,7 @@ class JsonlWriter:
         self._file = open(path, "w")
 
     def write(self, trajectory: Trajectory) -> None:
+        """Append `trajectory` as one line and flush."""
         self._file.write(json.dumps(trajectory.to_dict(), ensure_ascii=False) + "\n")
         self._file.flush()
 
@@ -230,12 +234,14 @@ class JsonlWriter:
 
 
 def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> None:
+    """Write `trajectories` to `path`, one JSON line each (the file is replaced)."""
     with JsonlWriter(path) as writer:
         for t in trajectories:
             writer.write(t)
 
 
 def read_jsonl(path: str | Path) -> list[Trajectory]:
+    """The trajectories of a JSONL file written by `JsonlWriter` (blank lines skipped)."""
     with open(path) as f:
         return [Trajectory.from_dict(json.loads(line)) for line in f if line.strip()]
 

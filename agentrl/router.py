@@ -18,6 +18,8 @@ from agentrl.policy import Policy, Sample, SamplingParams, current_episode
 
 
 class RoutedPolicy:
+    """A `Policy` over several engines; `max_routes` bounds how many episodes' routes it remembers (oldest dropped)."""
+
     def __init__(self, policies: Sequence[Policy], max_routes: int = 100_000):
         if not policies:
             raise ValueError("RoutedPolicy needs at least one engine")
@@ -28,6 +30,7 @@ class RoutedPolicy:
 
     @property
     def weight_version(self) -> int:
+        """The oldest weight version among the engines."""
         return min(p.weight_version for p in self.policies)
 
     def route(self, episode: str | None) -> int:
@@ -44,6 +47,7 @@ class RoutedPolicy:
         return engine
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
+        """Return `sampling.n` samples continuing `prompt_ids`, from the engine of the current episode."""
         engine = self.route(current_episode.get())
         self.in_flight[engine] += 1
         try:
@@ -52,8 +56,10 @@ class RoutedPolicy:
             self.in_flight[engine] -= 1
 
     async def sync_weights(self, model: Any, version: int) -> None:
+        """Sync every engine to `model`'s weights as `version`, one engine after the other."""
         for policy in self.policies:  # one at a time: each reads the same model's weights
             await policy.sync_weights(model, version)
 
     async def close(self) -> None:
+        """Close every engine."""
         await asyncio.gather(*(p.close() for p in self.policies))

@@ -24,6 +24,7 @@ class ScriptedPolicy:
         self.renderer, self.respond, self.turn_marker = renderer, respond, turn_marker
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
+        """`sampling.n` copies of the scripted next turn, cut to `sampling.max_tokens` (then finishing "length")."""
         await asyncio.sleep(0)  # let concurrent episodes interleave, as a real engine would
         prompt = self.renderer.decode(prompt_ids)
         turn = prompt.count(self.turn_marker) - 1  # the generation prompt opens one more turn
@@ -33,9 +34,11 @@ class ScriptedPolicy:
         return [Sample(ids, (0.0,) * len(ids), finish)] * sampling.n
 
     async def sync_weights(self, model: Any, version: int) -> None:
+        """Always raises `TypeError`: a scripted policy has no weights."""
         raise TypeError("A ScriptedPolicy has no weights to sync.")
 
     async def close(self) -> None:
+        """Nothing to release."""
         pass
 
 

@@ -37,6 +37,7 @@ class SuiteEntry:
 
     @property
     def name(self) -> str:
+        """`"<env>:<split>"`: the entry's name in results, unique within a suite."""
         return f"{self.env}:{self.split}"
 
     def __post_init__(self) -> None:
@@ -64,12 +65,14 @@ _suites: dict[str, Suite] = {}
 
 
 def register_suite(suite: Suite) -> None:
+    """Register `suite` under its name; registering an equal suite again is a no-op, a different one raises."""
     if suite.name in _suites and _suites[suite.name] != suite:
         raise ValueError(f"suite {suite.name!r} is already registered with other entries")
     _suites[suite.name] = suite
 
 
 def suites() -> dict[str, Suite]:
+    """All registered suites, by name; it imports `agentrl.envs` first, which registers ours."""
     import agentrl.envs  # noqa: F401 -- our suites register with our envs
 
     return dict(sorted(_suites.items()))

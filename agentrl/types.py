@@ -63,6 +63,7 @@ class Message:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Message:
+        """The inverse of `to_dict`."""
         calls = tuple(
             ToolCall(c["function"]["name"], c["function"]["arguments"], c.get("id", "")) for c in d.get("tool_calls", ())
         )
@@ -113,9 +114,11 @@ class Trajectory:
 
     @property
     def num_sampled(self) -> int:
+        """How many tokens the trained policy sampled (the loss mask's ones)."""
         return sum(self.loss_mask)
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (one line of a rollout JSONL): the fields, status as its value, messages as `to_dict`s."""
         d = asdict(self)
         d["status"] = self.status.value
         d["messages"] = [m.to_dict() for m in self.messages]
@@ -123,6 +126,7 @@ class Trajectory:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+        """The inverse of `to_dict`."""
         d = dict(d)
         for key in ("token_ids", "loss_mask", "logprobs"):
             d[key] = tuple(d[key])

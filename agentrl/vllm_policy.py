@@ -98,6 +98,10 @@ class VLLMPolicy:
     # ------------------------------------------------------------------ the protocol
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
+        """Return `sampling.n` samples continuing `prompt_ids`, from `/v1/completions`.
+
+        Raises `PolicyError` while the engine holds weights that failed a parity check, for an empty prompt or one
+        that fills the server's context, and when the server rejects the request or keeps failing."""
         if self._rejected:
             raise PolicyError(self._rejected)
         prompt = [int(t) for t in prompt_ids]
@@ -162,6 +166,8 @@ class VLLMPolicy:
             raise
 
     async def close(self) -> None:
+        """Close the HTTP client and the weight transfer; stop the server if `start` started it, and delete the
+        temporary checkpoint directory (not a `checkpoint_dir` it was given)."""
         if self._client is not None and self._client_loop is asyncio.get_running_loop():
             await self._client.aclose()
         self._client = None
@@ -378,6 +384,8 @@ def _parse_choice(choice: dict) -> Sample:
 
 
 def refuse_tied_embeddings(model: Any) -> None:
+    """Raise `PolicyError` for a model whose input and output embeddings are tied: vLLM's reload leaves it
+    half-updated."""
     config = model.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text_config, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False):

@@ -88,6 +88,7 @@ class ServerConfig:
 
     @property
     def name(self) -> str:
+        """The name the server serves the model under: `served_model_name`, else `model`."""
         return self.served_model_name or self.model
 
 
@@ -99,6 +100,9 @@ def require_vllm() -> None:
 
 
 def server_command(config: ServerConfig, port: int) -> list[str]:
+    """The `vllm serve` command line (the OpenAI API server module, run by this Python) for `config` on `port`.
+
+    Always raw logprobs and prefix caching on, and the model's generation config ignored; `extra_args` come last."""
     gpu = config.device == "gpu"
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", config.model,
            "--served-model-name", config.name, "--host", config.host, "--port", str(port),
@@ -116,6 +120,8 @@ def server_command(config: ServerConfig, port: int) -> list[str]:
 
 
 def server_env(config: ServerConfig) -> dict[str, str]:
+    """The server's environment: this process's, with vLLM's dev-mode endpoints on, the KV cache size on CPU, and
+    `config.env`."""
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
     if config.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib or 1)
@@ -123,6 +129,7 @@ def server_env(config: ServerConfig) -> dict[str, str]:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that is free now (the OS picks it; nothing holds it for the caller)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -145,14 +152,17 @@ class VLLMServer:
 
     @property
     def url(self) -> str:
+        """The server's base URL (a wildcard host is reached through 127.0.0.1)."""
         host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::") else self.config.host
         return f"http://{host}:{self.port}"
 
     @property
     def model_name(self) -> str:
+        """The name the server serves the model under."""
         return self.config.name
 
     def alive(self) -> bool:
+        """Whether the server's process is running."""
         return self.process is not None and self.process.poll() is None
 
     def start(self, progress: bool = False) -> VLLMServer:
@@ -175,6 +185,7 @@ class VLLMServer:
         return self
 
     def restart(self, progress: bool = False) -> None:
+        """Stop the server and start it again, on the same port."""
         self.stop()
         self.start(progress)
 
@@ -194,6 +205,7 @@ class VLLMServer:
             proc.wait(timeout=timeout)
 
     def log_tail(self, lines: int = 40) -> str:
+        """The last `lines` lines of the server's log, or "(no log)" if it cannot be read."""
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except OSError:

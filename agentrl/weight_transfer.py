@@ -92,6 +92,8 @@ def join_group(address: str, port: int, rank: int, world_size: int):
 
 
 def broadcast(group, tensor: torch.Tensor) -> None:
+    """Rank 0 of `group` (from `join_group`) sends its `tensor`; every other rank receives it into its own, in
+    place. Blocks until done."""
     # The group's own broadcast takes group ranks (torch.distributed.broadcast would map global ones).
     options = torch.distributed.BroadcastOptions()
     options.rootRank = 0

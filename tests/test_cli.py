@@ -61,3 +61,17 @@ def test_compare_training_runs(tmp_path, monkeypatch):
     assert "p=0.5 0.665" in next(line for line in lines if "tandem" in line)
     missing = runner.invoke(app, ["compare", str(tmp_path)])
     assert missing.exit_code == 2 and "no summary.json" in missing.output
+
+
+def test_train_set_overrides_any_recipe_key(tmp_path):
+    from agentrl.cli import parse_sets
+    from agentrl.config import ConfigError
+
+    assert parse_sets(["grpo.lr=1e-4", "grpo.rollout.group_size=4", "env=math/arith-v0", "eval.split=[\"a\"]"]) == {
+        "grpo": {"lr": 1e-4, "rollout": {"group_size": 4}}, "env": "math/arith-v0", "eval": {"split": ["a"]}}
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_sets(["grpo.lr"])
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('env = "math/arith-v0"\nmodel = "m"\n')
+    wrong = CliRunner().invoke(app, ["train", str(recipe), "--set", "grpo.no_such_key=1"])
+    assert wrong.exit_code == 2 and "grpo.no_such_key" in wrong.output

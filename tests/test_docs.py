@@ -35,8 +35,8 @@ def undocumented(module_name: str) -> list[str]:
                 missing.append(f"{module_name}.{name}")
             for attr, member in vars(obj).items():
                 function = member.fget if isinstance(member, property) else getattr(member, "__func__", member)
-                if attr.startswith("_") or not inspect.isfunction(function):
-                    continue
+                if attr.startswith("_") or not inspect.isfunction(function) or function.__name__ == "<lambda>":
+                    continue  # a lambda is a field's default value, not a method
                 if not inspect.getdoc(getattr(obj, attr)):
                     missing.append(f"{module_name}.{name}.{attr}")
     return missing

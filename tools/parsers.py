@@ -67,6 +67,7 @@ class HermesParser:
                     "<answer></answer> tags.")
 
     def parse(self, text: str) -> ParsedAction:
+        """The turn's `<tool_call>` calls or its `<answer>`; a turn with both is an error."""
         first = text.find(self.OPEN)
         content = (text if first < 0 else text[:first]).strip()
         calls, outside, error = self._parse_calls(text)
@@ -104,6 +105,7 @@ class HermesParser:
         return f"{self.OPEN}\n{body}\n{self.CLOSE}"
 
     def format_answer(self, answer: str) -> str:
+        """`answer` in `<answer>` tags; ValueError if it holds those tags or `<tool_call>`."""
         _check_free_of(answer, ("<answer>", "</answer>", self.OPEN), "a Hermes answer")
         return f"<answer>{answer}</answer>"
 
@@ -155,6 +157,10 @@ class ReActParser:
         self.default_args = dict(default_args or {})
 
     def parse(self, text: str) -> ParsedAction:
+        """The turn's one Action, or its answer (`Final Answer:` or `finish[...]`).
+
+        `content` is the Thought, without its label.
+        """
         actions = list(self._ACTION.finditer(text))
         final = self._FINAL.search(text)
         starts = [m.start() for m in (actions[:1] + [final]) if m is not None]
@@ -204,6 +210,7 @@ class ReActParser:
         return f"Action: {call.name}[{json.dumps(call.arguments, ensure_ascii=False)}]"
 
     def format_answer(self, answer: str) -> str:
+        """`Final Answer: answer`; ValueError if a line of it starts with `Action:` or `Final Answer:`."""
         if self._ACTION.search(answer) or self._FINAL.search(answer):
             raise ValueError(f"an answer cannot contain a line starting with 'Action:' or 'Final Answer:': {answer!r}")
         return f"Final Answer: {answer}"
@@ -224,6 +231,7 @@ class SearchR1Parser:
         self.arg_name = arg_name
 
     def parse(self, text: str) -> ParsedAction:
+        """The first `<search>` or `<answer>` block as a call or the answer; an empty query is an error."""
         starts = [(i, tag) for tag in ("search", "answer") if (i := text.find(f"<{tag}>")) >= 0]
         if not starts:
             return ParsedAction(text.strip(), error="To search, put the query between <search> and </search>; "
@@ -242,6 +250,10 @@ class SearchR1Parser:
         return ParsedAction(content, (ToolCall(self.tool_name, {self.arg_name: inner}),))
 
     def format_call(self, call: ToolCall) -> str:
+        """`<search>query</search>`.
+
+        ValueError for any call but `tool_name` with one argument, `arg_name`: a non-empty string without `</search>`.
+        """
         query = call.arguments.get(self.arg_name)
         if call.name != self.tool_name or set(call.arguments) != {self.arg_name} or not isinstance(query, str):
             raise ValueError(f"Search-R1 can only express {self.tool_name}({self.arg_name}: str), got {call}")
@@ -251,6 +263,7 @@ class SearchR1Parser:
         return f"<search>{query}</search>"
 
     def format_answer(self, answer: str) -> str:
+        """`<answer>answer</answer>`; ValueError if it holds `</answer>`."""
         _check_free_of(answer, ("</answer>",), "a Search-R1 answer")
         return f"<answer>{answer}</answer>"
 

@@ -27,6 +27,7 @@ class ToolSet:
 
     @property
     def names(self) -> list[str]:
+        """The tools' names, in the order they were given."""
         return list(self._tools)
 
     @property
@@ -41,6 +42,7 @@ class ToolSet:
         return name in self._tools
 
     def get(self, name: str) -> Tool:
+        """The tool named `name`; KeyError, with a message for the model (close names, the list), if there is none."""
         if name not in self._tools:
             raise KeyError(self._unknown_tool_message(name))
         return self._tools[name]

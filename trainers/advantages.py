@@ -156,7 +156,7 @@ def _spans_to_tokens(per_turn: Sequence[Sequence[float]], spans: Sequence[Sequen
 def turn_rewards_to_tokens(turn_ends: Sequence[Sequence[int]], turn_rewards: Sequence[Sequence[float]],
                            T: int) -> Tensor:
     """Places each turn's reward on the last sampled token of that turn: position `Turn.end - 1` (ends are
-    exclusive). turn_ends[b][k] and turn_rewards[b][k] belong to turn k of trajectory b. Returns rewards_BT,
+    exclusive). `turn_ends[b][k]` and `turn_rewards[b][k]` belong to turn k of trajectory b. Returns rewards_BT,
     0 elsewhere; feed it to `gae` for per-turn credit with a critic (or with values 0, the return to go).
     """
     spans = [[(end - 1, end) for end in ends] for ends in turn_ends]
@@ -169,7 +169,7 @@ def turn_level_group_advantages(turn_rewards: Sequence[Sequence[float]],
                                 scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
     """Per-turn credit with turn-level group baselines, across the G trajectories of one task.
 
-    turn_rewards[g][k] is the reward of turn k of trajectory g (`Turn.reward`); turn_spans[g][k] is that
+    `turn_rewards[g][k]` is the reward of turn k of trajectory g (`Turn.reward`); `turn_spans[g][k]` is that
     turn's sampled span (`Turn.start`, `Turn.end`). Trajectories may have different numbers of turns.
 
     1. Per trajectory, the value of turn k is its return to go G_k = sum_{j >= k} gamma^(j-k) r_j

@@ -29,6 +29,7 @@ class Batch:
         return self.ids_BT.shape[0]
 
     def to(self, device: torch.device | str) -> Batch:
+        """The batch with every tensor moved to `device`."""
         return Batch(*(t.to(device) for t in (self.ids_BT, self.attention_BT, self.mask_BT, self.old_logp_BT,
                                                self.adv_BT)))
 

@@ -62,6 +62,7 @@ def load_model(model: Any, path: Path) -> None:
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
+    """The highest-step finished checkpoint in `out_dir/checkpoints` (one still being written is skipped), or None."""
     done = sorted(p for p in (Path(out_dir) / "checkpoints").glob("step-*") if not p.name.endswith(".tmp"))
     return done[-1] if done else None
 

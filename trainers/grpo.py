@@ -82,6 +82,7 @@ class TaskStream:
         return order
 
     def take(self, n: int) -> list[Task]:
+        """The next `n` tasks, continuing into the next pass (a new order) when this one runs out."""
         out = []
         for _ in range(n):
             epoch, i = divmod(self.position, len(self.tasks))
@@ -118,6 +119,7 @@ def collect_step(make_env: Callable[[], TextEnv], policy: Policy, renderer: Rend
 
 
 def step_seed(cfg: GRPOConfig, step: int) -> int:
+    """The rollout seed of `step`: distinct per step, and the same on a resumed run."""
     return cfg.seed * 100_003 + step
 
 

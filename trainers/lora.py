@@ -46,10 +46,12 @@ def add_lora(model: torch.nn.Module, settings: LoraSettings) -> None:
 
 
 def has_lora(model: torch.nn.Module) -> bool:
+    """Whether `model` has LoRA layers."""
     return bool(lora_layers(model))
 
 
 def save_adapter(model: torch.nn.Module, path: Path) -> None:
+    """The LoRA adapter weights alone to `path/adapter.safetensors` (what `load_adapter` reads)."""
     save_file({k: v.contiguous() for k, v in model.state_dict().items() if ".lora_" in k}, str(path / ADAPTER_FILE))
 
 

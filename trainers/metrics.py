@@ -22,6 +22,7 @@ class MetricsLogger:
         self._tb = SummaryWriter(str(out_dir / "tensorboard"))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Append `metrics` as the line of `step`; its finite numbers (nested dicts as `a/b` tags) go to TensorBoard."""
         self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
         self._jsonl.flush()
         for key, value in _flatten(metrics).items():
@@ -29,6 +30,7 @@ class MetricsLogger:
                 self._tb.add_scalar(key, value, step)
 
     def close(self) -> None:
+        """Close the JSONL file and the TensorBoard writer."""
         self._jsonl.close()
         self._tb.close()
 

@@ -259,10 +259,12 @@ class Handoff:
             self.junior_model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(job.tandem.junior)).eval()
 
     def policy(self, **schedule: Any) -> TandemPolicy:
+        """A `TandemPolicy` of the senior and the junior with this `schedule` (`p_junior`, `junior_after`)."""
         return TandemPolicy(self.senior, self.junior, self.tokenizer, self.cfg.unit,
                             lookahead=self.cfg.lookahead, **schedule)
 
     def training_policy(self) -> TandemPolicy:
+        """The tandem policy that RL samples from: the junior writes each unit with probability `tandem.p_junior`."""
         return self.policy(p_junior=self.cfg.p_junior)
 
     def evaluate(self, solo: list, renderer: Renderer, make_env, log: Callable[[str], None]) -> dict[str, Any]:
@@ -364,6 +366,7 @@ def heldout(job: TrainJob, policy, renderer, make_env, log, label: str) -> tuple
 
 
 def plot_reward_curve(metrics_path: Path, png: Path) -> None:
+    """Plot the mean reward and success of each step of `metrics_path` (a `metrics.jsonl`) into the PNG `png`."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display here

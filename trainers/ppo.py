@@ -149,6 +149,9 @@ def advantages(batch: Batch, trajectories: Sequence[Trajectory], rewards_B: Sequ
 
 def update_critic(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, old_values_BT: torch.Tensor,
                   returns_BT: torch.Tensor, cfg: PPOConfig, generator: torch.Generator) -> dict[str, float]:
+    """Fit `critic` to `returns_BT` with `optimize` and the value loss, clipped around `old_values_BT`.
+
+    Returns the mean metrics, `loss` and `grad_norm` renamed `value_loss` and `value_grad_norm`."""
     def critic_loss(mb: Batch, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
         T, device = mb.ids_BT.shape[1], mb.ids_BT.device
         values_BT = token_values(critic, mb.ids_BT, mb.attention_BT)

@@ -28,6 +28,7 @@ class SFTConfig:
 
 
 def passes(t: Trajectory, min_outcome: float | None) -> bool:
+    """The SFT filter: `t` is not an error, and its outcome (else its reward) is at least `min_outcome`, if set."""
     if t.status is Status.ERROR:
         return False
     return min_outcome is None or t.reward_components.get("outcome", t.reward) >= min_outcome

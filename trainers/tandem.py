@@ -87,6 +87,7 @@ class TandemPolicy:
 
     @property
     def weight_version(self) -> int:
+        """The senior's weight version."""
         return self.senior.weight_version
 
     def _junior_writes(self, unit_index: int, coin: random.Random) -> bool:
@@ -95,6 +96,7 @@ class TandemPolicy:
         return coin.random() < self.p_junior
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
+        """Return `sampling.n` samples continuing `prompt_ids`, each unit written by the senior or the junior."""
         base = sampling.seed if sampling.seed is not None else random.getrandbits(62)
         return list(await asyncio.gather(*(self._one(list(prompt_ids), sampling, base + k)
                                            for k in range(sampling.n))))
@@ -124,9 +126,11 @@ class TandemPolicy:
         return Sample(tuple(ids), tuple(logprobs), "length", tuple(trainable))
 
     async def sync_weights(self, model: Any, version: int) -> None:
+        """Sync the senior to `model`'s weights as `version`; the junior stays frozen."""
         await self.senior.sync_weights(model, version)
 
     async def close(self) -> None:
+        """Close the senior and the junior."""
         await self.senior.close()
         await self.junior.close()
 

@@ -81,6 +81,7 @@ def process_weight(step: int, steps: int, start: float, end: float) -> float:
 
 
 def combined_reward(outcome: float, process: float, alpha: float) -> float:
+    """The generator's training reward R = α·process + (1−α)·outcome, with α = `alpha`."""
     return alpha * process + (1.0 - alpha) * outcome
 
 
@@ -105,6 +106,7 @@ def step_share(judgement: Judgement, n_steps: int) -> float:
 
 
 def format_judgement(steps: Sequence[bool], verdict: bool) -> str:
+    """A judgement in the verifier's format: a `Step <n>: correct|incorrect` line per step, then the verdict line."""
     word = {True: "correct", False: "incorrect"}
     return "\n".join([*(f"Step {i}: {word[v]}" for i, v in enumerate(steps, 1)), f"Verdict: {word[verdict]}"])
 
@@ -128,6 +130,10 @@ def trajectory_steps(t: Trajectory, renderer: Renderer) -> list[tuple[str, str]]
 
 def verification_task(t: Trajectory, problem: str, renderer: Renderer, checker: StepChecker | None,
                       index: int = 0) -> Task:
+    """The verifier's task for trajectory `t` of `problem`: the problem and each step (with its result) as the question.
+
+    Its data also holds the number of steps, the outcome (outcome reward >= 1) and `checker`'s verdict per step
+    (None without a checker); `index` (the trajectory's) makes the task ids of one task's trajectories unique."""
     steps = trajectory_steps(t, renderer)
     lines = [f"Problem: {problem}"]
     for i, (text, observation) in enumerate(steps, 1):
@@ -149,9 +155,11 @@ class VerifierEnv(TextEnv):
         self._given = tuple(tasks)
 
     def load_tasks(self, split: str) -> Sequence[Task]:
+        """The tasks given to the constructor, whatever the split."""
         return self._given
 
     def first_messages(self, task: Task) -> Sequence[Message]:
+        """The verifier's instructions, and the task's problem and steps as the user message."""
         return Message("system", VERIFIER_PROMPT), Message("user", task.data["question"])
 
     def act(self, action: str):
@@ -194,6 +202,7 @@ class Verifier:
                             lr=cfg.verifier_lr)
 
     def judge(self, tasks: Sequence[Task], seed: int) -> list[Group]:
+        """One group of `verifier_group_size` judgements per task, sampled from the verifier's policy with `seed`."""
         engine = RolloutEngine(lambda: VerifierEnv(tasks), self.policy, self.renderer,
                                replace(self.grpo.rollout, seed=seed))
         try:
@@ -202,6 +211,9 @@ class Verifier:
             engine.close()
 
     def train_on(self, groups: Sequence[Group], step: int) -> dict[str, float]:
+        """One GRPO update of the verifier on the groups with two or more valid judgements, then a weight sync.
+
+        Returns the update's metrics; `{}` (and no update) when no group qualifies."""
         kept = [g for g in groups if len(g.valid) >= 2]
         if not kept:
             return {}

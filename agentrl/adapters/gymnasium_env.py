@@ -26,6 +26,8 @@ SYSTEM_PROMPT = "You act in an environment. {actions} Observations come as text.
 
 
 class GymnasiumEnv(SeededEnv):
+    """A Gymnasium env (`gym_id`, made with `make_kwargs`) played in text; tasks are seeds."""
+
     solver_signature = "(env, observation) -> action"
 
     def __init__(self, gym_id: str, split: str = "train", n_tasks: int = 1000, max_turns: int = 50,
@@ -55,9 +57,12 @@ class GymnasiumEnv(SeededEnv):
         self._first, self.total = self.text(self.observation), 0.0
 
     def first_messages(self, task: Task) -> Sequence[Message]:
+        """The system prompt with the action instructions, and the first observation as a user message."""
         return (Message("system", SYSTEM_PROMPT.format(actions=self.actions)), Message("user", self._first))
 
     def text(self, observation: Any) -> str:
+        """An observation as text: a string as is; else `str(observation)`, after the env's ansi drawing (without
+        colours) when it draws one."""
         if isinstance(observation, str):
             return observation
         if self.inner.render_mode == "ansi":  # the drawing, without its colours, and the observation itself
@@ -66,6 +71,7 @@ class GymnasiumEnv(SeededEnv):
         return str(observation)
 
     def parse(self, action: str) -> tuple[Any, str | None]:
+        """The assistant's text as an action of the inner env: `(action, None)`, or `(None, corrective message)`."""
         space = self.inner.action_space
         if isinstance(space, gym.spaces.Text):
             return action, None

@@ -19,6 +19,8 @@ from agentrl.types import Message, Task
 
 
 class OpenEnvEnv(SeededEnv):
+    """An env on an OpenEnv server at `url`, one WebSocket session per episode; tasks are seeds."""
+
     task_prefix, solver_signature = "openenv", "(messages) -> text"
 
     def __init__(self, url: str, split: str = "train", n_tasks: int = 1000, max_turns: int = 30,
@@ -45,6 +47,7 @@ class OpenEnvEnv(SeededEnv):
         self._first = self.history = to_messages(result.observation)
 
     def first_messages(self, task: Task) -> Sequence[Message]:
+        """The messages of the server's observation at reset."""
         return tuple(self._first)
 
     def act(self, action: str):

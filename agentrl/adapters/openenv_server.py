@@ -24,10 +24,14 @@ from agentrl.registration import make
 
 
 class TextAction(Action):
+    """The action: the assistant's turn as text."""
+
     text: str
 
 
 class MessagesObservation(Observation):
+    """The observation: the env's new chat messages, as dicts."""
+
     messages: list[dict[str, Any]] = []
 
 

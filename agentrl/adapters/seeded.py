@@ -12,6 +12,8 @@ HELDOUT_SEED_OFFSET = 1_000_000  # the train split plays seeds from 0, any other
 
 
 class SeededEnv(TextEnv):
+    """A `TextEnv` whose tasks are the seeds `0..n_tasks-1` (train) or from `HELDOUT_SEED_OFFSET` (other splits)."""
+
     task_prefix: str = ""  # task ids are "<task_prefix>/<seed>"
     solver_signature: str = ""  # what `solver` takes, for the error when there is none
 
@@ -20,6 +22,7 @@ class SeededEnv(TextEnv):
         self.n_tasks, self.solver = n_tasks, solver
 
     def load_tasks(self, split: str) -> Sequence[Task]:
+        """`n_tasks` tasks `"<task_prefix>/<seed>"`, with `seed` and `index` in their data."""
         offset = 0 if split == "train" else HELDOUT_SEED_OFFSET
         return [Task(f"{self.task_prefix}/{offset + i}", {"seed": offset + i, "index": i})
                 for i in range(self.n_tasks)]

@@ -22,6 +22,8 @@ INSTRUCTION = "Solve the problem. End your answer with '#### ' followed by the n
 
 
 class SkyRLEnv(TextEnv):
+    """A SkyRL-Gym env class played over rows of SkyRL's dataset format, a fresh SkyRL env per episode."""
+
     def __init__(self, env_class: str = "gsm8k", data: str | None = None, split: str = "train",
                  n_tasks: int | None = None, max_turns: int = 4, env_config: dict[str, Any] | None = None):
         try:
@@ -34,6 +36,7 @@ class SkyRLEnv(TextEnv):
         self._first: list[dict] = []
 
     def load_tasks(self, split: str) -> Sequence[Task]:
+        """The rows of `data` (or the arithmetic env's questions), the first `n_tasks` of them, as tasks."""
         rows = read_rows(self.data) if self.data else arithmetic_rows(split, self.env_class)
         rows = rows[:self.n_tasks] if self.n_tasks else rows
         return [Task(f"skyrl/{row.get('env_class', self.env_class)}/{split}/{i}", row) for i, row in enumerate(rows)]
@@ -47,6 +50,7 @@ class SkyRLEnv(TextEnv):
         self._first, _ = self.inner.init(list(row["prompt"]))
 
     def first_messages(self, task: Task) -> Sequence[Message]:
+        """The messages of the SkyRL env's `init(prompt)`."""
         return tuple(Message(m["role"], m["content"]) for m in self._first)
 
     def act(self, action: str):
@@ -91,6 +95,7 @@ def _plain(value: Any) -> Any:
 
 
 def arithmetic_rows(split: str, env_class: str) -> list[dict]:
+    """The arithmetic env's first 200 `split` questions as SkyRL rows, their exact answers as ground truth."""
     from agentrl.envs.math import ArithmeticEnv
 
     return [{"prompt": [{"role": "user", "content": f"{t.data['question']}\n{INSTRUCTION}"}],

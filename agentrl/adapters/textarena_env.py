@@ -17,6 +17,8 @@ from agentrl.types import Message, Task
 
 
 class TextArenaEnv(SeededEnv):
+    """A single-player TextArena game; tasks are seeds, the solver defaults to ours for the game (if any)."""
+
     solver_signature = "(transcript) -> move"
 
     def __init__(self, game: str = "GuessTheNumber-v0", split: str = "train", n_tasks: int = 1000,
@@ -37,6 +39,7 @@ class TextArenaEnv(SeededEnv):
         self._transcript = self.inner.get_observation()[1]
 
     def first_messages(self, task: Task) -> Sequence[Message]:
+        """The game's transcript at reset (its prompt) as one user message."""
         return (Message("user", self._transcript.strip()),)
 
     def act(self, action: str):

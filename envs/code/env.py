@@ -32,6 +32,12 @@ SYSTEM_PROMPT = (
 
 
 class CodeEnv(ToolEnv):
+    """Write a Python function: try code with the `python` tool, `submit` it, and hidden tests score it.
+
+    `source` picks the tasks ("humaneval" or "generated"), `sandbox` the runtime ("docker", or "local", which
+    isolates nothing). Only the `hermes` parser is accepted (code spans lines); another raises ValueError.
+    """
+
     def __init__(self, source: str = "humaneval", split: str = "train", n_tasks: int | None = None, seed: int = 0,
                  parser: str = "hermes", max_turns: int = 6, max_invalid: int = 3, sandbox: str = "docker",
                  timeout: float = 10.0, memory_mb: int = 512, pool_size: int = 8):
@@ -84,9 +90,12 @@ class CodeEnv(ToolEnv):
         super().close()
 
     def load_tasks(self, split: str) -> Sequence[Task]:
+        """`n_tasks` tasks of `split` from `source` (by default all of HumanEval's, or 1000 generated for train, 200
+        otherwise)."""
         return code_tasks.load(self.source, split, self.n_tasks, self.task_seed)
 
     def first_messages(self, task: Task) -> Sequence[Message]:
+        """The system prompt with the parser's format instructions, and the function's stub to complete."""
         return (Message("system", SYSTEM_PROMPT.format(fmt=self.parser.instructions)),
                 Message("user", f"Complete this function:\n\n```python\n{task.data['prompt']}```"))
 
@@ -97,6 +106,7 @@ class CodeEnv(ToolEnv):
         return Score({"tests_passed": report.fraction, "outcome": float(report.passed == report.total)}, detail)
 
     def solution(self, task: Task) -> str:
+        """The reference solution: the task's prompt (signature and docstring) followed by the canonical body."""
         return task.data["prompt"] + task.data["canonical_solution"]
 
     def gold_actions(self, task: Task) -> list[str]:

@@ -34,6 +34,8 @@ def split_check(test_source: str) -> tuple[str, list[tuple[bool, str]]]:
 
 
 def program(prompt: str, solution: str, entry_point: str, test_source: str, nonce: str) -> str:
+    """The harness's source: it loads the prompt and the submission, runs each statement of `check` on its own
+    and prints one `MARKER nonce {"passed", "total", "error"}` line."""
     prelude, statements = split_check(test_source)
     return f"""
 import json
@@ -74,11 +76,15 @@ class TestReport:
 
     @property
     def fraction(self) -> float:
+        """The fraction of the tests passed (0 when there are none)."""
         return self.passed / self.total if self.total else 0.0
 
 
 def run_tests(sandbox, prompt: str, solution: str, entry_point: str, test_source: str,
               timeout: float) -> TestReport:
+    """Run the hidden tests on `solution` in `sandbox` and report how many pass.
+
+    A run that prints no report (a timeout, a crash) counts as 0 of the tests passed, with the reason in `error`."""
     nonce = secrets.token_hex(8)
     result: RunResult = sandbox.run(code=program(prompt, solution, entry_point, test_source, nonce),
                                     timeout=timeout)

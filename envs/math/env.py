@@ -44,6 +44,7 @@ def calculator(expression: str) -> str:
 
 
 def outcome_reward(answer: str, gold: str) -> float:
+    """1.0 if `answer` (stripped) is an integer in the strict format and equals `gold`, else 0.0."""
     answer = answer.strip()
     return float(ANSWER_FORMAT.fullmatch(answer) is not None and answer == gold)
 
@@ -89,6 +90,11 @@ def step_is_correct(text: str) -> bool | None:
 
 
 class ArithmeticEnv(ToolEnv):
+    """Arithmetic problems with a calculator tool (`math/arith-v0`), scored by outcome and optionally by process.
+
+    `parser` is `hermes` or `react` (another raises ValueError); `extra_tools` join the calculator.
+    """
+
     def __init__(self, split: str = "train", n_tasks: int | None = None, seed: int = 0, parser: str = "hermes",
                  max_turns: int = 6, max_invalid: int = 3, outcome_weight: float = 1.0,
                  process_weight: float = 0.0, kinds: Sequence[str] = ("expression", "word"), max_ops: int = 3,
@@ -104,9 +110,11 @@ class ArithmeticEnv(ToolEnv):
                          reward_weights={"outcome": outcome_weight, "process": process_weight})
 
     def load_tasks(self, split: str) -> Sequence[Task]:
+        """`n_tasks` distinct problems of `split` ("train" or "heldout") for the env's seed, kinds and `max_ops`."""
         return make_tasks(split, self.n_tasks, self.task_seed, self.kinds, self.max_ops)
 
     def first_messages(self, task: Task) -> Sequence[Message]:
+        """The system prompt (with an example answer in the parser's format) and the question."""
         prompt = SYSTEM_PROMPT.format(example=self.parser.format_answer("12"), fmt=self.parser.instructions)
         return (Message("system", prompt),
                 Message("user", task.data["question"]))

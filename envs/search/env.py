@@ -54,6 +54,12 @@ _WORD = re.compile(r"\S+")
 
 
 class SearchEnv(ToolEnv):
+    """Answer questions by searching a corpus (`search/r1-v0`, `search/tools-v0`, `search/react-v0`).
+
+    The data is the generated world unless `corpus` and `questions` are given (both or neither); searches go to
+    the server at `retriever_url`, else the index saved at `index`, else an in-process BM25 index.
+    """
+
     def __init__(self, split: str = "train", n_tasks: int | None = None, seed: int = 0, world_seed: int = 0,
                  parser: str = "search_r1", topk: int = 3, max_obs_words: int = 300, max_turns: int = 6,
                  max_invalid: int = 3, answer_metric: str = "em", answer_weight: float = 1.0,
@@ -90,6 +96,8 @@ class SearchEnv(ToolEnv):
     # ---- data ----
     @property
     def retriever(self) -> Retriever:
+        """Where searches go, made on first use: the server at `retriever_url`, the index at `index`, or a BM25
+        index of the corpus (shared by the env instances of this process)."""
         if self._retriever is None:  # lazy: `make` stays cheap for `envs list/show`
             if self.retriever_url:
                 self._retriever = _remote(self.retriever_url)
@@ -100,6 +108,8 @@ class SearchEnv(ToolEnv):
         return self._retriever
 
     def load_tasks(self, split: str) -> Sequence[Task]:
+        """The questions of `split`: the first `n_tasks` of the user's QA file for it, or `n_tasks` questions of the
+        world's suite `split` (default 2000 for train, 200 otherwise)."""
         if self.questions is not None:
             if split not in self.questions:
                 raise ValueError(f"no questions file for split {split!r}; `questions` has {sorted(self.questions)}")
@@ -159,6 +169,7 @@ class SearchEnv(ToolEnv):
         self._shown, self._searches = {}, 0
 
     def first_messages(self, task: Task) -> Sequence[Message]:
+        """Search-R1's prompt holding the question (`search_r1`), else a system prompt and the question."""
         question = task.data["question"]
         if self.parser_name == "search_r1":
             return (Message("user", SEARCH_R1_PROMPT.format(question=question)),)

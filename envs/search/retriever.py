@@ -16,6 +16,8 @@ from agentrl.envs.search.bm25 import SearchHit
 
 
 class Retriever(Protocol):
+    """What the search tool needs of its passages' source: the in-process index or a server's client."""
+
     def search(self, queries: Sequence[str], k: int = 3) -> list[list[SearchHit]]:
         """The top `k` documents of each query, best first."""
 
@@ -45,6 +47,7 @@ class RemoteRetriever:
         self._client = httpx.Client(timeout=timeout)
 
     def search(self, queries: Sequence[str], k: int = 3) -> list[list[SearchHit]]:
+        """The top `k` documents of each query, best first, asked for in batches of `batch_size`."""
         hits: list[list[SearchHit]] = []
         for start in range(0, len(queries), self.batch_size):
             batch = list(queries[start : start + self.batch_size])
@@ -53,6 +56,7 @@ class RemoteRetriever:
         return hits
 
     def document(self, doc_id: str) -> dict[str, str]:
+        """The document `{"id", "contents"}` by id; KeyError if the server has none (404)."""
         try:
             return self._request("GET", f"/documents/{doc_id}")
         except httpx.HTTPStatusError as e:
@@ -64,6 +68,7 @@ class RemoteRetriever:
         return int(self._request("GET", "/health")["documents"])
 
     def close(self) -> None:
+        """Close the client's connection pool."""
         self._client.close()
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:

@@ -16,6 +16,7 @@ _PUNCTUATION = str.maketrans("", "", string.punctuation)
 
 
 def normalize_answer(text: str) -> str:
+    """SQuAD's normalization: lowercase, punctuation and the articles a/an/the dropped, whitespace squeezed."""
     text = text.lower().translate(_PUNCTUATION)
     return " ".join(_ARTICLES.sub(" ", text).split())
 

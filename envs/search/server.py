@@ -24,6 +24,9 @@ MAX_QUERIES = 4096
 
 
 class RetrieveRequest(BaseModel):
+    """The body of `POST /retrieve`, Search-R1's fields; `topk` None means the server's default. Unknown fields
+    are a 422."""
+
     model_config = ConfigDict(extra="forbid")
 
     queries: list[str] = Field(max_length=MAX_QUERIES)
@@ -32,6 +35,8 @@ class RetrieveRequest(BaseModel):
 
 
 def create_app(retriever: Retriever, default_topk: int = 3) -> FastAPI:
+    """The FastAPI app that serves `retriever` (`/retrieve`, `/documents/{id}`, `/health`); `default_topk` is
+    the `topk` of a request that gives none."""
     app = FastAPI(title="agentrl retriever", description="Search-R1-compatible retrieval API.")
 
     @app.post("/retrieve")

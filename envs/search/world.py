@@ -111,11 +111,14 @@ class World:
 
 
 def split_of(name: str) -> str:
+    """An entity's split by a stable hash of its name: "heldout" for about `HELDOUT_FRACTION` of names, else
+    "train"."""
     h = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
     return "heldout" if h % 1000 < HELDOUT_FRACTION * 1000 else "train"
 
 
 def fold_accents(text: str) -> str:
+    """`text` in ASCII: accents stripped (NFKD), any other non-ASCII character dropped."""
     return unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
 
 

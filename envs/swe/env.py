@@ -40,6 +40,13 @@ VIEW_LINES = 200
 
 
 class SWEEnv(ToolEnv):
+    """Fix a bug in a repository inside a Docker sandbox (`swe/generated-v0`, `swe/instances-v0`), graded as
+    SWE-bench grades it.
+
+    `instances` is a SWE-bench style JSONL or a folder of tasks (default: the generated instances). Only the
+    `hermes` parser is accepted (arguments span lines); another raises ValueError.
+    """
+
     def __init__(self, split: str = "train", instances: str | None = None, n_tasks: int | None = None,
                  parser: str = "hermes", max_turns: int = 20, max_invalid: int = 3, timeout: float = 30.0,
                  memory_mb: int = 1024, pool_size: int = 4):
@@ -133,12 +140,15 @@ class SWEEnv(ToolEnv):
     # --- tasks ----------------------------------------------------------------------------------------------
 
     def load_tasks(self, split: str) -> Sequence[Task]:
+        """The first `n_tasks` instances of `split`; FileNotFoundError if `instances` does not exist (generate them
+        with `agentrl swe generate`)."""
         if not self.instances.exists():
             raise FileNotFoundError(f"no SWE instances at {self.instances}: generate them with `agentrl swe generate` "
                                     "(or pass instances=PATH: a SWE-bench style JSONL, or a folder of tasks)")
         return load(self.instances, split)[:self.n_tasks]
 
     def first_messages(self, task: Task) -> Sequence[Message]:
+        """The system prompt and the instance's problem statement."""
         return (Message("system", SYSTEM_PROMPT.format(fmt=self.parser.instructions)),
                 Message("user", task.data["problem_statement"]))
 
@@ -146,6 +156,7 @@ class SWEEnv(ToolEnv):
 
     @property
     def sandbox(self) -> Runtime:
+        """This episode's sandbox, leased at `reset()`; SandboxError when none is held."""
         if self._sandbox is None:
             raise SandboxError("no sandbox: reset() the env first")
         return self._sandbox

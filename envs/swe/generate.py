@@ -48,6 +48,7 @@ def file_diff(path: str, old: str | None, new: str) -> str:
 
 
 def test_files(repo: Path, spec: RepoSpec) -> dict[str, str]:
+    """The repository's test files (`spec.tests`, directories expanded to their `.py` files): path → content."""
     out = {}
     for entry in spec.tests:
         paths = [repo / entry] if (repo / entry).is_file() else sorted((repo / entry).rglob("*.py"))
@@ -67,6 +68,7 @@ def run_suite(sandbox: DockerRuntime, spec: RepoSpec, changed: dict[str, str]) -
 
 
 def problem_statement(spec: RepoSpec, failing: list[str], output: str) -> str:
+    """A bug's issue text: the failing tests (the first five) with pytest's error messages, not the fix."""
     messages = {}
     for line in output.splitlines():
         if line.startswith("FAILED ") and " - " in line:
@@ -97,6 +99,8 @@ def candidates(repo: Path, spec: RepoSpec, rng: random.Random) -> list[tuple[str
 
 def generate_repo(spec: RepoSpec, cache: Path, per_repo: int, seed: int, split_of: Callable[[str], str],
                   docker_client: Any, log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The bugs kept for one repository, as SWE-bench style instances: mutation sites are tried in a seeded order
+    until `per_repo` are kept or `6 * per_repo` tried; `split_of` maps a mutation kind to its split."""
     repo, img = fetch(spec, cache), image(spec, cache, docker_client)
     tests = test_files(repo, spec)
     sandbox = DockerRuntime(LIMITS, image=img, docker_client=docker_client)

@@ -71,6 +71,7 @@ def load(path: str | Path, split: str | None = None) -> list[Task]:
 
 
 def write_jsonl(instances: Iterable[dict[str, Any]], path: str | Path) -> None:
+    """Write instances to `path` as JSONL, through a temporary file renamed into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

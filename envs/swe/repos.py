@@ -61,6 +61,7 @@ def fetch(spec: RepoSpec, cache: Path) -> Path:
 
 
 def test_wheels(cache: Path) -> Path:
+    """`cache/wheels`: the pinned test dependencies (`TEST_WHEELS`) as wheels, downloaded once."""
     wheels = cache / "wheels"
     if not wheels.exists():
         _pip("download", "--no-deps", "--only-binary", ":all:", *TEST_WHEELS, "-d", str(wheels.with_suffix(".tmp")))

@@ -36,6 +36,11 @@ _episodes = itertools.count()
 
 
 class WebEnv(ToolEnv):
+    """The base of the web envs: a Chromium page per episode, observed as text and acted on through tools.
+
+    A subclass implements `load_tasks`, `start`, `finished`, `instruction`, `score` and `solve`.
+    """
+
     root: str | None = None  # CSS selector of the part of the page that is observed (default: the body)
 
     def __init__(self, split: str = "train", max_turns: int = 10, max_invalid: int = 3, parser: str = "hermes",
@@ -143,6 +148,7 @@ class WebEnv(ToolEnv):
     # ---- the episode ----
     @property
     def session(self) -> Session:
+        """This episode's browser session, opened on first use in the process's shared browser."""
         if self._session is None:
             self._session = shared_browser(self.max_sessions).open_session()
         return self._session
@@ -154,6 +160,7 @@ class WebEnv(ToolEnv):
         self.start(task)
 
     def first_messages(self, task: Task) -> Sequence[Message]:
+        """The system prompt, and the task's instruction with the page as it is after `start`."""
         return (Message("system", SYSTEM_PROMPT.format(fmt=self.parser.instructions)),
                 Message("user", f"Task: {self.instruction(task)}\n\n{self.observation()}"))
 

@@ -142,6 +142,11 @@ def task_list(split: str, names: Sequence[str] | None, per_type: int) -> list[Ta
 
 
 class MiniWoBEnv(WebEnv):
+    """MiniWoB++ tasks in a real Chromium (`web/miniwob-v0`, `web/miniwob-<task>-v0`); the page decides the reward.
+
+    `tasks` replaces the split's task types with these (any MiniWoB task); `per_type` is the episodes of each.
+    """
+
     def __init__(self, split: str = "train", tasks: Sequence[str] | None = None, per_type: int = 50,
                  max_turns: int = 8, **kwargs):
         self.task_names = None if tasks is None else list(tasks)
@@ -150,6 +155,7 @@ class MiniWoBEnv(WebEnv):
         super().__init__(split=split, max_turns=max_turns, **kwargs)
 
     def load_tasks(self, split: str) -> Sequence[Task]:
+        """`per_type` seeded episodes of each task type of `split` (or of `tasks`)."""
         return task_list(split, self.task_names, self.per_type)
 
     def start(self, task: Task) -> None:
@@ -165,6 +171,7 @@ class MiniWoBEnv(WebEnv):
         return self.session.evaluate("() => core.getUtterance()").strip()
 
     def result(self) -> dict:
+        """The page's outcome so far: `{"done", "raw", "reason"}` (`raw`: its reward, in [-1, 1])."""
         return self.session.evaluate(RESULT_JS)
 
     def finished(self) -> bool:

@@ -72,6 +72,7 @@ class PageState:
     elements: list[dict[str, Any]] = field(default_factory=list)
 
     def element(self, id: int) -> dict[str, Any] | None:
+        """The element numbered `id`, or None."""
         return next((e for e in self.elements if e["id"] == id), None)
 
     def find(self, role: str | None = None, name: str | None = None) -> list[dict[str, Any]]:
@@ -134,6 +135,7 @@ class Browser:
 
     @property
     def connected(self) -> bool:
+        """Whether the browser is open and Chromium is still connected."""
         return not self._closed and self._browser.is_connected()
 
     @contextmanager
@@ -232,13 +234,19 @@ class Session:
         return self._call(read())
 
     def evaluate(self, expression: str, arg: Any = None) -> Any:
+        """Evaluates JavaScript `expression` (with `arg`) in the page and returns its result.
+
+        A script that throws raises BrowserError.
+        """
         return self._call(self.page.evaluate(expression, arg))
 
     def screenshot(self) -> bytes:
+        """A PNG of the viewport."""
         return self._call(self.page.screenshot(type="png"))
 
     # ---- acting ----
     def goto(self, url: str) -> None:
+        """Opens `url` and waits for its load event; ActionError if it is not local or does not load."""
         if not is_local(url):
             raise ActionError(f"{url} is not a local page; only file:// and localhost URLs can be opened")
         async def goto():
@@ -251,15 +259,19 @@ class Session:
         self._call(goto())
 
     def click(self, id: int) -> None:
+        """Clicks element [`id`]; ActionError if there is none or the click fails."""
         self._act(id, "click")
 
     def fill(self, id: int, text: str) -> None:
+        """Types `text` into element [`id`] (an input, textarea or editable element), replacing its content."""
         self._act(id, "fill", text)
 
     def select(self, id: int, option: str) -> None:
+        """Picks the option labelled `option` in the `<select>` element [`id`]."""
         self._act(id, "select_option", label=option)
 
     def press(self, key: str) -> None:
+        """Presses `key` (a Playwright key name: Enter, ArrowDown, Control+a) on the focused element."""
         async def press():
             try:
                 await self.page.keyboard.press(key)
@@ -271,12 +283,14 @@ class Session:
         self._call(press())
 
     def scroll(self, direction: str) -> None:
+        """Turns the mouse wheel 600 px toward `direction` (up, down, left or right); ActionError for others."""
         deltas = {"down": (0, 600), "up": (0, -600), "right": (600, 0), "left": (-600, 0)}
         if direction not in deltas:
             raise ActionError(f"scroll direction must be one of {', '.join(deltas)}; got {direction!r}")
         self._call(self.page.mouse.wheel(*deltas[direction]))
 
     def close(self) -> None:
+        """Closes the context and frees its slot of `max_sessions`; idempotent."""
         if self.closed:
             return
         self.closed = True

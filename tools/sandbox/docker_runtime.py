@@ -81,6 +81,7 @@ def build_image(base_image: str = BASE_IMAGE, docker_client: Any = None) -> str:
 
 
 def owner() -> str:
+    """This process as `host:pid`: the `agentrl.sandbox` label of its containers (see `cleanup_stale`)."""
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
@@ -116,6 +117,7 @@ class DockerRuntime:
         self._buffer = b""
 
     def start(self) -> None:
+        """Starts the container (building the image if needed) and waits for its runner to answer; idempotent."""
         if self.container is not None:
             return
         c = self._client = self._client or client()
@@ -138,6 +140,7 @@ class DockerRuntime:
 
     def run(self, argv: Sequence[str] | None = None, *, code: str | None = None, stdin: str = "",
             timeout: float | None = None) -> RunResult:
+        """Runs argv, or Python `code`, in the workspace (see `Runtime.run`); all it started is killed after."""
         if (argv is None) == (code is None):
             raise ValueError("run needs argv or code, not both")
         timeout = timeout or self.limits.timeout
@@ -146,16 +149,20 @@ class DockerRuntime:
         return _result(self._request(request, timeout + 10.0))
 
     def read(self, path: str) -> str:
+        """A workspace file's first MiB, as UTF-8 (bad bytes replaced); OSError if the runner cannot read it."""
         reply = self._request({"op": "read", "path": path}, 30.0)
         return base64.b64decode(reply["data"]).decode("utf-8", "replace")
 
     def write(self, path: str, content: str) -> None:
+        """Creates or replaces a workspace file, making its directories; OSError if the runner cannot."""
         self._request({"op": "write", "path": path, "data": base64.b64encode(content.encode()).decode()}, 30.0)
 
     def reset(self) -> None:
+        """Kills every process in the container and empties the workspace."""
         self._request({"op": "reset"}, 30.0)
 
     def healthy(self) -> bool:
+        """Whether the runner answers a ping within 5 s (a sandbox that does not is closed)."""
         try:
             self._request({"op": "ping"}, 5.0)
             return True
@@ -163,6 +170,7 @@ class DockerRuntime:
             return False
 
     def close(self) -> None:
+        """Closes the socket and removes the container; idempotent."""
         container, self.container, sock, self._sock = self.container, None, self._sock, None
         if sock is not None:
             try:

@@ -22,6 +22,8 @@ from agentrl.tools.sandbox.runtime import Limits, LocalRuntime, Runtime, Sandbox
 
 
 class SandboxPool:
+    """At most `size` sandboxes made by `make`, leased one at a time; `warm` starts them ahead in a thread."""
+
     def __init__(self, make: Callable[[], Runtime], size: int = 8, warm: bool = True):
         if size < 1:
             raise ValueError(f"pool size must be >= 1, got {size}")
@@ -82,6 +84,7 @@ class SandboxPool:
             self._discard(runtime)
 
     def release(self, runtime: Runtime) -> None:
+        """Takes a leased sandbox back: reset for the next lease, or closed if its reset fails or the pool is closed."""
         with self._lock:
             self._leased.discard(runtime)
         if self._closed:
@@ -96,6 +99,7 @@ class SandboxPool:
 
     @contextmanager
     def lease(self, timeout: float = 300.0) -> Iterator[Runtime]:
+        """`acquire()` as a context manager: the sandbox is released on exit."""
         runtime = self.acquire(timeout)
         try:
             yield runtime

@@ -45,6 +45,7 @@ class Capture:
         self.half, self.head, self.tail, self.total = max(budget // 2, 1), b"", b"", 0
 
     def add(self, data: bytes) -> None:
+        """Counts `data` and keeps it: the head fills first, then the tail keeps the latest bytes."""
         self.total += len(data)
         room = self.half - len(self.head)
         if room > 0:
@@ -54,9 +55,11 @@ class Capture:
 
     @property
     def truncated(self) -> bool:
+        """Whether bytes were dropped between the head and the tail."""
         return self.total > len(self.head) + len(self.tail)
 
     def text(self) -> str:
+        """The stream as text (bad UTF-8 replaced), with a line saying how many bytes were cut, if any."""
         if not self.truncated:
             return (self.head + self.tail).decode("utf-8", "replace")
         dropped = self.total - len(self.head) - len(self.tail)
@@ -89,6 +92,7 @@ class Forked:
         self.stdin, self.stdout, self.stderr = os.fdopen(in_w, "wb"), os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb")
 
     def poll(self) -> int | None:
+        """As `Popen.poll`: the child's exit code (the negative signal number if killed), or None while it runs."""
         if self.returncode is None:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid:
@@ -96,6 +100,7 @@ class Forked:
         return self.returncode
 
     def wait(self, timeout: float) -> int:
+        """As `Popen.wait`: the child's exit code; `subprocess.TimeoutExpired` after `timeout` s."""
         deadline = time.monotonic() + timeout
         while self.poll() is None:
             if time.monotonic() >= deadline:
@@ -219,6 +224,10 @@ def _inside(path: str) -> str:
 
 
 def handle(req: dict) -> dict:
+    """Carries out one request and returns its reply.
+
+    Exceptions propagate: `main` turns them into error replies (HostGone ends the runner).
+    """
     op = req.get("op")
     if op == "ping":
         return {"ok": True}
@@ -250,6 +259,7 @@ def handle(req: dict) -> dict:
 
 
 def main() -> None:
+    """Serves one request per line of stdin until the host closes it; SIGINT and SIGTERM are ignored."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # only the host ends the runner: by closing stdin
         signal.signal(sig, signal.SIG_IGN)
     for line in sys.stdin:

@@ -54,6 +54,7 @@ class RunResult:
 
     @property
     def ok(self) -> bool:
+        """Whether the run exited with code 0 (never when it timed out)."""
         return self.exit_code == 0
 
     def observation(self) -> str:
@@ -69,9 +70,12 @@ class RunResult:
 
 
 class Runtime(Protocol):
+    """What a sandbox offers, `LocalRuntime` and `DockerRuntime` alike; `SandboxPool` holds them."""
+
     limits: Limits
 
-    def start(self) -> None: ...
+    def start(self) -> None:
+        """Gets the sandbox ready (its workspace, its container); does nothing if already started."""
 
     def run(self, argv: Sequence[str] | None = None, *, code: str | None = None, stdin: str = "",
             timeout: float | None = None) -> RunResult:
@@ -87,7 +91,8 @@ class Runtime(Protocol):
     def reset(self) -> None:
         """Kills every process and empties the workspace: ready for the next episode."""
 
-    def healthy(self) -> bool: ...
+    def healthy(self) -> bool:
+        """Whether the sandbox still works; the pool replaces one that does not."""
 
     def close(self) -> None:
         """Idempotent."""
@@ -100,11 +105,13 @@ class LocalRuntime:
         self.limits, self.workspace = limits, None
 
     def start(self) -> None:
+        """Creates the temporary workspace unless it exists."""
         if self.workspace is None:
             self.workspace = Path(tempfile.mkdtemp(prefix="agentrl-local-sandbox-"))
 
     def run(self, argv: Sequence[str] | None = None, *, code: str | None = None, stdin: str = "",
             timeout: float | None = None) -> RunResult:
+        """Runs argv, or Python `code`, as a subprocess in the workspace (see `Runtime.run`); kills its group after."""
         self.start()
         if (argv is None) == (code is None):
             raise ValueError("run needs argv or code, not both")
@@ -131,9 +138,11 @@ class LocalRuntime:
         return _result(reply)
 
     def read(self, path: str) -> str:
+        """A workspace file; PermissionError (an OSError) for a path outside the workspace."""
         return self._inside(path).read_text()
 
     def write(self, path: str, content: str) -> None:
+        """Creates or replaces a workspace file, making its directories; PermissionError outside the workspace."""
         target = self._inside(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(content)
@@ -146,13 +155,16 @@ class LocalRuntime:
         return full
 
     def reset(self) -> None:
+        """Replaces the workspace with a fresh, empty one (each run's process group is killed when it ends)."""
         self.close()
         self.start()
 
     def healthy(self) -> bool:
+        """Always True: there is no container or runner that could die."""
         return True
 
     def close(self) -> None:
+        """Deletes the workspace; idempotent (`start`, `run`, `read` and `write` make a new one)."""
         if self.workspace is not None:
             shutil.rmtree(self.workspace, ignore_errors=True)
             self.workspace = None

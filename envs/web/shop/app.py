@@ -35,6 +35,7 @@ def _page(title: str, body: str) -> HTMLResponse:
 
 
 def build_app(products: list[Product], orders: dict[str, tuple[Product, dict[str, str]]]) -> FastAPI:
+    """The shop's FastAPI app over `products`; each session's first order goes into `orders`."""
     by_id = {p.id: p for p in products}
     index = BM25Index.build([{"id": p.id, "contents": p.text()} for p in products])
     app = FastAPI(title="agentrl shop", docs_url=None, redoc_url=None, openapi_url=None)
@@ -114,8 +115,10 @@ class ShopServer:
             time.sleep(0.02)
 
     def url(self, session: str) -> str:
+        """The shop's home page for `session` (an episode's own prefix)."""
         return f"http://127.0.0.1:{self.port}/{session}/"
 
     def close(self) -> None:
+        """Stop the server and wait (up to 10 s) for its thread."""
         self._server.should_exit = True
         self._thread.join(10)

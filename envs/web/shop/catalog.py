@@ -62,6 +62,7 @@ class Product:
 
     @property
     def category(self) -> str:
+        """The category of the product's type (clothing, kitchen, ...)."""
         return TYPES[self.type]["category"]
 
     def text(self) -> str:
@@ -79,6 +80,7 @@ class Goal:
 
     @property
     def instruction(self) -> str:
+        """The goal in words: "I need a cotton t-shirt, slim fit, in red, size M, for under $24.00"."""
         parts = [f"I need a {' '.join(self.attributes[:1])} {self.type}".replace("  ", " ")]
         if len(self.attributes) > 1:
             parts.append(", ".join(self.attributes[1:]))
@@ -87,18 +89,22 @@ class Goal:
         return ", ".join(parts) + f", for under ${self.price_limit:.2f}"
 
     def search_query(self) -> str:
+        """The goal's attributes and type, as the scripted solver searches for them."""
         return " ".join((*self.attributes, self.type))
 
     def to_dict(self) -> dict:
+        """The goal as JSON-ready data (a task's `goal`); `from_dict` reads it back."""
         return {"product_id": self.product_id, "type": self.type, "attributes": list(self.attributes),
                 "options": dict(self.options), "price_limit": self.price_limit}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Goal":
+        """The goal that `to_dict` wrote."""
         return cls(d["product_id"], d["type"], tuple(d["attributes"]), dict(d["options"]), d["price_limit"])
 
 
 def generate_catalog(seed: int = 0, n_products: int = 400) -> list[Product]:
+    """`n_products` products with unique titles, drawn from `TYPES` and `BRANDS` by `seed`."""
     rng = random.Random(seed)
     products, titles = [], set()
     while len(products) < n_products:
@@ -119,6 +125,8 @@ def generate_catalog(seed: int = 0, n_products: int = 400) -> list[Product]:
 
 
 def generate_goals(products: list[Product], seed: int, n: int) -> list[Goal]:
+    """`n` goals, each drawn from one of `products`: one or two of its attributes, one value of each option, and
+    a whole-dollar price limit some 5 to 50% above its price."""
     rng = random.Random(seed)
     goals = []
     for _ in range(n):

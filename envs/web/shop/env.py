@@ -34,6 +34,8 @@ def shop_server(catalog_seed: int, n_products: int) -> ShopServer:
 
 
 class ShopEnv(WebEnv):
+    """Buy what the instruction asks for in a local shop (`web/shop-v0`), scored by WebShop's reward."""
+
     def __init__(self, split: str = "train", n_tasks: int = 500, catalog_seed: int = 0, n_products: int = 400,
                  max_turns: int = 12, **kwargs):
         if split not in SPLIT_SEEDS:
@@ -47,9 +49,11 @@ class ShopEnv(WebEnv):
 
     @property
     def server(self) -> ShopServer:
+        """This process's shop server over the env's catalog, started on first use."""
         return shop_server(self.catalog_seed, self.n_products)
 
     def load_tasks(self, split: str) -> Sequence[Task]:
+        """`n_tasks` goals of `split`, drawn from its half of the catalog (even products for train, odd for heldout)."""
         half = [p for i, p in enumerate(self.products) if i % 2 == (split == "heldout")]
         goals = generate_goals(half, SPLIT_SEEDS[split] * 1000 + self.catalog_seed, self.n_tasks)
         return [Task(f"shop/{split}/{i}", {"goal": g.to_dict(), "instruction": g.instruction,
