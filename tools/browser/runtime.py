@@ -122,9 +122,10 @@ class Browser:
         if self._closed:
             coroutine.close()
             raise BrowserError("the browser is closed")
+        timeout = timeout if timeout is not None else self.action_timeout + 30.0
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         try:
-            return future.result(timeout if timeout is not None else self.action_timeout + 30.0)
+            return future.result(timeout)
         except TimeoutError:
             future.cancel()
             raise BrowserError(f"the browser did not answer within {timeout} s") from None
