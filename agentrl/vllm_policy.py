@@ -124,10 +124,10 @@ class VLLMPolicy:
         """Load `model`'s weights into the engine as `version`; with `parity`, check them (and roll back).
 
         Requests in flight finish on the old weights first; new ones wait until the new weights are in."""
-        refuse_tied_embeddings(model)
-        if self.weight_transfer != "checkpoint":
+        if self.weight_transfer != "checkpoint":  # in-place loads keep tied embeddings tied (tested)
             await self._sync_by_transfer(model, version)
             return
+        refuse_tied_embeddings(model)
         if self._checkpoints is None:
             self._checkpoints = Path(tempfile.mkdtemp(prefix="agentrl-weights-"))
         path, previous = self._checkpoints / f"v{version}-{self.syncs + 1}", self._checkpoint
@@ -384,15 +384,17 @@ def _parse_choice(choice: dict) -> Sample:
 
 
 def refuse_tied_embeddings(model: Any) -> None:
-    """Raise `PolicyError` for a model whose input and output embeddings are tied: vLLM's reload leaves it
-    half-updated."""
+    """Raise `PolicyError` for a model whose input and output embeddings are tied: vLLM's checkpoint reload
+    leaves it half-updated (the weight-transfer path does not, and does not call this)."""
     config = model.config
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text_config, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False):
         raise PolicyError(
-            "This model ties its input and output embeddings (tie_word_embeddings=True). vLLM's in-place weight "
-            "reload leaves such a model half-updated (logprobs off by 5-30 nats), so agentrl refuses to sync it. "
-            "Untie them once and serve the untied copy: `model.config.tie_word_embeddings = False; "
+            "This model ties its input and output embeddings (tie_word_embeddings=True). vLLM's checkpoint "
+            "reload leaves such a model half-updated (logprobs off by 5-30 nats), so agentrl refuses to sync it "
+            "that way. Sync by broadcast instead (weight_transfer 'gloo' on CPU, 'nccl' between GPUs: the server "
+            "started with the same setting), which keeps them tied; or untie them once and serve the untied "
+            "copy: `model.config.tie_word_embeddings = False; "
             "model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone()); "
             "model.save_pretrained(DIR)`, then `agentrl serve policy --model DIR` and train that model.")
 

@@ -255,6 +255,26 @@ async def test_tied_embeddings_are_refused(policy: VLLMPolicy) -> None:
     assert policy.weight_version == 0
 
 
+async def test_tied_embeddings_sync_by_broadcast(tiny_model_dir: Path, tmp_path: Path, prompts) -> None:
+    """A broadcast loads each tensor in place, so a tied model stays tied in the engine: parity holds after
+    a sync that changes the shared embedding (the checkpoint reload is 5 nats off here, hence refused)."""
+    tied = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    tied.config.tie_word_embeddings = True
+    tied.lm_head.weight = tied.model.embed_tokens.weight
+    tied.save_pretrained(tmp_path / "tied")
+    load_tokenizer(tiny_model_dir).save_pretrained(tmp_path / "tied")
+    config = ServerConfig(model=str(tmp_path / "tied"), weight_transfer="gloo", log_file=str(tmp_path / "log"))
+    with VLLMServer(config) as server:
+        policy = VLLMPolicy.attach(server.url, weight_transfer="gloo", parity=ParityCheck(prompts=prompts[:2]))
+        with torch.no_grad():
+            tied.model.embed_tokens.weight.add_(0.05 * torch.randn_like(tied.model.embed_tokens.weight))
+        await policy.sync_weights(tied, version=1)  # parity-checked: raises above 1e-3 nats
+        assert policy.weight_version == 1
+        with pytest.raises(PolicyError, match="tie_word_embeddings"):
+            await VLLMPolicy.attach(server.url).sync_weights(tied, version=2)
+        await policy.close()
+
+
 def test_serve_cli_validates_options() -> None:
     runner = CliRunner()
     shown = runner.invoke(serve_app, ["policy", "--help"])
