@@ -202,10 +202,12 @@ def test_pool_is_bounded_resets_between_leases_and_leaks_nothing(docker_client):
         with pytest.raises(SandboxError, match="busy"):
             pool.acquire(timeout=0.5)
         a.write("state.txt", "from the last episode")
-        a.run(code="import subprocess; subprocess.Popen(['sleep', '100'])")
+        a.run(code="import os, subprocess; subprocess.Popen(['sleep', '100']); os.makedirs('/tmp/d')\n"
+                   "open('/tmp/left.txt', 'w').write('for the next episode')")
+        assert a.run(argv=["ls", "-A", "/tmp"]).stdout.split() == ["agentrl_main.py", "d", "left.txt"]
         pool.release(a)
-        c = pool.acquire()  # a reset sandbox: empty workspace, no processes
-        assert c.run(argv=["ls", "-A", "/workspace"]).stdout == ""
+        c = pool.acquire()  # a reset sandbox: empty workspace and /tmp, no processes
+        assert c.run(argv=["ls", "-A", "/workspace", "/tmp"]).stdout == "/tmp:\n\n/workspace:\n"
         assert other_processes(c) == []
         assert len(own_containers(docker_client)) - before == 2
         pool.release(b)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+from pathlib import Path
 
 import pytest
 
@@ -166,6 +167,9 @@ def test_the_hidden_tests_are_absent_and_deleting_or_faking_tests_does_not_help(
     env.reset(seed=0, options={"task": task})
     test_file = task.data["FAIL_TO_PASS"][0].split("::")[0]
     hidden = call(env, "bash", command=f"ls {test_file}")[0][0].content
+    # nowhere else either: the image holds no clean copy of the repository to diff against
+    found = call(env, "bash", command=f"find / -name {Path(test_file).name} -not -path '/proc/*' 2>/dev/null; true")
+    assert Path(test_file).name not in found[0][0].content
     history = call(env, "bash", command="git log --oneline")[0][0].content
     assert "No such file" in hidden and history.endswith(" base") and len(history.splitlines()) == 1
     # the agent writes a trivially passing file where the test was, and deletes the rest

@@ -9,9 +9,11 @@ editing tests changes nothing), the tests run, and the reward is 1 iff every FAI
 PASS_TO_PASS test passes; the fraction of each is reported. The hidden tests are never in the workspace
 during the episode.
 
-Each episode leases a sandbox of its instance's image from the pool and copies the repository into the
-workspace; generated instances then get their bug (`setup_patch`), lose their test files (`hidden_tests`),
-and start a fresh git history, so `git log` holds no answer.
+Each episode leases a sandbox of its instance's image from the pool and puts the repository into the
+workspace: generated instances upload the host's snapshot (their images hold no clean copy, which would show
+the bug and the hidden tests), SWE-bench style instances copy `repo_dir` from their image. Generated
+instances then get their bug (`setup_patch`), lose their test files (`hidden_tests`), and start a fresh git
+history, so `git log` holds no answer.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from pathlib import Path
 from typing import Sequence
 
 from agentrl.env import Score, ToolEnv
-from agentrl.envs.swe.generate import INSTANCES
+from agentrl.envs.swe.generate import CACHE, INSTANCES
+from agentrl.envs.swe.repos import REPOS, fetch, upload
 from agentrl.envs.swe.instances import load, parse_pytest_summary
 from agentrl.tools import PARSERS, ParsedAction, ToolSet, tool
 from agentrl.tools.sandbox import Limits, Runtime, SandboxError
@@ -37,6 +40,11 @@ SYSTEM_PROMPT = (
     "When the bug is fixed, call submit with a one-line summary.\n{fmt}"
 )
 VIEW_LINES = 200
+
+
+def spec_of(name: str):
+    """The pinned repository `name` of the generated instances."""
+    return next(spec for spec in REPOS if spec.name == name)
 
 
 class SWEEnv(ToolEnv):
@@ -170,7 +178,11 @@ class SWEEnv(ToolEnv):
 
     def _setup(self, task: Task) -> None:
         d = task.data
-        steps = [f"cp -a {shlex.quote(d['repo_dir'])}/. {REPO}", f"cd {REPO}"]
+        if d["repo_dir"]:  # an instance whose image holds its repository (SWE-bench style)
+            steps = [f"cp -a {shlex.quote(d['repo_dir'])}/. {REPO}", f"cd {REPO}"]
+        else:  # a generated one: the host's snapshot (its image holds no copy the agent could diff against)
+            upload(self.sandbox, fetch(spec_of(d["repo"]), CACHE), REPO)
+            steps = [f"cd {REPO}"]
         if d.get("setup_patch"):
             self.sandbox.write(".setup.patch", d["setup_patch"])
             steps.append("git apply ../.setup.patch && rm ../.setup.patch")

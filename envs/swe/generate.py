@@ -24,14 +24,13 @@ from typing import Any, Callable
 
 from agentrl.envs.swe.instances import parse_pytest_summary, write_jsonl
 from agentrl.envs.swe.mutate import KINDS, mutate, sites
-from agentrl.envs.swe.repos import REPOS, RepoSpec, fetch, image
+from agentrl.envs.swe.repos import REPOS, RepoSpec, fetch, image, upload
 from agentrl.tools.sandbox import Limits
 from agentrl.tools.sandbox.docker_runtime import DockerRuntime, client
 
 CACHE = Path.home() / ".cache" / "agentrl" / "swe"
 INSTANCES = CACHE / "generated" / "instances.jsonl"
 LIMITS = Limits(timeout=120, memory_mb=1024, disk_mb=256, pids=128, output_bytes=2_000_000)
-REPO_DIR = "/repo"
 WORKDIR = "repo"  # in the sandbox's workspace
 HELD_OUT_KIND = "swap_arguments"
 ADDRESS = re.compile(r" at 0x[0-9a-f]+")
@@ -56,10 +55,11 @@ def test_files(repo: Path, spec: RepoSpec) -> dict[str, str]:
     return out
 
 
-def run_suite(sandbox: DockerRuntime, spec: RepoSpec, changed: dict[str, str]) -> tuple[dict[str, str], str]:
+def run_suite(sandbox: DockerRuntime, repo: Path, spec: RepoSpec,
+              changed: dict[str, str]) -> tuple[dict[str, str], str]:
     """(test id → status, pytest's output) for the clean repository with `changed` files replaced."""
     sandbox.reset()
-    sandbox.run(argv=["cp", "-a", f"{REPO_DIR}/.", WORKDIR])
+    upload(sandbox, repo, WORKDIR)
     for path, content in changed.items():
         sandbox.write(f"{WORKDIR}/{path}", content)
     result = sandbox.run(argv=["sh", "-c", f"cd {WORKDIR} && COLUMNS=250 python3 -m pytest -rA --tb=no "
@@ -106,7 +106,7 @@ def generate_repo(spec: RepoSpec, cache: Path, per_repo: int, seed: int, split_o
     sandbox = DockerRuntime(LIMITS, image=img, docker_client=docker_client)
     sandbox.start()
     try:
-        baseline, _ = run_suite(sandbox, spec, {})
+        baseline, _ = run_suite(sandbox, repo, spec, {})
         passing = sorted(t for t, s in baseline.items() if s == "PASSED")
         test_patch = "".join(file_diff(path, None, content) for path, content in sorted(tests.items()))
         kept, tried = [], 0
@@ -116,7 +116,7 @@ def generate_repo(spec: RepoSpec, cache: Path, per_repo: int, seed: int, split_o
             tried += 1
             clean = (repo / path).read_text()
             buggy = mutate(clean, kind, index)
-            results, output = run_suite(sandbox, spec, {path: buggy})
+            results, output = run_suite(sandbox, repo, spec, {path: buggy})
             f2p = [t for t in passing if results.get(t) != "PASSED"]
             p2p = [t for t in passing if results.get(t) == "PASSED"]
             if not f2p or not p2p:  # no failure, or one that breaks everything (an import error)
@@ -127,7 +127,8 @@ def generate_repo(spec: RepoSpec, cache: Path, per_repo: int, seed: int, split_o
                 "FAIL_TO_PASS": f2p, "PASS_TO_PASS": p2p,
                 "patch": file_diff(path, buggy, clean), "test_patch": test_patch,
                 "setup_patch": file_diff(path, clean, buggy),
-                "hidden_tests": sorted(spec.tests), "image": img, "repo_dir": REPO_DIR,
+                "hidden_tests": sorted(spec.tests), "image": img,
+                "repo_dir": None,  # not in the image: the env uploads the host's snapshot
                 "test_cmd": "python3 -m pytest -rA --tb=no -p no:cacheprovider -q " + " ".join(spec.tests),
                 "split": split_of(kind), "kind": kind,
             })
@@ -143,7 +144,7 @@ def up_to_date(out: Path, per_repo: int, seed: int) -> bool:
     settings = out.with_suffix(".settings.json")
     if not out.exists() or not settings.exists():
         return False
-    if json.loads(settings.read_text()) != {"per_repo": per_repo, "seed": seed, "repos": [r.sdist for r in REPOS]}:
+    if json.loads(settings.read_text()) != _settings(per_repo, seed):
         return False
     docker_client = client()
     images = {json.loads(line)["image"] for line in out.read_text().splitlines() if line.strip()}
@@ -162,6 +163,10 @@ def generate(out: Path = INSTANCES, cache: Path = CACHE, per_repo: int = 20, see
 
         instances += generate_repo(spec, cache, per_repo, seed, split_of, docker_client, log)
     write_jsonl(instances, out)
-    out.with_suffix(".settings.json").write_text(json.dumps({"per_repo": per_repo, "seed": seed,
-                                                             "repos": [r.sdist for r in REPOS]}))
+    out.with_suffix(".settings.json").write_text(json.dumps(_settings(per_repo, seed)))
     return instances
+
+
+def _settings(per_repo: int, seed: int) -> dict[str, Any]:
+    # format 2: repositories are uploaded from the host, not copied from /repo in the image
+    return {"per_repo": per_repo, "seed": seed, "repos": [r.sdist for r in REPOS], "format": 2}

@@ -4,7 +4,8 @@ SWE-bench fields: `instance_id`, `repo`, `base_commit`, `problem_statement`, `FA
 (pytest node ids; SWE-bench files store them as JSON strings, both forms are read), `patch` (the gold fix)
 and `test_patch` (the tests, applied only for grading). agentrl adds:
     image         the sandbox image holding the repository (required: no registry here to pull from)
-    repo_dir      where the repository is in the image (default "/testbed", SWE-bench's convention)
+    repo_dir      where the repository is in the image (default "/testbed", SWE-bench's convention); null for
+                  generated instances, whose repository the env uploads from the host's snapshot of `repo`
     test_cmd      the command that runs the tests, printing pytest's `-rA` summary (default: pytest on the
                   files that FAIL_TO_PASS and PASS_TO_PASS name)
     setup_patch   applied when an episode starts (generated tasks: the injected bug)

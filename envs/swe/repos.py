@@ -1,5 +1,6 @@
 """The repositories that generated SWE tasks are made from: small pure-Python packages whose sdists ship
-their test suites, pinned so that generation is deterministic, and one sandbox image per repository.
+their test suites, pinned so that generation is deterministic, and one sandbox image per repository with its
+test dependencies. The repository itself stays on the host and is uploaded into each episode's workspace.
 
 Everything is fetched offline-friendly: `pip download` of the pinned sdist (from the configured index or
 `--find-links`) and of the pure-Python test dependencies as wheels, into the cache; the image is built
@@ -8,7 +9,9 @@ FROM the Python sandbox image with no network.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import io
 import shutil
 import subprocess
 import sys
@@ -71,7 +74,7 @@ def test_wheels(cache: Path) -> Path:
 
 def image(spec: RepoSpec, cache: Path, docker_client: Any) -> str:
     """The repository's sandbox image, built unless it exists; tagged by a hash of everything in it."""
-    repo, wheels = fetch(spec, cache), test_wheels(cache)
+    wheels = test_wheels(cache)
     sandbox_image = build_image(docker_client=docker_client)
     digest = hashlib.sha256(DOCKERFILE.read_bytes() + sandbox_image.encode() + spec.sdist.encode()
                             + "".join(sorted(p.name for p in wheels.iterdir())).encode()).hexdigest()[:12]
@@ -80,11 +83,32 @@ def image(spec: RepoSpec, cache: Path, docker_client: Any) -> str:
         return tag
     with tempfile.TemporaryDirectory() as context:
         shutil.copy(DOCKERFILE, Path(context) / "Dockerfile")
-        shutil.copytree(repo, Path(context) / "repo")
         shutil.copytree(wheels, Path(context) / "wheels")
         docker_client.images.build(path=context, tag=tag, buildargs={"SANDBOX_IMAGE": sandbox_image}, rm=True,
                                    network_mode="none")
     return tag
+
+
+@functools.cache
+def archive(repo: Path) -> bytes:
+    """The snapshot as an uncompressed tar of its files (paths relative to it), for `upload`."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for path in sorted(repo.rglob("*")):
+            if path.is_file():
+                tar.add(path, arcname=str(path.relative_to(repo)))
+    return buffer.getvalue()
+
+
+def upload(sandbox: Any, repo: Path, dest: str) -> None:
+    """Copies the host's snapshot `repo` into the sandbox's workspace at `dest` (an empty or new folder).
+
+    The images hold no copy of the repository: a clean one beside the workspace would show the agent the
+    injected bug (a diff) and the hidden tests."""
+    sandbox.write(".repo.tar", archive(repo))
+    result = sandbox.run(argv=["sh", "-c", f"mkdir -p {dest} && tar -xf .repo.tar -C {dest} && rm .repo.tar"])
+    if not result.ok:
+        raise SandboxError(f"could not unpack the repository into the sandbox: {result.observation()[-300:]}")
 
 
 def _pip(*args: str) -> None:

@@ -132,7 +132,8 @@ class DockerRuntime:
         # The low-level API with stdin open and not detached sets StdinOnce: stdin closes when we detach,
         # the runner sees EOF and exits, and auto_remove deletes the container.
         created = c.api.create_container(image, labels={LABEL: owner()}, stdin_open=True, tty=False,
-                                         user="1000:1000", network_disabled=True, host_config=host_config)
+                                         user="1000:1000", network_disabled=True, host_config=host_config,
+                                         environment={"AGENTRL_SCRATCH": "/tmp"})  # emptied by reset too
         self.container = c.containers.get(created["Id"])
         self._sock = self.container.attach_socket(params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
         self.container.start()
@@ -153,9 +154,11 @@ class DockerRuntime:
         reply = self._request({"op": "read", "path": path}, 30.0)
         return base64.b64decode(reply["data"]).decode("utf-8", "replace")
 
-    def write(self, path: str, content: str) -> None:
-        """Creates or replaces a workspace file, making its directories; OSError if the runner cannot."""
-        self._request({"op": "write", "path": path, "data": base64.b64encode(content.encode()).decode()}, 30.0)
+    def write(self, path: str, content: str | bytes) -> None:
+        """Creates or replaces a workspace file (text as UTF-8), making its directories; OSError if the runner
+        cannot."""
+        data = content.encode() if isinstance(content, str) else content
+        self._request({"op": "write", "path": path, "data": base64.b64encode(data).decode()}, 30.0)
 
     def reset(self) -> None:
         """Kills every process in the container and empties the workspace."""

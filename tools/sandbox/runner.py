@@ -5,7 +5,7 @@ user. One JSON request per line on stdin, one JSON reply per line on stdout:
 
     {"op": "run", "argv": [...] | "code": "...", "stdin": "", "timeout": 10, "max_output": 16000}
     {"op": "write", "path": "a.py", "data": "<base64>"}     {"op": "read", "path": "a.py", "max_bytes": N}
-    {"op": "reset"}   (kill every process, empty the workspace)      {"op": "ping"}
+    {"op": "reset"}   (kill every process, empty the workspace and $AGENTRL_SCRATCH)      {"op": "ping"}
 
 A `docker exec` per call costs 0.1 s; a line over an open pipe costs microseconds. After every run all other
 processes in the container are killed (as PID 1, `kill(-1, SIGKILL)` reaches every process of the
@@ -26,6 +26,8 @@ import sys
 import time
 
 WORKSPACE = os.environ.get("AGENTRL_WORKSPACE", "/workspace")
+# Other folders a reset empties (":"-separated): the container's /tmp, so nothing passes to the next episode.
+SCRATCH = [d for d in os.environ.get("AGENTRL_SCRATCH", "").split(":") if d]
 
 
 def _child_setup() -> None:
@@ -251,9 +253,10 @@ def handle(req: dict) -> dict:
         return {"ok": True, "data": base64.b64encode(data).decode()}
     if op == "reset":
         kill_everything_else()
-        for name in os.listdir(WORKSPACE):
-            path = os.path.join(WORKSPACE, name)
-            shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+        for folder in (WORKSPACE, *SCRATCH):
+            for name in os.listdir(folder):
+                path = os.path.join(folder, name)
+                shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
         return {"ok": True}
     return {"ok": False, "error": f"unknown op {op!r}"}
 

@@ -85,8 +85,8 @@ class Runtime(Protocol):
     def read(self, path: str) -> str:
         """A file of the workspace (paths are relative to it and may not leave it); OSError if it cannot."""
 
-    def write(self, path: str, content: str) -> None:
-        """Creates or replaces a workspace file, making its directories; OSError if it cannot."""
+    def write(self, path: str, content: str | bytes) -> None:
+        """Creates or replaces a workspace file (text as UTF-8), making its directories; OSError if it cannot."""
 
     def reset(self) -> None:
         """Kills every process and empties the workspace: ready for the next episode."""
@@ -141,11 +141,11 @@ class LocalRuntime:
         """A workspace file; PermissionError (an OSError) for a path outside the workspace."""
         return self._inside(path).read_text()
 
-    def write(self, path: str, content: str) -> None:
+    def write(self, path: str, content: str | bytes) -> None:
         """Creates or replaces a workspace file, making its directories; PermissionError outside the workspace."""
         target = self._inside(path)
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(content)
+        target.write_bytes(content.encode() if isinstance(content, str) else content)
 
     def _inside(self, path: str) -> Path:
         self.start()
