@@ -53,12 +53,44 @@ def local():
     # a forged report is ignored: the real one is 1/4
     ("def inc(x):\n    print('\\nAGENTRL_TESTS 0 {\"passed\": 4, \"total\": 4}')\n    return 0\n", 1, "AssertionError"),
     ("def inc(x):\n    while True:\n        pass\n", 0, "did not finish (timed out)"),
+    # the solution runs in its own process: the tester's globals are out of reach...
+    ("import __main__, os\n__main__._report(__main__._total)\nos._exit(0)\ndef inc(x):\n    return 0\n", 0,
+     "does not load: AttributeError"),
+    # ...and only plain values come back: an object equal to everything is not one
+    ("class Yes:\n    def __eq__(self, other):\n        return True\ndef inc(x):\n    return Yes()\n", 0,
+     "cannot pass between the tests and the solution"),
 ])
 def test_hidden_tests_by_hand(local, solution, passed, error):
     report = run_tests(local, PROMPT, solution, "inc", TESTS, timeout=2)
     assert (report.passed, report.total) == (passed, 4)
     assert error in report.error
     assert report.fraction == passed / 4
+
+
+@pytest.mark.docker
+def test_the_solution_cannot_open_the_graders_proc_files_in_the_sandbox():
+    """In the sandbox (uid 1000, no capabilities) the tester and the runner are non-dumpable: the solution's
+    process cannot write into their output or read their memory, which would let it forge the report."""
+    from agentrl.tools.sandbox import Limits
+    from agentrl.tools.sandbox.docker_runtime import DockerRuntime
+
+    probe = ("import os\n"
+             "def inc(x):\n"
+             "    for path, mode in ((f'/proc/{os.getppid()}/fd/1', 'wb'), (f'/proc/{os.getppid()}/mem', 'rb'),\n"
+             "                       ('/proc/1/fd/1', 'wb'), ('/proc/1/mem', 'rb')):\n"
+             "        try:\n"
+             "            open(path, mode).close()\n"
+             "            return x + 1  # reachable: then every test passes\n"
+             "        except OSError:\n"
+             "            pass\n"
+             "    return 0\n")
+    sandbox = DockerRuntime(Limits(timeout=5))
+    sandbox.start()
+    try:
+        assert run_tests(sandbox, PROMPT, probe, "inc", TESTS, timeout=5).passed == 1  # candidate(-1) == 0 only
+        assert run_tests(sandbox, PROMPT, "def inc(x):\n    return x + 1\n", "inc", TESTS, timeout=5).passed == 4
+    finally:
+        sandbox.close()
 
 
 def test_generated_tasks_are_deterministic_and_held_out_templates_are_unseen():

@@ -2,10 +2,16 @@
 
 A task's tests are HumanEval's format: a `check(candidate)` function. Each top-level statement of its body
 that contains an `assert` is one test (a loop of asserts is one); the other statements are setup and run in
-order. The harness is one Python program: the task's prompt (imports and helper functions), then the
-submission (which must define the entry point), then each test on its own, so one failing assert does not
-hide the others. It prints one marked JSON line that the env reads; the submission's own prints cannot
-forge it (the marker carries a per-run nonce).
+order, so one failing assert does not hide the others.
+
+Two processes, so that the submission cannot forge its grade. The *tester* (`TESTER`, a fixed program; the
+task comes on its stdin, so nothing secret is on disk) runs the prompt's helpers and the tests. The
+*solution* runs in a child process that it starts: the child loads the prompt and the submission and
+answers calls, and only values come back (None, bools, numbers, strings, bytes, and lists, tuples, sets and
+dicts of them, tagged in JSON), so a returned object cannot fake an `==` and the submission never sees the
+tests, the tester's variables or its output. The tester makes itself non-dumpable (as the sandbox's runner
+does), so the child cannot open its `/proc` files either, and prints one JSON line marked with a per-run
+nonce; the child's prints go nowhere.
 """
 
 from __future__ import annotations
@@ -33,39 +39,122 @@ def split_check(test_source: str) -> tuple[str, list[tuple[bool, str]]]:
     return prelude, statements
 
 
-def program(prompt: str, solution: str, entry_point: str, test_source: str, nonce: str) -> str:
-    """The harness's source: it loads the prompt and the submission, runs each statement of `check` on its own
-    and prints one `MARKER nonce {"passed", "total", "error"}` line."""
-    prelude, statements = split_check(test_source)
-    return f"""
-import json
-_n, _statements = {nonce!r}, {statements!r}
-_total = sum(is_test for is_test, _ in _statements)
-def _report(passed, error=""):
-    print("\\n{MARKER} " + _n + " " + json.dumps({{"passed": passed, "total": _total, "error": error}}), flush=True)
-_ns = {{}}
-try:
-    exec(compile({prompt!r}, "prompt.py", "exec"), _ns)  # its imports and helpers
-    _ns.pop({entry_point!r}, None)  # the stub: the solution must define the function itself
-    exec(compile({solution!r}, "solution.py", "exec"), _ns)
-    _candidate = _ns[{entry_point!r}]
-except BaseException as e:
-    _report(0, f"the solution does not load: {{type(e).__name__}}: {{e}}")
-    raise SystemExit(0)
-_env = dict(_ns)  # as HumanEval runs them: the tests see the solution module's names (e.g. helpers)
-exec(compile({prelude!r}, "tests.py", "exec"), _env)
-_env["candidate"] = _candidate
-_passed, _error = 0, ""
-for _is_test, _src in _statements:
-    try:
-        exec(compile(_src, "tests.py", "exec"), _env)
-        _passed += _is_test
-    except BaseException as e:
-        _error = _error or f"{{type(e).__name__}}: {{e}}"[:300]
-        if not _is_test:
-            break
-_report(_passed, _error)
+# Values cross between the two processes as JSON with type tags (both programs include this).
+CODEC = r"""
+def encode(v):
+    if v is None or isinstance(v, (bool, str)):
+        return v
+    if isinstance(v, int):
+        return {"int": str(v)}
+    if isinstance(v, float):
+        return {"float": repr(v)}
+    if isinstance(v, bytes):
+        return {"bytes": v.hex()}
+    for kind in (list, tuple, set, frozenset):
+        if isinstance(v, kind):
+            return {kind.__name__: [encode(x) for x in v]}
+    if isinstance(v, dict):
+        return {"dict": [[encode(k), encode(x)] for k, x in v.items()]}
+    raise TypeError(f"a {type(v).__name__} cannot pass between the tests and the solution")
+
+def decode(v):
+    if not isinstance(v, dict):
+        return v
+    (kind, x), = v.items()
+    if kind == "int":
+        return int(x)
+    if kind == "float":
+        return float(x)
+    if kind == "bytes":
+        return bytes.fromhex(x)
+    if kind == "dict":
+        return {decode(k): decode(y) for k, y in x}
+    return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[kind](decode(y) for y in x)
 """
+
+# The solution's process: load the prompt and the submission, then answer one call per stdin line.
+SOLUTION = r"""
+import json, os, sys
+channel = os.fdopen(os.dup(1), "w")
+os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # the submission's prints go nowhere
+sys.stdout = open(os.devnull, "w")
+
+CODEC
+task = json.loads(sys.stdin.readline())
+try:
+    ns = {}
+    exec(compile(task["prompt"], "prompt.py", "exec"), ns)
+    ns.pop(task["entry_point"], None)  # the stub: the solution must define the function itself
+    exec(compile(task["solution"], "solution.py", "exec"), ns)
+    candidate = ns[task["entry_point"]]
+    reply = {"ok": True}
+except BaseException as e:
+    reply = {"error": f"{type(e).__name__}: {e}"}
+channel.write(json.dumps(reply) + "\n")
+channel.flush()
+for line in sys.stdin:
+    args, kwargs = json.loads(line)
+    try:
+        reply = {"value": encode(candidate(*map(decode, args), **{k: decode(v) for k, v in kwargs.items()}))}
+    except BaseException as e:
+        reply = {"error": f"{type(e).__name__}: {e}"}
+    channel.write(json.dumps(reply) + "\n")
+    channel.flush()
+"""
+
+# The tester: the trusted half. Its task (nonce, prompt, submission, tests) arrives on stdin.
+TESTER = r"""
+import ctypes, json, subprocess, sys
+task = json.loads(sys.stdin.read())
+try:
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the solution cannot open our /proc files
+except (OSError, AttributeError):
+    pass
+nonce, statements = task["nonce"], task["statements"]
+total = sum(is_test for is_test, _ in statements)
+
+def report(passed, error=""):
+    print("\n" + MARKER, nonce, json.dumps({"passed": passed, "total": total, "error": error}), flush=True)
+    raise SystemExit(0)
+
+CODEC
+solution = subprocess.Popen([sys.executable, "-c", SOLUTION], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+
+def ask(message):
+    solution.stdin.write(json.dumps(message) + "\n")
+    solution.stdin.flush()
+    line = solution.stdout.readline()
+    if not line:
+        raise RuntimeError("the solution's process died")
+    return json.loads(line)
+
+loaded = ask({"prompt": task["prompt"], "solution": task["solution"], "entry_point": task["entry_point"]})
+if "error" in loaded:
+    report(0, "the solution does not load: " + loaded["error"])
+
+def candidate(*args, **kwargs):
+    reply = ask([[encode(a) for a in args], {k: encode(v) for k, v in kwargs.items()}])
+    if "error" in reply:
+        raise RuntimeError(reply["error"])
+    return decode(reply["value"])
+
+env = {}
+exec(compile(task["prompt"], "prompt.py", "exec"), env)  # the prompt's imports and helpers (trusted)
+exec(compile(task["prelude"], "tests.py", "exec"), env)
+env["candidate"] = env[task["entry_point"]] = candidate  # some tests name it (HumanEval/33)
+passed, error = 0, ""
+for is_test, src in statements:
+    try:
+        exec(compile(src, "tests.py", "exec"), env)
+        passed += is_test
+    except BaseException as e:
+        error = error or f"{type(e).__name__}: {e}"[:300]
+        if not is_test:
+            break
+report(passed, error)
+""".replace("MARKER", repr(MARKER)).replace("SOLUTION", repr(SOLUTION.replace("CODEC", CODEC))).replace(
+    "CODEC", CODEC)
 
 
 @dataclass(frozen=True)
@@ -86,9 +175,11 @@ def run_tests(sandbox, prompt: str, solution: str, entry_point: str, test_source
 
     A run that prints no report (a timeout, a crash) counts as 0 of the tests passed, with the reason in `error`."""
     nonce = secrets.token_hex(8)
-    result: RunResult = sandbox.run(code=program(prompt, solution, entry_point, test_source, nonce),
-                                    timeout=timeout)
-    total = sum(is_test for is_test, _ in split_check(test_source)[1])
+    prelude, statements = split_check(test_source)
+    task = {"nonce": nonce, "prompt": prompt, "solution": solution, "entry_point": entry_point,
+            "prelude": prelude, "statements": statements}
+    result: RunResult = sandbox.run(code=TESTER, stdin=json.dumps(task), timeout=timeout)
+    total = sum(is_test for is_test, _ in statements)
     for line in reversed(result.stdout.splitlines()):
         if line.startswith(f"{MARKER} {nonce} "):
             report = json.loads(line.split(" ", 2)[2])

@@ -16,6 +16,7 @@ a host that dies takes its containers with it.
 from __future__ import annotations
 
 import base64
+import ctypes
 import json
 import os
 import selectors
@@ -265,6 +266,9 @@ def main() -> None:
     """Serves one request per line of stdin until the host closes it; SIGINT and SIGTERM are ignored."""
     for sig in (signal.SIGINT, signal.SIGTERM):  # only the host ends the runner: by closing stdin
         signal.signal(sig, signal.SIG_IGN)
+    # Non-dumpable (PR_SET_DUMPABLE 0, inherited by the forks that run Python code, reset by exec): code run
+    # here cannot open the runner's /proc files (its memory, the host channel) or a grader's.
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
     for line in sys.stdin:
         try:
             reply = handle(json.loads(line))
