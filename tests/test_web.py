@@ -138,7 +138,9 @@ def test_bad_actions_become_corrective_observations():
         (call(env, "select", id=1, option="Nobody"), "select on [1] failed"),
         (call(env, "press", key="NoSuchKey"), "unknown key"),
         (call(env, "scroll", direction="sideways"), "scroll direction must be one of"),
-        (call(env, "goto", url="https://example.com/"), "is not a local page"),
+        (call(env, "goto", url="https://example.com/"), "is not on this task's site"),
+        (call(env, "goto", url="file:///etc/hostname"), "is not on this task's site"),  # the host's files
+        (call(env, "goto", url="http://127.0.0.1:8000/v1/models"), "is not on this task's site"),  # its services
     ]:
         obs, reward, terminated, truncated, _ = env.step(action)
         assert not terminated and reward == 0.0
@@ -146,6 +148,18 @@ def test_bad_actions_become_corrective_observations():
         assert failure.startswith("Last action failed: ") and message in failure, obs[0].content
         assert obs[0].content.startswith("URL: file://")  # the page is still shown
     env.close()
+
+
+def test_same_site():
+    from agentrl.envs.web.env import same_site
+
+    page = "file:///pkg/miniwob/html/click-button.html"
+    assert same_site("file:///pkg/miniwob/html/choose-list.html", page)
+    assert not same_site("file:///pkg/miniwob/html/../../../etc/passwd", page)
+    assert not same_site("file:///etc/passwd", page) and not same_site("http://127.0.0.1/", page)
+    shop = "http://127.0.0.1:5123/s/abc/"
+    assert same_site("http://127.0.0.1:5123/item/7", shop)
+    assert not same_site("http://127.0.0.1:8000/v1/models", shop) and not same_site("file:///etc/passwd", shop)
 
 
 @pytest.mark.browser

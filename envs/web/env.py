@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import abc
 import itertools
+import posixpath
 import random
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
+from urllib.parse import urlsplit
 
 from agentrl.env import ToolEnv
 from agentrl.tools import PARSERS, ToolSet, tool
@@ -33,6 +35,17 @@ SYSTEM_PROMPT = (
     "done (or answer, if the task asks for an answer).\n{fmt}"
 )
 _episodes = itertools.count()
+
+
+def same_site(url: str, site: str) -> bool:
+    """Whether `url` is on `site`'s origin (http, https) or in its page's folder (file)."""
+    a, b = urlsplit(url), urlsplit(site)
+    if a.scheme != b.scheme or a.scheme not in ("http", "https", "file"):
+        return False
+    if a.scheme == "file":
+        folder = posixpath.dirname(b.path) + "/"
+        return posixpath.normpath(a.path).startswith(folder) and not a.netloc
+    return (a.hostname, a.port) == (b.hostname, b.port)
 
 
 class WebEnv(ToolEnv):
@@ -107,11 +120,13 @@ class WebEnv(ToolEnv):
 
         @tool(timeout=60.0)
         def goto(url: str) -> str:
-            """Open a URL (local pages only).
+            """Open a URL of this task's site.
 
             Args:
                 url: The address to open.
             """
+            if not same_site(url, self._site):  # not the machine's other files or services
+                return self.observation(error=f"{url} is not on this task's site ({self._site})")
             return action(lambda: self.session.goto(url))
 
         @tool(timeout=1.0)
@@ -158,6 +173,7 @@ class WebEnv(ToolEnv):
         self._close_session()
         self._ended_by, self._episode, self._shots = None, next(_episodes), 0
         self.start(task)
+        self._site = self.session.page.url  # where `goto` may go: this origin (http) or this folder (file)
 
     def first_messages(self, task: Task) -> Sequence[Message]:
         """The system prompt, and the task's instruction with the page as it is after `start`."""
