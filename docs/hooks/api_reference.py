@@ -45,8 +45,12 @@ def page_path(module: str) -> str:
     return "reference/" + module.replace(".", "/") + ".md"
 
 
-def on_config(config):
+def on_startup(command, dirty):
+    # Before any plugin's on_config: mkdocstrings drops search paths that do not exist when it sets up.
     lay_out_sources()
+
+
+def on_config(config):
     pages = [{module: page_path(module)} for module in public_modules()]
     config["nav"].append({"API reference": ["reference/index.md", *pages]})
     return config
