@@ -65,7 +65,8 @@ class GRPOConfig:
         if self.loss not in POLICY_LOSSES:
             raise ValueError(f"loss must be one of {sorted(POLICY_LOSSES)}, got {self.loss!r}")
         if self.rollout.group_size < 2:
-            raise ValueError("GRPO needs rollout.group_size >= 2 to compare samples of one task")
+            raise ValueError("GRPO needs rollout.group_size >= 2 to compare samples of one task (a [grpo.rollout] "
+                             "table without group_size gets the rollout default, 1: set it, e.g. 8)")
         if self.micro_batch_size is not None and not 1 <= self.micro_batch_size <= self.minibatch_size:
             raise ValueError(f"micro_batch_size must be in [1, minibatch_size], got {self.micro_batch_size}")
 
