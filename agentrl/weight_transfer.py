@@ -91,6 +91,14 @@ def join_group(address: str, port: int, rank: int, world_size: int):
                                                           timeout=TRANSFER_TIMEOUT)
 
 
+def leave_group(group) -> None:
+    """Destroy a group from `join_group` (None: nothing to do)."""
+    if group is not None:
+        from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+        stateless_destroy_torch_distributed_process_group(group)
+
+
 def broadcast(group, tensor: torch.Tensor) -> None:
     """Rank 0 of `group` (from `join_group`) sends its `tensor`; every other rank receives it into its own, in
     place. Blocks until done."""
@@ -137,11 +145,8 @@ class GlooWeightTransferEngine(WeightTransferEngine):
             self.model.load_weights([(name, tensor.to(self.device))])
 
     def shutdown(self) -> None:
-        if self.group is not None:
-            from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
-
-            stateless_destroy_torch_distributed_process_group(self.group)
-            self.group = None
+        leave_group(self.group)
+        self.group = None
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
@@ -183,11 +188,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         self.client.finish_weight_update()
 
     def shutdown(self) -> None:
-        if self.group is not None:
-            from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
-
-            stateless_destroy_torch_distributed_process_group(self.group)
-            self.group = None
+        leave_group(self.group)
+        self.group = None
 
 
 def register() -> None:
