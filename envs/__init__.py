@@ -25,6 +25,11 @@ register("gymnasium/FrozenLake-v1", "agentrl.adapters.gymnasium_env:GymnasiumEnv
 register("textarena/GuessTheNumber-v0", "agentrl.adapters.textarena_env:TextArenaEnv", game="GuessTheNumber-v0")
 register("skyrl/gsm8k-v0", "agentrl.adapters.skyrl_env:SkyRLEnv", env_class="gsm8k")
 register("skyrl/gsm8k_multi_turn-v0", "agentrl.adapters.skyrl_env:SkyRLEnv", env_class="gsm8k_multi_turn")
+register("verifiers/arith-tools-v0", "agentrl.adapters.verifiers_env:VerifiersEnv",
+         environment="agentrl.adapters.verifiers_examples", env_args={"kind": "arith_tools"})
+register("verifiers/guess-v0", "agentrl.adapters.verifiers_env:VerifiersEnv",
+         environment="agentrl.adapters.verifiers_examples", env_args={"kind": "guess"})
+register("verifiers/env-v0", "agentrl.adapters.verifiers_env:VerifiersEnv")  # environment="NAME" required
 register("openenv/remote-v0", "agentrl.adapters.openenv_env:OpenEnvEnv")  # url="http://host:port" required
 
 register_suite(Suite("math/heldout", (SuiteEntry("math/arith-v0", "heldout", 200),),

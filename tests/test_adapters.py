@@ -1,4 +1,4 @@
-"""Other libraries' envs here, ours there: Gymnasium, TextArena, SkyRL-Gym and OpenEnv envs through agentrl's
+"""Other libraries' envs here, ours there: Gymnasium, TextArena, SkyRL-Gym, verifiers and OpenEnv envs through agentrl's
 rollout engine with exact-token trajectories; agentrl envs served over OpenEnv's protocol and driven by
 OpenEnv's own client; an agentrl env in TRL's GRPOTrainer; and the one conformance suite for all of them."""
 
@@ -22,10 +22,12 @@ from agentrl.adapters.trl_env import trl_dataset, trl_environment
 from agentrl.conformance import conformance
 from agentrl.renderer import Renderer
 from agentrl.rollout import RolloutConfig, RolloutEngine
-from agentrl.scripted_policy import ScriptedPolicy
+from agentrl.scripted_policy import ScriptedPolicy, playing
 from agentrl.types import Status
 
-ADAPTED = ["gymnasium/FrozenLake-v1", "textarena/GuessTheNumber-v0", "skyrl/gsm8k-v0", "skyrl/gsm8k_multi_turn-v0"]
+RG_ENV = "verifiers.envs.integrations.reasoninggym_env:ReasoningGymEnv"
+ADAPTED = ["gymnasium/FrozenLake-v1", "textarena/GuessTheNumber-v0", "skyrl/gsm8k-v0", "skyrl/gsm8k_multi_turn-v0",
+           "verifiers/arith-tools-v0", "verifiers/guess-v0"]
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +100,64 @@ def test_adapted_envs_roll_out_with_exact_tokens(env_id, renderer):
         spans = {i for turn in t.turns for i in range(turn.start, turn.end)}
         assert [i for i, m in enumerate(t.loss_mask) if m] == sorted(spans)  # mask exactly on sampled tokens
         first = list(itertools.takewhile(lambda m: m.role != "assistant", t.messages))
-        assert list(t.token_ids[:t.prompt_len]) == renderer.prompt_ids(first, None)  # the prompt, rendered
+        assert list(t.token_ids[:t.prompt_len]) == renderer.prompt_ids(first, env.tool_schemas or None)  # rendered
+
+
+def test_verifiers_tool_env_sees_openai_tool_calls_and_scores_with_its_rubric():
+    """The ToolEnv gets the model's Hermes call as an OpenAI tool call, runs its tool, and its rubric scores the
+    rollout: reward and metrics come from verifiers, not from agentrl."""
+    env = agentrl.make("verifiers/arith-tools-v0")
+    task = env.tasks[0]  # Compute 2 - 17 - 13.
+    env.reset(options={"task": task})
+    obs, reward, done, _, info = env.step(task.data["info"]["gold"][0])
+    assert not done and obs[0].role == "tool" and obs[0].content == "-28"
+    call = env.state["trajectory"][-1]["completion"][0]["tool_calls"][0]
+    assert call["function"] == {"name": "calculator", "arguments": '{"expression": "2 - 17 - 13"}'}
+    assert obs[0].tool_call_id == call["id"]
+    _, reward, done, _, info = env.step("<answer>-27</answer>")  # wrong: the rubric says 0
+    assert done and reward == 0.0 and info["reward_components"]["exact_answer"] == 0.0
+    assert info["reward_components"]["calculator_calls"] == 1.0 and info["reason"] == "stop: no_tools_called"
+
+
+def test_verifiers_malformed_call_is_corrected_and_env_errors_are_status_error(renderer, monkeypatch):
+    env = agentrl.make("verifiers/arith-tools-v0")
+    env.reset(options={"task": env.tasks[0]})
+    obs, _, done, _, _ = env.step("<tool_call>\n{calculator: 1}\n</tool_call>")
+    assert not done and obs[0].content.startswith("Invalid action: Invalid JSON in <tool_call>")
+    assert env.state["trajectory"] == []  # the env never saw the malformed turn
+
+    import verifiers as vf
+
+    async def sandbox_died(*args, **kwargs):
+        raise vf.InfraError("sandbox died")
+
+    monkeypatch.setattr(agentrl.make("verifiers/guess-v0").inner, "env_response", sandbox_died)
+    [t] = play_gold(lambda: agentrl.make("verifiers/guess-v0"), renderer, [agentrl.make("verifiers/guess-v0").tasks[1]])
+    assert t.status == Status.ERROR and t.reason == "InfraError: sandbox died"
+
+
+def test_verifiers_own_reasoning_gym_env_through_the_rollout_engine(renderer):
+    """verifiers' own ReasoningGymEnv (a SingleTurnEnv with an XML parser and its rubric), played through the
+    engine: right answers get the rubric's 1, wrong ones 0, tokens exact."""
+    make = lambda: agentrl.make("verifiers/env-v0", environment=RG_ENV,  # noqa: E731
+                                env_args={"gym": "basic_arithmetic", "num_train_examples": 6, "num_eval_examples": 2})
+    env = make()
+    rg = env.inner.rg_dataset
+    entries = [rg[int(t.data["answer"])] for t in env.tasks]
+    replies = [e["answer"] if i % 2 == 0 else "I do not know" for i, e in enumerate(entries)]
+    scripts = {e["question"]: [f"<answer>{r}</answer>"] for e, r in zip(entries, replies)}
+    policy = ScriptedPolicy(renderer, playing(scripts), "<|im_start|>assistant")
+    engine = RolloutEngine(make, policy, renderer, RolloutConfig(concurrency=3, max_turns=2, max_total_tokens=4096))
+    try:
+        trajectories = [g.trajectories[0] for g in asyncio.run(engine.run(list(env.tasks)))]
+    finally:
+        engine.close()
+    assert [t.reward for t in trajectories] == [1.0, 0.0] * 3  # reasoning-gym's score_answer, via the rubric
+    for t in trajectories:
+        assert t.status == Status.OK and t.reward_components["check_answer_reward_func"] == t.reward
+        [turn] = t.turns
+        assert [i for i, m in enumerate(t.loss_mask) if m] == list(range(turn.start, turn.end))
+        assert list(t.token_ids[:t.prompt_len]) == renderer.prompt_ids(t.messages[:2], None)
 
 
 def test_our_env_over_openenv_with_openenv_client(math_server):
