@@ -38,10 +38,13 @@ def envs_list() -> None:
     console.print(table)
 
 
+KWARGS_HELP = 'Env keyword arguments as JSON, e.g. \'{"environment": "my-vf-env"}\' for verifiers/env-v0.'
+
+
 @envs_app.command("show")
-def envs_show(env_id: str, split: str = "train") -> None:
+def envs_show(env_id: str, split: str = "train", kwargs: str = typer.Option("{}", help=KWARGS_HELP)) -> None:
     """The tools and the first messages of an env's first task."""
-    env = _make_or_exit(env_id, split=split)
+    env = _make_or_exit(env_id, split=split, **json.loads(kwargs))
     obs, info = env.reset(seed=0)
     console.print(f"[bold]{env_id}[/] ({type(env).__name__}), {len(env.tasks)} {split} tasks")
     console.print_json(data=info["tools"])
@@ -51,12 +54,13 @@ def envs_show(env_id: str, split: str = "train") -> None:
 
 
 @envs_app.command("check")
-def envs_check(env_id: str, n_tasks: int = typer.Option(8, help="Tasks whose gold solution is validated.")) -> None:
+def envs_check(env_id: str, n_tasks: int = typer.Option(8, help="Tasks whose gold solution is validated."),
+               kwargs: str = typer.Option("{}", help=KWARGS_HELP)) -> None:
     """Gymnasium's env checker plus the env's own validate() (gold solutions must get the maximum reward)."""
     from agentrl.registration import check
 
-    _make_or_exit(env_id)
-    problems = check(env_id, n_tasks=n_tasks)
+    _make_or_exit(env_id, **json.loads(kwargs))
+    problems = check(env_id, n_tasks=n_tasks, **json.loads(kwargs))
     for p in problems:
         console.print(f"[red]✗[/] {p}")
     if problems:
@@ -399,6 +403,12 @@ def _make_or_exit(env_id: str, **kwargs):
         return make(env_id, **kwargs)
     except KeyError as e:
         console.print(f"[red]{e.args[0]}[/]")
+        raise typer.Exit(2)
+    except TypeError as e:  # e.g. a required argument (openenv/remote-v0's url) not given
+        if "argument" not in str(e):
+            raise
+        console.print(f"[red]{env_id}: {e}. Give it with --kwargs '{{\"NAME\": VALUE}}' (or in a recipe's "
+                      "\\[env_kwargs]).[/]")
         raise typer.Exit(2)
 
 

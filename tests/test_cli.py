@@ -21,6 +21,11 @@ def test_envs_list_show_check():
     assert checked.exit_code == 0 and "check_env passed" in checked.output
     unknown = runner.invoke(app, ["envs", "check", "math/arith"])
     assert unknown.exit_code == 2 and "Did you mean 'math/arith-v0'" in unknown.output
+    missing = runner.invoke(app, ["envs", "check", "verifiers/env-v0"])
+    assert missing.exit_code == 2 and "'environment'" in missing.output and "--kwargs" in missing.output
+    kwargs = '{"environment": "agentrl.adapters.verifiers_examples", "env_args": {"kind": "guess"}}'
+    checked = runner.invoke(app, ["envs", "check", "verifiers/env-v0", "--n-tasks", "2", "--kwargs", kwargs])
+    assert checked.exit_code == 0 and "check_env passed" in checked.output
 
 
 @pytest.mark.slow
