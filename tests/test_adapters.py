@@ -160,6 +160,23 @@ def test_verifiers_own_reasoning_gym_env_through_the_rollout_engine(renderer):
         assert list(t.token_ids[:t.prompt_len]) == renderer.prompt_ids(t.messages[:2], None)
 
 
+def group_scored_env():
+    """A verifiers env whose rubric ranks the rollouts of a group: not adaptable to per-episode scoring."""
+    import verifiers as vf
+    from datasets import Dataset
+
+    def best_of_group(completions, **kwargs) -> list[float]:
+        return [1.0] + [0.0] * (len(completions) - 1)
+
+    return vf.SingleTurnEnv(dataset=Dataset.from_list([{"question": "2+2?", "answer": "4"}]),
+                            rubric=vf.Rubric(funcs=[best_of_group]))
+
+
+def test_verifiers_env_with_group_rewards_is_refused_with_a_message():
+    with pytest.raises(ValueError, match="group-level reward functions \\(best_of_group\\)"):
+        agentrl.make("verifiers/env-v0", environment="test_adapters:group_scored_env")
+
+
 def test_our_env_over_openenv_with_openenv_client(math_server):
     """OpenEnv's own client plays an agentrl env: reset to a task, the gold turns, the env's reward."""
     env = agentrl.make("math/arith-v0", n_tasks=16)

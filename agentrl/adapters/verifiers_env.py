@@ -14,7 +14,8 @@ a corrective message and is not shown to the env. An error the env raises (`vf.E
 status `error` with its message (as it does in verifiers' own loop).
 
 Not adapted: verifiers 0.4's `v1` task/harness API (its rollouts run a harness program that `uv` installs),
-completion-format (`message_type="completion"`) envs, and group-level reward functions (`score_group`).
+completion-format (`message_type="completion"`) envs and rubrics with group-level reward functions (both refused
+with a message).
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ class VerifiersEnv(TextEnv):
         self.inner = load(environment, json.dumps(env_args or {}, sort_keys=True))
         if self.inner.message_type != "chat":
             raise ValueError(f"{environment!r} is a {self.inner.message_type!r}-format env; only chat envs are adapted")
+        if _group_funcs(self.inner.rubric):
+            raise ValueError(f"{environment!r} has group-level reward functions "
+                             f"({', '.join(f.__name__ for f in _group_funcs(self.inner.rubric))}): agentrl scores "
+                             "each episode on its own; give the env a rubric of per-rollout functions")
         self.n_tasks = n_tasks
         args = ",".join(f"{k}={v}" for k, v in sorted((env_args or {}).items()))
         name = environment.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
@@ -153,6 +158,13 @@ def load(environment: str, env_args_json: str):
         module, name = environment.split(":")
         return getattr(importlib.import_module(module), name)(**json.loads(env_args_json))
     return vf.load_environment(environment, **json.loads(env_args_json))
+
+
+def _group_funcs(rubric) -> list:
+    """The rubric's group-level reward functions, through `RubricGroup`s."""
+    if hasattr(rubric, "rubrics"):
+        return [f for r in rubric.rubrics for f in _group_funcs(r)]
+    return rubric._get_group_reward_funcs()
 
 
 def _message(m: dict[str, Any]) -> Message:
