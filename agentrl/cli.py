@@ -69,11 +69,13 @@ def envs_check(env_id: str, n_tasks: int = typer.Option(8, help="Tasks whose gol
 
 
 @model_app.command("init")
-def model_init(out_dir: Path, seed: int = 0) -> None:
+def model_init(out_dir: Path, seed: int = 0,
+               corpus: str = typer.Option("base", help="Tokenizer text: 'base', or 'search' to add the search "
+                                                      "env's documents (the search recipes' model).")) -> None:
     """Build the tiny CPU model (Qwen2 architecture, own BPE tokenizer) into OUT_DIR, deterministically."""
     from agentrl.tiny_model import build_tiny_model
 
-    build_tiny_model(out_dir, seed=seed)
+    build_tiny_model(out_dir, seed=seed, corpus=corpus)
 
 
 @sandbox_app.command("build")

@@ -46,6 +46,7 @@ class TinyModelSettings:
     num_kv_heads: int = 2
     intermediate_size: int = 768
     max_position_embeddings: int = 2048
+    corpus: str = "base"  # "search": the tokenizer also learns the search env's generated documents
     build_format: int = BUILD_FORMAT
 
 
@@ -173,8 +174,16 @@ def _search_r1(rng: random.Random) -> str:
             f"<think>The {noun} of {place} is {rng.choice(_NAMES)}.</think>\n<answer>{rng.choice(_NAMES)}</answer>")
 
 
-def training_corpus(seed: int = 0, num_lines: int = 4000) -> Iterator[str]:
-    """Deterministic tokenizer training text: prose, arithmetic, tool calls, ReAct and Search-R1 traces, chats."""
+def training_corpus(seed: int = 0, num_lines: int = 4000, corpus: str = "base") -> Iterator[str]:
+    """Deterministic tokenizer training text: prose, arithmetic, tool calls, ReAct and Search-R1 traces, chats;
+    with `corpus="search"` also the documents of the search env's generated world (its retrieval corpus, so its
+    invented names and relation phrases get tokens of their own: a name is ~3.6 tokens instead of ~9)."""
+    if corpus not in ("base", "search"):
+        raise ValueError(f"corpus must be 'base' or 'search', got {corpus!r}")
+    if corpus == "search":
+        from agentrl.envs.search.env import _world
+
+        yield from (d["contents"] for d in _world(0).documents())
     rng = random.Random(seed)
     kinds = [_sentence, _prose, _fact, _code, lambda r: " = ".join(_arith(r)), _tool_call, _chat, _react, _search_r1]
     weights = [3, 3, 3, 1, 2, 2, 2, 1, 1]
@@ -206,7 +215,7 @@ def train_tokenizer(settings: TinyModelSettings):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: any text can be encoded
         show_progress=False,
     )
-    tok.train_from_iterator(training_corpus(settings.seed), trainer=trainer)
+    tok.train_from_iterator(training_corpus(settings.seed, corpus=settings.corpus), trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=IM_END,
@@ -265,16 +274,16 @@ def _file_hashes(out_dir: Path) -> dict[str, str]:
             for p in sorted(out_dir.iterdir()) if p.is_file() and p.name != BUILD_FILE}
 
 
-def _corpus_hash(seed: int) -> str:
+def _corpus_hash(settings: TinyModelSettings) -> str:
     """Part of the build record, so that a changed corpus generator (or template) triggers a rebuild."""
     h = hashlib.sha256()
-    for line in training_corpus(seed):
+    for line in training_corpus(settings.seed, corpus=settings.corpus):
         h.update(line.encode() + b"\0")
     return h.hexdigest()
 
 
 def _build_record(settings: TinyModelSettings) -> dict:
-    return {"settings": asdict(settings), "corpus_sha256": _corpus_hash(settings.seed)}
+    return {"settings": asdict(settings), "corpus_sha256": _corpus_hash(settings)}
 
 
 def _is_complete(out_dir: Path, record: dict) -> bool:
@@ -290,7 +299,7 @@ def _is_complete(out_dir: Path, record: dict) -> bool:
 
 
 def build_tiny_model(out_dir: str | Path, seed: int = 0, *, force: bool = False, quiet: bool = False,
-                     **overrides: int) -> Path:
+                     **overrides: int | str) -> Path:
     """Build the tiny model into `out_dir` (created if needed) and return its path.
 
     `overrides` are `TinyModelSettings` fields (e.g. `hidden_size=128`). If `out_dir` already holds a complete
