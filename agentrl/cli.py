@@ -59,8 +59,9 @@ def envs_check(env_id: str, n_tasks: int = typer.Option(8, help="Tasks whose gol
     """Gymnasium's env checker plus the env's own validate() (gold solutions must get the maximum reward)."""
     from agentrl.registration import check
 
-    _make_or_exit(env_id, **json.loads(kwargs))
-    problems = check(env_id, n_tasks=n_tasks, **json.loads(kwargs))
+    env_kwargs = json.loads(kwargs)
+    _make_or_exit(env_id, **env_kwargs)
+    problems = check(env_id, n_tasks=n_tasks, **env_kwargs)
     for p in problems:
         console.print(f"[red]✗[/] {p}")
     if problems:

@@ -9,9 +9,9 @@ the env's side of that loop with the env's own hooks, in the order `MultiTurnEnv
 (`add_trajectory_step`), the env's stop conditions are checked (`is_completed`), and `get_prompt_messages`
 (which calls `env_response`) gives the next messages. At the end the env's rubric scores the rollout; its
 reward is the episode's and its metrics are the reward components. Tool calls are parsed from the model's
-Hermes `<tool_call>` blocks into OpenAI's format, as vLLM's hermes tool parser would; a malformed block gets
-a corrective message and is not shown to the env. An error the env raises (`vf.Error`) ends the episode as
-status `error` with its message (as it does in verifiers' own loop).
+Hermes `<tool_call>` blocks into OpenAI's format (ids as agentrl's own tool envs number them), as vLLM's
+hermes tool parser would; a malformed block gets a corrective message and is not shown to the env. An error
+the env raises (`vf.Error`) ends the episode as status `error` with its message (as in verifiers' own loop).
 
 Not adapted: verifiers 0.4's `v1` task/harness API (its rollouts run a harness program that `uv` installs),
 completion-format (`message_type="completion"`) envs and rubrics with group-level reward functions (both refused
@@ -27,7 +27,7 @@ import threading
 from functools import lru_cache
 from typing import Any, Sequence
 
-from agentrl.env import TextEnv
+from agentrl.env import TextEnv, _with_ids
 from agentrl.tools.parsers import HermesParser
 from agentrl.types import Message, Task, ToolCall
 
@@ -74,19 +74,13 @@ class VerifiersEnv(TextEnv):
         return tuple(_message(m) for m in self._messages)
 
     def assistant_message(self, action: str) -> Message:
-        calls = self._tool_calls(action)
-        if isinstance(calls, str) or not calls:
-            return Message("assistant", action)
-        return Message("assistant", self.parser.parse(action).content, calls)
+        completion = self._completion(action)
+        return Message("assistant", action) if isinstance(completion, str) else _message(completion)
 
     def act(self, action: str):
-        calls = self._tool_calls(action)
-        if isinstance(calls, str):  # malformed: the model is told, the env never sees the turn
-            return [Message("user", f"Invalid action: {calls}")], 0.0, False, {}
-        completion: dict[str, Any] = {"role": "assistant", "content": action}
-        if calls:
-            completion = {"role": "assistant", "content": self.parser.parse(action).content,
-                          "tool_calls": [_openai_call(c) for c in calls]}
+        completion = self._completion(action)
+        if isinstance(completion, str):  # a malformed call: the model is told, the env never sees the turn
+            return [Message("user", f"Invalid action: {completion}")], 0.0, False, {}
         state = self.state
         step = {"prompt": self._messages, "completion": [completion], "response": None, "tokens": None,
                 "reward": None, "advantage": None, "is_truncated": False,
@@ -100,7 +94,7 @@ class VerifiersEnv(TextEnv):
             new = self._messages[before:]
             done = state.get("final_env_response") is not None and self._run(self.inner.is_completed(state))
         if not done:
-            return [_message(m) for m in new], 0.0, False, {"tool_calls": len(calls)}
+            return [_message(m) for m in new], 0.0, False, {"tool_calls": len(completion.get("tool_calls", ()))}
         self._run(self.inner.render_completion(state))
         self._run(self.inner.rubric.score_rollout(state))
         metrics = {k: float(v) for k, v in (state.get("metrics") or {}).items()}
@@ -124,16 +118,19 @@ class VerifiersEnv(TextEnv):
     def _run(coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, _verifiers_loop()).result()
 
-    def _tool_calls(self, action: str) -> list[ToolCall] | str:
-        """The turn's tool calls (ids `call_<turn>_<i>`), or the parser's message when they are malformed; envs
-        without tools get the text as it is."""
+    def _completion(self, action: str) -> dict[str, Any] | str:
+        """The turn as verifiers sees it: an OpenAI assistant message whose Hermes `<tool_call>` blocks are tool
+        calls (envs without tools get the text as it is), or the parser's message when a call is malformed."""
+        text = {"role": "assistant", "content": action}
         if not self.tool_schemas:
-            return []
+            return text
         parsed = self.parser.parse(action)
         if parsed.error and "<tool_call>" in action:
             return parsed.error
-        return [ToolCall(c.name, c.arguments, f"call_{self.turn}_{i}") for i, c in enumerate(parsed.tool_calls)]
-
+        if not parsed.tool_calls:
+            return text
+        return {"role": "assistant", "content": parsed.content,
+                "tool_calls": [_openai_call(c) for c in _with_ids(parsed.tool_calls)]}
 
 @lru_cache(maxsize=None)
 def _verifiers_loop() -> asyncio.AbstractEventLoop:
