@@ -42,7 +42,7 @@ from agentrl.trainers.dpo import DPOConfig, preference_pairs, train_dpo
 from agentrl.trainers.grpo import GRPOConfig, train as train_grpo
 from agentrl.trainers.lora import LoraSettings, add_lora
 from agentrl.trainers.ppo import PPOConfig, train as train_ppo
-from agentrl.trainers.pretrain import CopyWarmup, alphabet, copy_warmup
+from agentrl.trainers.pretrain import CopyWarmup, alphabet, copy_in_context, copy_warmup
 from agentrl.trainers.rewards import RewardConfig
 from agentrl.trainers.sft import SFTConfig, sft
 from agentrl.trainers.tandem import TandemConfig, TandemPolicy, junior_cross_entropy
@@ -220,10 +220,17 @@ def warm_start(job: TrainJob, model, tokenizer, policy, renderer, make_env, task
             "writes")
         history = copy_warmup(model, tokens, job.warmup, on_step=_progress(job.warmup.steps, log, "copy warm-up",
                                                                            "copy_accuracy"))
+        summary["warmup"] = {"steps": len(history), "copy_accuracy": _mean_of_last(history, "copy_accuracy")}
+        if job.warmup.context_steps:  # the env's text: expert episodes on training tasks, played through the env
+            texts = [t.token_ids for t in demonstrations(make_env, tasks[:1024], renderer, job.rl.rollout, 0.0,
+                                                         job.rl.seed, out / "warmup_text.jsonl")]
+            log(f"copy in context: {job.warmup.context_steps} steps on {job.warmup.context_len}-token sequences of "
+                f"the text of {len(texts)} expert episodes, random spans and repeats")
+            history = copy_in_context(model, tokens, texts, job.warmup, on_step=_progress(
+                job.warmup.context_steps, log, "copy in context", "copy_accuracy"))
+            summary["warmup"]["context_copy_accuracy"] = _mean_of_last(history, "copy_accuracy")
         asyncio.run(policy.sync_weights(model, 0))
         _save_stage(model, tokenizer, out / "warmup_model")
-        last = history[-50:]
-        summary["warmup"] = {"steps": len(history), "copy_accuracy": sum(r["copy_accuracy"] for r in last) / len(last)}
         save()
     if job.sft and "sft" in summary:  # SFT finished in an earlier run: RL (and tandem's junior) start from it
         _load_stage(model, policy, out / "sft_model", log)
@@ -394,6 +401,10 @@ def _progress(steps: int, log: Callable[[str], None], stage: str, key: str) -> C
             log(f"{stage} step {done}/{steps}  {key.replace('_', ' ')} {row[key]:.3f}")
 
     return on_step
+
+
+def _mean_of_last(history: list[dict], key: str, n: int = 50) -> float:
+    return sum(row[key] for row in history[-n:]) / len(history[-n:])
 
 
 def _save_stage(model, tokenizer, path: Path) -> None:

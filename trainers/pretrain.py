@@ -7,13 +7,16 @@ no successes to reinforce. A few thousand steps on sequences `x x` (random token
 the repeat only) make copying emerge. The tokens are drawn from the env's own text (`alphabet`; the
 pipeline uses the tokens of the expert's answers), so the embeddings that matter are the ones trained: a
 small alphabet also learns fast (measured: 30 tokens reach 0.9 copy accuracy in about 2,000 steps, the
-full 4,096-token vocabulary shows no progress in 1,500). Pretrained LLMs copy already and need none of this.
+full 4,096-token vocabulary shows no progress in 1,500). That copy works only where it was learned (at the
+start of a short sequence of alphabet tokens); the optional second phase (`copy_in_context`) moves it to
+where agents copy: anywhere in long sequences that mix the env's own text with repeated spans.
+Pretrained LLMs copy already and need none of this.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -30,20 +33,25 @@ class CopyWarmup:
     batch_size: int = 32
     min_len: int = 4  # length of the random sequence that is then repeated
     max_len: int = 24
-    # Random tokens before the sequence (up to max_prefix) and between it and its repeat (up to max_gap). Without
-    # them the copy learned is positional: measured on the search env's warm-up, copy accuracy 0.90 at position 0
-    # and 0.00 after a 50-token prefix, where the env copies a name ~200 tokens into its prompt. With a prefix of
-    # up to 192 tokens the tiny model did not start copying in 1,200 steps (recipes/cpu_search_r1_train.toml).
-    max_prefix: int = 0
-    max_gap: int = 0
     lr: float = 1e-3
     seed: int = 0
+    # Second phase (0 steps: none), copying in context: `context_len`-token sequences of spans (min_len..max_len
+    # tokens) that are slices of the env's own text or random alphabet tokens, a `copy_rate` of them repeating an
+    # earlier span; the loss covers every token. The first phase's copy only works where it was learned: at the
+    # start of a short sequence of alphabet tokens (measured on the search env: 0.85 there, 0.01 after 50 tokens of
+    # its prompt, 0.00 past position 128 when trained on 128-token sequences).
+    context_steps: int = 0
+    context_len: int = 512
+    context_batch_size: int = 4
+    copy_rate: float = 0.5
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_len <= self.max_len:
             raise ValueError(f"need 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
-        if min(self.max_prefix, self.max_gap) < 0:
-            raise ValueError(f"max_prefix and max_gap must be >= 0, got {self.max_prefix}, {self.max_gap}")
+        if not 0 <= self.copy_rate < 1:
+            raise ValueError(f"copy_rate must be in [0, 1), got {self.copy_rate}")
+        if self.context_steps and self.context_len < 2 * self.max_len:
+            raise ValueError(f"context_len ({self.context_len}) must hold a span and its copy: >= 2 * max_len")
 
 
 def alphabet(texts: Iterable[str], tokenizer: Any) -> list[int]:
@@ -53,8 +61,7 @@ def alphabet(texts: Iterable[str], tokenizer: Any) -> list[int]:
 
 def copy_warmup(model: torch.nn.Module, tokens: list[int], cfg: CopyWarmup,
                 on_step: Callable[[dict], None] | None = None) -> list[dict]:
-    """Trains `model` in place to continue `p x g` with `x` again (`p`, `g`: random prefix and gap, possibly
-    empty); returns per-step loss, copy accuracy and the prefix and gap lengths."""
+    """Trains `model` in place to continue `x` with `x` again; returns per-step loss and copy accuracy."""
     if len(tokens) < 2:
         raise ValueError("copy warm-up needs an alphabet of at least 2 tokens")
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -64,21 +71,67 @@ def copy_warmup(model: torch.nn.Module, tokens: list[int], cfg: CopyWarmup,
     history = []
     model.train()
     for step in range(cfg.steps):
-        # Drawn only when enabled, so that max_prefix = max_gap = 0 replays the earlier warm-up exactly.
         n = int(torch.randint(cfg.min_len, cfg.max_len + 1, (), generator=generator))
-        prefix, gap = (int(torch.randint(hi + 1, (), generator=generator)) if hi else 0
-                       for hi in (cfg.max_prefix, cfg.max_gap))
-        seq_BN, prefix_BP, gap_BG = (alphabet_A[torch.randint(len(tokens), (cfg.batch_size, k), generator=generator)]
-                                     if k else alphabet_A[:0].expand(cfg.batch_size, 0) for k in (n, prefix, gap))
-        ids_BT = torch.cat([prefix_BP, seq_BN, gap_BG, seq_BN], dim=1).to(device)
+        seq_BN = alphabet_A[torch.randint(len(tokens), (cfg.batch_size, n), generator=generator)]
+        ids_BT = torch.cat([seq_BN, seq_BN], dim=1).to(device)
         hidden_BNH = model.base_model(input_ids=ids_BT).last_hidden_state[:, -n - 1:-1]  # predicts the repeat
         logits_BNV = lm_head(model, hidden_BNH).float()  # the LM head on those positions only
         loss = F.cross_entropy(logits_BNV.flatten(0, 1), ids_BT[:, -n:].flatten())
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        row = {"step": step, "loss": loss.item(), "prefix": prefix, "gap": gap,
+        row = {"step": step, "loss": loss.item(),
                "copy_accuracy": (logits_BNV.argmax(-1) == ids_BT[:, -n:]).float().mean().item()}
+        history.append(row)
+        if on_step:
+            on_step(row)
+    model.eval()
+    return history
+
+
+def context_sequence(generator: torch.Generator, tokens: list[int], texts: Sequence[Sequence[int]],
+                     cfg: CopyWarmup) -> tuple[list[int], list[bool]]:
+    """One `context_len`-token sequence for copying in context, and which of its tokens a copy makes
+    predictable (every token of a copied span but its first)."""
+    ids: list[int] = []
+    predictable: list[bool] = []
+    draw = lambda hi: int(torch.randint(hi, (), generator=generator))  # noqa: E731
+    while len(ids) < cfg.context_len:
+        n = cfg.min_len + draw(cfg.max_len - cfg.min_len + 1)
+        if len(ids) >= cfg.max_len and float(torch.rand((), generator=generator)) < cfg.copy_rate:
+            start = draw(len(ids) - n + 1)
+            span, copied = ids[start:start + n], True
+        elif texts and draw(2):
+            text = texts[draw(len(texts))]
+            start = draw(max(1, len(text) - n + 1))
+            span, copied = list(text[start:start + n]), False
+        else:
+            span, copied = [tokens[draw(len(tokens))] for _ in range(n)], False
+        ids += span
+        predictable += [False] + [copied] * (len(span) - 1)
+    return ids[:cfg.context_len], predictable[:cfg.context_len]
+
+
+def copy_in_context(model: torch.nn.Module, tokens: list[int], texts: Sequence[Sequence[int]], cfg: CopyWarmup,
+                    on_step: Callable[[dict], None] | None = None) -> list[dict]:
+    """The second phase: trains `model` in place on `context_sequence`s built from the alphabet `tokens` and
+    the env's text `texts` (token ids); returns per-step loss and the accuracy on the predictable copies."""
+    generator = torch.Generator().manual_seed(cfg.seed)
+    device = next(model.parameters()).device
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    history = []
+    model.train()
+    for step in range(cfg.context_steps):
+        rows = [context_sequence(generator, tokens, texts, cfg) for _ in range(cfg.context_batch_size)]
+        ids_BT = torch.tensor([ids for ids, _ in rows], device=device)
+        copied_BT = torch.tensor([copied for _, copied in rows], device=device)[:, 1:]
+        logits_BTV = model(input_ids=ids_BT).logits[:, :-1].float()
+        loss = F.cross_entropy(logits_BTV.flatten(0, 1), ids_BT[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        hits_BT = logits_BTV.argmax(-1) == ids_BT[:, 1:]
+        row = {"step": step, "loss": loss.item(), "copy_accuracy": hits_BT[copied_BT].float().mean().item()}
         history.append(row)
         if on_step:
             on_step(row)
