@@ -73,14 +73,16 @@ def test_one_method_per_recipe(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_warm_start_stages_are_saved_and_not_redone(tiny_model_dir, tmp_path):
-    stages = {"warmup": {"steps": 3, "batch_size": 4, "context_steps": 2, "context_len": 64, "context_batch_size": 2},
+    stages = {"warmup": {"steps": 3, "batch_size": 4, "context_steps": 2, "context_len": 64, "context_batch_size": 2,
+                         "context_episodes": 3},
               "grpo": {"steps": 0}, "eval": None,
               "sft": {"episodes": 4, "config": {"epochs": 1, "batch_size": 4}}}
     first = []
     summary = run(job(tiny_model_dir, tmp_path, **stages), log=first.append)
     assert summary["warmup"]["steps"] == 3 and summary["sft"]["steps"] == 1 and "after" not in summary
     assert any(line.startswith("copy warm-up: 3 steps") for line in first)
-    assert any(line.startswith("copy in context: 2 steps on 64-token sequences") for line in first)
+    assert any(line.startswith("copy in context: 2 steps on 64-token sequences of the text of 3 expert episodes")
+               for line in first)
     assert 0 <= summary["warmup"]["context_copy_accuracy"] <= 1
     assert (tmp_path / "warmup_text.jsonl").exists()  # the env's text it copied in: expert episodes
     for stage in ("warmup_model", "sft_model"):

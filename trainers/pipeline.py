@@ -222,8 +222,9 @@ def warm_start(job: TrainJob, model, tokenizer, policy, renderer, make_env, task
                                                                            "copy_accuracy"))
         summary["warmup"] = {"steps": len(history), "copy_accuracy": _mean_of_last(history, "copy_accuracy")}
         if job.warmup.context_steps:  # the env's text: expert episodes on training tasks, played through the env
-            texts = [t.token_ids for t in demonstrations(make_env, tasks[:1024], renderer, job.rl.rollout, 0.0,
-                                                         job.rl.seed, out / "warmup_text.jsonl")]
+            episodes = demonstrations(make_env, tasks[:job.warmup.context_episodes], renderer, job.rl.rollout, 0.0,
+                                      job.rl.seed, out / "warmup_text.jsonl")
+            texts = [t.token_ids for t in episodes]
             log(f"copy in context: {job.warmup.context_steps} steps on {job.warmup.context_len}-token sequences of "
                 f"the text of {len(texts)} expert episodes, random spans and repeats")
             history = copy_in_context(model, tokens, texts, job.warmup, on_step=_progress(

@@ -44,6 +44,7 @@ class CopyWarmup:
     context_len: int = 512
     context_batch_size: int = 4
     copy_rate: float = 0.5
+    context_episodes: int = 1024  # the env's text: this many expert episodes on training tasks (the pipeline's)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_len <= self.max_len:
