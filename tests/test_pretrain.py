@@ -15,8 +15,9 @@ def test_alphabet_is_the_tokens_of_the_texts(tiny_model_dir):
     assert ids == sorted(set(tokenizer.encode("Compute 3 + 4.") + tokenizer.encode("Final Answer: 7")))
     with pytest.raises(ValueError, match="min_len"):
         CopyWarmup(min_len=5, max_len=4)
-    with pytest.raises(ValueError, match="copy_rate"):
-        CopyWarmup(copy_rate=1.0)
+    for rate in (0.0, 1.0):
+        with pytest.raises(ValueError, match="copy_rate"):
+            CopyWarmup(copy_rate=rate)
     with pytest.raises(ValueError, match="context_len"):
         CopyWarmup(context_steps=10, context_len=40, max_len=24)
 
