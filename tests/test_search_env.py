@@ -189,3 +189,33 @@ def test_a_query_that_matches_nothing_says_so():
     env.reset(seed=0)
     obs, *_ = env.step("<search>zzzqx vvvqx</search>")
     assert obs[0].content == "<information>No results for 'zzzqx vvvqx'.</information>"
+
+
+def test_train_worlds_draw_train_questions_from_several_worlds_each_searched_in_its_own():
+    one = make("search/r1-v0", n_tasks=20)
+    env = make("search/r1-v0", n_tasks=20, train_worlds=3)
+    tasks = list(env.tasks)
+    assert len(tasks) == 60 and len({t.id for t in tasks}) == 60
+    assert [t.data.get("world_seed", 0) for t in tasks[:6]] == [0, 1, 2, 0, 1, 2]  # interleaved
+    assert [t.id for t in tasks[::3]] == [t.id for t in one.tasks]  # world 0's questions are the plain env's
+
+    def searcher(task, seen):  # answers only with what the documents showed: right only in the task's own world
+        searches = seen.count("<information>")
+        if searches < task.data["hops"]:
+            return f"<search>{task.data['chain'][searches]['query']}</search>"
+        gold = task.data["answers"][0]
+        return f"<answer>{gold if gold in seen else 'unknown'}</answer>"
+
+    other_worlds = [t for t in tasks if t.data.get("world_seed", 0) > 0]
+    assert sum(play(env, t, searcher) for t in other_worlds) / len(other_worlds) >= 0.95
+
+    train_names = {hop["query"] for t in make("search/r1-v0", train_worlds=4).tasks for hop in t.data["chain"]}
+    heldout_names = {t.data["chain"][0]["query"] for t in make("search/r1-v0", split="unseen_entities").tasks}
+    assert not train_names & heldout_names  # held-out names stay unseen in every world
+    assert make("search/r1-v0", split="unseen_entities", train_worlds=3).tasks == \
+        make("search/r1-v0", split="unseen_entities").tasks
+
+    with pytest.raises(ValueError, match="train_worlds must be >= 1"):
+        make("search/r1-v0", train_worlds=0)
+    with pytest.raises(ValueError, match="remove corpus/questions, index and retriever_url"):
+        make("search/r1-v0", train_worlds=2, retriever_url="http://localhost:1")

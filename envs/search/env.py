@@ -58,11 +58,16 @@ class SearchEnv(ToolEnv):
 
     The data is the generated world unless `corpus` and `questions` are given (both or neither); searches go to
     the server at `retriever_url`, else the index saved at `index`, else an in-process BM25 index.
+
+    `train_worlds` > 1 draws the train split from that many generated worlds (seeds `world_seed`, `world_seed + 1`,
+    ...; each task searches its own world's corpus): more distinct invented names and facts to train on, like
+    Procgen's number of training levels. Held-out suites stay in world `world_seed`; an entity's split follows a
+    hash of its name, so no held-out name is a train entity in any world.
     """
 
     def __init__(self, split: str = "train", n_tasks: int | None = None, seed: int = 0, world_seed: int = 0,
-                 parser: str = "search_r1", topk: int = 3, max_obs_words: int = 300, max_turns: int = 6,
-                 max_invalid: int = 3, answer_metric: str = "em", answer_weight: float = 1.0,
+                 train_worlds: int = 1, parser: str = "search_r1", topk: int = 3, max_obs_words: int = 300,
+                 max_turns: int = 6, max_invalid: int = 3, answer_metric: str = "em", answer_weight: float = 1.0,
                  citation_weight: float = 0.0, search_cost_weight: float = 0.0, unsupported_weight: float = 0.0,
                  corpus: str | None = None, questions: dict[str, str] | None = None,
                  index: str | None = None, retriever_url: str | None = None, tool_timeout: float = 10.0):
@@ -73,10 +78,15 @@ class SearchEnv(ToolEnv):
         if (corpus is None) != (questions is None):
             raise ValueError("Give both `corpus` (a JSONL corpus) and `questions` ({split: QA file}), or neither "
                              "(the generated world).")
-        self.n_tasks, self.task_seed, self.world_seed = n_tasks, seed, world_seed
+        if train_worlds < 1:
+            raise ValueError(f"train_worlds must be >= 1, got {train_worlds}")
+        if train_worlds > 1 and (corpus or index or retriever_url):
+            raise ValueError("train_worlds > 1 draws questions from several generated worlds, each searched through "
+                             "its own in-process index: remove corpus/questions, index and retriever_url, or set "
+                             "train_worlds = 1")
+        self.n_tasks, self.task_seed, self.world_seed, self.train_worlds = n_tasks, seed, world_seed, train_worlds
         self.topk, self.max_obs_words, self.answer_metric = topk, max_obs_words, answer_metric
         self.corpus, self.questions, self.index_path, self.retriever_url = corpus, questions, index, retriever_url
-        self._retriever: Retriever | None = None
         self.parser_name = parser
         tools = [self._search_tool(tool_timeout)]
         if parser == "search_r1":
@@ -92,31 +102,35 @@ class SearchEnv(ToolEnv):
                                          "unsupported_answer": -unsupported_weight})
         self._shown: dict[str, str] = {}  # doc id -> contents of every document the model was shown
         self._searches = 0
+        self._task_world = world_seed  # the world whose corpus this episode searches
 
     # ---- data ----
     @property
     def retriever(self) -> Retriever:
-        """Where searches go, made on first use: the server at `retriever_url`, the index at `index`, or a BM25
-        index of the corpus (shared by the env instances of this process)."""
-        if self._retriever is None:  # lazy: `make` stays cheap for `envs list/show`
-            if self.retriever_url:
-                self._retriever = _remote(self.retriever_url)
-            elif self.index_path:
-                self._retriever = _load_index(self.index_path)
-            else:
-                self._retriever = _corpus_index(self.corpus, self.world_seed)
-        return self._retriever
+        """Where searches go, opened on first use (so `make` stays cheap for `envs list/show`) and shared by the env
+        instances of this process: the server at `retriever_url`, the index at `index`, or a BM25 index of the
+        corpus (of this episode's world, for the generated one)."""
+        if self.retriever_url:
+            return _remote(self.retriever_url)
+        if self.index_path:
+            return _load_index(self.index_path)
+        return _corpus_index(self.corpus, self._task_world)
 
     def load_tasks(self, split: str) -> Sequence[Task]:
         """The questions of `split`: the first `n_tasks` of the user's QA file for it, or `n_tasks` questions of the
-        world's suite `split` (default 2000 for train, 200 otherwise)."""
+        world's suite `split` (default 2000 for train, 200 otherwise; from each world with `train_worlds`)."""
         if self.questions is not None:
             if split not in self.questions:
                 raise ValueError(f"no questions file for split {split!r}; `questions` has {sorted(self.questions)}")
             tasks = load_qa(self.questions[split], split)
             return tasks[: self.n_tasks] if self.n_tasks else tasks
         n = self.n_tasks or (2000 if split == "train" else 200)
-        return make_questions(_world(self.world_seed), split, n, self.task_seed)
+        if split != "train" or self.train_worlds == 1:
+            return make_questions(_world(self.world_seed), split, n, self.task_seed)
+        worlds = range(self.world_seed, self.world_seed + self.train_worlds)
+        per_world = [[t if w == self.world_seed else Task(f"{t.id}-w{w}", {**t.data, "world_seed": w}, t.split)
+                      for t in make_questions(_world(w), split, n, self.task_seed)] for w in worlds]
+        return [t for round_ in zip(*per_world) for t in round_]  # interleaved: any prefix spans every world
 
     @property
     def tool_schemas(self) -> list[dict[str, Any]]:
@@ -167,6 +181,7 @@ class SearchEnv(ToolEnv):
     def on_reset(self, task: Task) -> None:
         super().on_reset(task)
         self._shown, self._searches = {}, 0
+        self._task_world = task.data.get("world_seed", self.world_seed)
 
     def first_messages(self, task: Task) -> Sequence[Message]:
         """Search-R1's prompt holding the question (`search_r1`), else a system prompt and the question."""
@@ -240,12 +255,12 @@ def _truncate_words(text: str, max_words: int) -> str:
     return text[: words[max_words - 1].end()] + " ..."
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=64)  # several when `train_worlds` > 1
 def _world(seed: int):
     return build_world(seed)
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=64)
 def _corpus_index(corpus: str | None, world_seed: int) -> BM25Index:
     """One index per corpus per process, shared by every env instance of a rollout."""
     docs = list(read_corpus(corpus)) if corpus else _world(world_seed).documents()
