@@ -130,6 +130,15 @@ def play(env, task, actions_for):
     return total
 
 
+def searcher(task, seen):
+    """Searches each hop's name, then answers only with what the documents showed it."""
+    searches = seen.count("<information>")
+    if searches < task.data["hops"]:
+        return f"<search>{task.data['chain'][searches]['query']}</search>"
+    gold = task.data["answers"][0]
+    return f"<answer>{gold if gold in seen else 'unknown'}</answer>"
+
+
 def test_searching_beats_answering_from_memory_on_every_held_out_suite():
     """A policy that answers from what it memorized of the train split (the most frequent train answer for the
     question's last relation) against one that searches each hop's name and answers only with what the
@@ -141,13 +150,6 @@ def test_searching_beats_answering_from_memory_on_every_held_out_suite():
 
     def from_memory(task, seen):
         return f"<answer>{prior.get(task.data['relations'][-1], 'unknown')}</answer>"
-
-    def searcher(task, seen):
-        searches = seen.count("<information>")
-        if searches < task.data["hops"]:
-            return f"<search>{task.data['chain'][searches]['query']}</search>"
-        gold = task.data["answers"][0]
-        return f"<answer>{gold if gold in seen else 'unknown'}</answer>"
 
     for suite in SUITES:
         env = make("search/r1-v0", split=suite, n_tasks=100)
@@ -199,14 +201,7 @@ def test_train_worlds_draw_train_questions_from_several_worlds_each_searched_in_
     assert [t.data.get("world_seed", 0) for t in tasks[:6]] == [0, 1, 2, 0, 1, 2]  # interleaved
     assert [t.id for t in tasks[::3]] == [t.id for t in one.tasks]  # world 0's questions are the plain env's
 
-    def searcher(task, seen):  # answers only with what the documents showed: right only in the task's own world
-        searches = seen.count("<information>")
-        if searches < task.data["hops"]:
-            return f"<search>{task.data['chain'][searches]['query']}</search>"
-        gold = task.data["answers"][0]
-        return f"<answer>{gold if gold in seen else 'unknown'}</answer>"
-
-    other_worlds = [t for t in tasks if t.data.get("world_seed", 0) > 0]
+    other_worlds = [t for t in tasks if t.data.get("world_seed", 0) > 0]  # right only if searched in their world
     assert sum(play(env, t, searcher) for t in other_worlds) / len(other_worlds) >= 0.95
 
     train_names = {hop["query"] for t in make("search/r1-v0", train_worlds=4).tasks for hop in t.data["chain"]}
