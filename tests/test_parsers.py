@@ -152,7 +152,7 @@ def test_search_r1_parses(text, expected):
 def test_search_r1_tool_and_argument_names_are_configurable():
     parser = SearchR1Parser(tool_name="retrieve", arg_name="q")
     assert parser.parse("<search>x</search>").tool_calls == (ToolCall("retrieve", {"q": "x"}),)
-    assert parser.format_call(ToolCall("retrieve", {"q": "x"})) == "<search>x</search>"
+    assert parser.format_call(ToolCall("retrieve", {"q": "x"})) == "<search> x </search>"
     with pytest.raises(ValueError, match="can only express retrieve"):
         parser.format_call(ToolCall("search", {"query": "x"}))
 

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from agentrl.tiny_model import load_tokenizer
-from agentrl.trainers.pretrain import CopyWarmup, alphabet, context_sequence, copy_in_context, copy_warmup
+from agentrl.trainers.pretrain import CopyWarmup, alphabet, context_sequence, copy_in_context, copy_warmup, vocabulary
 
 
 def test_alphabet_is_the_tokens_of_the_texts(tiny_model_dir):
@@ -20,6 +20,16 @@ def test_alphabet_is_the_tokens_of_the_texts(tiny_model_dir):
             CopyWarmup(copy_rate=rate)
     with pytest.raises(ValueError, match="context_len"):
         CopyWarmup(context_steps=10, context_len=40, max_len=24)
+    with pytest.raises(ValueError, match="context_alphabet"):
+        CopyWarmup(context_alphabet="corpus")
+
+
+def test_vocabulary_is_every_token_but_the_special_ones(tiny_model_dir):
+    tokenizer = load_tokenizer(tiny_model_dir)
+    special = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    ids = vocabulary(tokenizer)
+    assert len(ids) == len(tokenizer) - 3 and not set(special) & set(ids)
+    assert set(alphabet(["Who founded Quorbex Systems?"], tokenizer)) <= set(ids)
 
 
 def test_context_sequence_mixes_text_random_spans_and_exact_repeats():

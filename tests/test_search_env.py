@@ -9,6 +9,7 @@ import pytest
 from agentrl.envs.search.env import SearchEnv
 from agentrl.envs.search.questions import SUITES
 from agentrl.registration import check, make
+from agentrl.tiny_model import load_tokenizer
 from agentrl.types import Task
 
 SEARCH_ENVS = ["search/r1-v0", "search/tools-v0", "search/react-v0"]
@@ -107,14 +108,32 @@ def test_observations_are_truncated_to_the_word_budget():
     assert body.endswith(" ...") and len(body.removesuffix(" ...").split()) == 12
 
 
+def test_search_r1_queries_are_the_tokens_the_question_and_documents_name_them_with(tiny_model_dir):
+    """A name written after a space, as Search-R1 spaces its tags, is the same tokens in the question, in the
+    expert's search, in the document that search returns and in the next hop's search: a model copies token
+    for token (without the space, the first token differs: "ĠVog" in the question, "V" "og" in the query)."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    contains = lambda ids, part: any(ids[i:i + len(part)] == part for i in range(len(ids)))  # noqa: E731
+    env = make("search/r1-v0", topk=1)
+    for task in [t for t in env.tasks if t.data["hops"] == 2][:20]:
+        env.reset(options={"task": task})
+        head, hop2 = (" " + hop["query"] for hop in task.data["chain"])
+        first, second, answer = env.gold_actions(task)
+        obs, *_ = env.step(first)
+        assert contains(encode(task.data["question"]), encode(head)) and contains(encode(first), encode(head))
+        assert contains(encode(obs[0].content), encode(hop2)) and contains(encode(second), encode(hop2))
+        assert encode(second)[-len(encode(" </search>")):] == encode(" </search>")
+
+
 def test_demonstrations_make_plausible_mistakes():
     env = make("search/r1-v0")
     rng = random.Random(0)
     two_hop = next(t for t in env.tasks if t.data["hops"] == 2)
     assert env.demonstration(two_hop, rng) == env.gold_actions(two_hop)
     wrong = env.demonstration(two_hop, rng, error_rate=1.0)
-    assert wrong == [f"<search>{two_hop.data['chain'][0]['query']}</search>",
-                     f"<answer>{two_hop.data['chain'][0]['answer']}</answer>"]
+    assert wrong == [f"<search> {two_hop.data['chain'][0]['query']} </search>",
+                     f"<answer> {two_hop.data['chain'][0]['answer']} </answer>"]
 
 
 def play(env, task, actions_for):

@@ -250,7 +250,9 @@ class SearchR1Parser:
         return ParsedAction(content, (ToolCall(self.tool_name, {self.arg_name: inner}),))
 
     def format_call(self, call: ToolCall) -> str:
-        """`<search>query</search>`.
+        """`<search> query </search>`, spaced as Search-R1's prompt writes it: after a space, a name is the same
+        tokens as in the question and the documents (Qwen2-style BPE keeps a word's leading space in its first
+        token), so a model copies it token for token.
 
         ValueError for any call but `tool_name` with one argument, `arg_name`: a non-empty string without `</search>`.
         """
@@ -260,12 +262,12 @@ class SearchR1Parser:
         if not query.strip():
             raise ValueError("a Search-R1 query cannot be empty")
         _check_free_of(query, ("</search>",), "a Search-R1 query")
-        return f"<search>{query}</search>"
+        return f"<search> {query} </search>"
 
     def format_answer(self, answer: str) -> str:
-        """`<answer>answer</answer>`; ValueError if it holds `</answer>`."""
+        """`<answer> answer </answer>` (spaced like `format_call`); ValueError if it holds `</answer>`."""
         _check_free_of(answer, ("</answer>",), "a Search-R1 answer")
-        return f"<answer>{answer}</answer>"
+        return f"<answer> {answer} </answer>"
 
 
 PARSERS: dict[str, type[HermesParser] | type[ReActParser] | type[SearchR1Parser]] = {

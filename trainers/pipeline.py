@@ -42,7 +42,7 @@ from agentrl.trainers.dpo import DPOConfig, preference_pairs, train_dpo
 from agentrl.trainers.grpo import GRPOConfig, train as train_grpo
 from agentrl.trainers.lora import LoraSettings, add_lora
 from agentrl.trainers.ppo import PPOConfig, train as train_ppo
-from agentrl.trainers.pretrain import CopyWarmup, alphabet, copy_in_context, copy_warmup
+from agentrl.trainers.pretrain import CopyWarmup, alphabet, copy_in_context, copy_warmup, vocabulary
 from agentrl.trainers.rewards import RewardConfig
 from agentrl.trainers.sft import SFTConfig, sft
 from agentrl.trainers.tandem import TandemConfig, TandemPolicy, junior_cross_entropy
@@ -225,9 +225,10 @@ def warm_start(job: TrainJob, model, tokenizer, policy, renderer, make_env, task
             episodes = demonstrations(make_env, tasks[:job.warmup.context_episodes], renderer, job.rl.rollout, 0.0,
                                       job.rl.seed, out / "warmup_text.jsonl")
             texts = [t.token_ids for t in episodes]
+            span_tokens = tokens if job.warmup.context_alphabet == "expert" else vocabulary(tokenizer)
             log(f"copy in context: {job.warmup.context_steps} steps on {job.warmup.context_len}-token sequences of "
-                f"the text of {len(texts)} expert episodes, random spans and repeats")
-            history = copy_in_context(model, tokens, texts, job.warmup, on_step=_progress(
+                f"the text of {len(texts)} expert episodes, random spans (of {len(span_tokens)} tokens) and repeats")
+            history = copy_in_context(model, span_tokens, texts, job.warmup, on_step=_progress(
                 job.warmup.context_steps, log, "copy in context", "copy_accuracy"))
             summary["warmup"]["context_copy_accuracy"] = _mean_of_last(history, "copy_accuracy")
         asyncio.run(policy.sync_weights(model, 0))

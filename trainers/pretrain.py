@@ -46,12 +46,18 @@ class CopyWarmup:
     context_batch_size: int = 4
     copy_rate: float = 0.5
     context_episodes: int = 1024  # the env's text: this many expert episodes on training tasks (the pipeline's)
+    # The tokens of the random spans: "expert" (the first phase's alphabet) or "vocab" (every token but the
+    # special ones). The embeddings are untied, so a token copies only once training has used it: names that
+    # appear only in held-out questions are made of tokens no expert episode writes, and "vocab" trains them too.
+    context_alphabet: str = "expert"
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_len <= self.max_len:
             raise ValueError(f"need 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
         if not 0 < self.copy_rate < 1:
             raise ValueError(f"copy_rate must be in (0, 1), got {self.copy_rate}")
+        if self.context_alphabet not in ("expert", "vocab"):
+            raise ValueError(f"context_alphabet must be 'expert' or 'vocab', got {self.context_alphabet!r}")
         if self.context_steps and self.context_len < 2 * self.max_len:
             raise ValueError(f"context_len ({self.context_len}) must hold a span and its copy: >= 2 * max_len")
 
@@ -59,6 +65,12 @@ class CopyWarmup:
 def alphabet(texts: Iterable[str], tokenizer: Any) -> list[int]:
     """The token ids that occur in these texts (e.g. an env's prompts and expert answers)."""
     return sorted({i for text in texts for i in tokenizer.encode(text, add_special_tokens=False)})
+
+
+def vocabulary(tokenizer: Any) -> list[int]:
+    """Every token id of the tokenizer but its added (special) tokens."""
+    added = set(tokenizer.added_tokens_decoder)
+    return [i for i in range(len(tokenizer)) if i not in added]
 
 
 def copy_warmup(model: torch.nn.Module, tokens: list[int], cfg: CopyWarmup,
