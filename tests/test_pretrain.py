@@ -20,8 +20,8 @@ def test_alphabet_is_the_tokens_of_the_texts(tiny_model_dir):
             CopyWarmup(copy_rate=rate)
     with pytest.raises(ValueError, match="context_len"):
         CopyWarmup(context_steps=10, context_len=40, max_len=24)
-    with pytest.raises(ValueError, match="context_alphabet"):
-        CopyWarmup(context_alphabet="corpus")
+    with pytest.raises(ValueError, match="context_vocab_steps"):
+        CopyWarmup(context_vocab_steps=10)
 
 
 def test_vocabulary_is_every_token_but_the_special_ones(tiny_model_dir):

@@ -225,12 +225,18 @@ def warm_start(job: TrainJob, model, tokenizer, policy, renderer, make_env, task
             episodes = demonstrations(make_env, tasks[:job.warmup.context_episodes], renderer, job.rl.rollout, 0.0,
                                       job.rl.seed, out / "warmup_text.jsonl")
             texts = [t.token_ids for t in episodes]
-            span_tokens = tokens if job.warmup.context_alphabet == "expert" else vocabulary(tokenizer)
             log(f"copy in context: {job.warmup.context_steps} steps on {job.warmup.context_len}-token sequences of "
-                f"the text of {len(texts)} expert episodes, random spans (of {len(span_tokens)} tokens) and repeats")
-            history = copy_in_context(model, span_tokens, texts, job.warmup, on_step=_progress(
+                f"the text of {len(texts)} expert episodes, random spans and repeats")
+            history = copy_in_context(model, tokens, texts, job.warmup, on_step=_progress(
                 job.warmup.context_steps, log, "copy in context", "copy_accuracy"))
             summary["warmup"]["context_copy_accuracy"] = _mean_of_last(history, "copy_accuracy")
+            if job.warmup.context_vocab_steps:  # then spans of every token: held-out names copy too
+                vocab = vocabulary(tokenizer)
+                log(f"copy in context, spans of all {len(vocab)} tokens: {job.warmup.context_vocab_steps} steps")
+                cfg = replace(job.warmup, context_steps=job.warmup.context_vocab_steps, seed=job.warmup.seed + 1)
+                history = copy_in_context(model, vocab, texts, cfg, on_step=_progress(
+                    cfg.context_steps, log, "copy in context (vocabulary)", "copy_accuracy"))
+                summary["warmup"]["vocab_copy_accuracy"] = _mean_of_last(history, "copy_accuracy")
         asyncio.run(policy.sync_weights(model, 0))
         _save_stage(model, tokenizer, out / "warmup_model")
         save()

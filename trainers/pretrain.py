@@ -46,18 +46,20 @@ class CopyWarmup:
     context_batch_size: int = 4
     copy_rate: float = 0.5
     context_episodes: int = 1024  # the env's text: this many expert episodes on training tasks (the pipeline's)
-    # The tokens of the random spans: "expert" (the first phase's alphabet) or "vocab" (every token but the
-    # special ones). The embeddings are untied, so a token copies only once training has used it: names that
-    # appear only in held-out questions are made of tokens no expert episode writes, and "vocab" trains them too.
-    context_alphabet: str = "expert"
+    # Then this many more steps of it whose random spans are drawn from the whole vocabulary (`vocabulary`). The
+    # embeddings are untied, so a token copies only once training has used it, and names that appear only in
+    # held-out questions are made of tokens no expert episode writes. Measured on the search env: name tokens
+    # copied 0.30 (held-out) vs 0.71 (train) after the first two phases, 0.66 vs 0.95 after 1,000 of these steps.
+    # Drawn from the whole vocabulary from the start, the in-context phase reached 0.35 in 1,500 steps, not 0.83.
+    context_vocab_steps: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_len <= self.max_len:
             raise ValueError(f"need 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
         if not 0 < self.copy_rate < 1:
             raise ValueError(f"copy_rate must be in (0, 1), got {self.copy_rate}")
-        if self.context_alphabet not in ("expert", "vocab"):
-            raise ValueError(f"context_alphabet must be 'expert' or 'vocab', got {self.context_alphabet!r}")
+        if self.context_vocab_steps and not self.context_steps:
+            raise ValueError("context_vocab_steps continue the in-context phase: set context_steps too")
         if self.context_steps and self.context_len < 2 * self.max_len:
             raise ValueError(f"context_len ({self.context_len}) must hold a span and its copy: >= 2 * max_len")
 
