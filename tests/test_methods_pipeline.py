@@ -7,6 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from agentrl.config import ConfigError, load_config
 from agentrl.rollout import read_jsonl
+from agentrl.tiny_model import load_tokenizer
 from agentrl.trainers.checkpoint import latest_checkpoint
 from agentrl.trainers.pipeline import TrainJob, run
 
@@ -74,7 +75,7 @@ def test_one_method_per_recipe(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 def test_warm_start_stages_are_saved_and_not_redone(tiny_model_dir, tmp_path):
     stages = {"warmup": {"steps": 3, "batch_size": 4, "context_steps": 2, "context_len": 64, "context_batch_size": 2,
-                         "context_episodes": 3},
+                         "context_episodes": 3, "context_vocab_steps": 2},
               "grpo": {"steps": 0}, "eval": None,
               "sft": {"episodes": 4, "config": {"epochs": 1, "batch_size": 4}}}
     first = []
@@ -83,7 +84,9 @@ def test_warm_start_stages_are_saved_and_not_redone(tiny_model_dir, tmp_path):
     assert any(line.startswith("copy warm-up: 3 steps") for line in first)
     assert any(line.startswith("copy in context: 2 steps on 64-token sequences of the text of 3 expert episodes")
                for line in first)
-    assert 0 <= summary["warmup"]["context_copy_accuracy"] <= 1
+    assert any(line.startswith(f"copy in context, spans of all {len(load_tokenizer(tiny_model_dir)) - 3} tokens: 2 "
+                               "steps") for line in first)
+    assert 0 <= summary["warmup"]["context_copy_accuracy"] <= 1 and 0 <= summary["warmup"]["vocab_copy_accuracy"] <= 1
     assert (tmp_path / "warmup_text.jsonl").exists()  # the env's text it copied in: expert episodes
     for stage in ("warmup_model", "sft_model"):
         AutoModelForCausalLM.from_pretrained(tmp_path / stage)
