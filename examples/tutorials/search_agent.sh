@@ -8,7 +8,8 @@ MODEL=${MODEL:-$HOME/.cache/agentrl/models/tiny-search}
 OUT=${OUT:-runs/tutorial-search}
 SMALL=()
 if [ "${TUTORIAL_SMALL:-0}" = 1 ]; then
-  SMALL=(--set warmup.steps=20 --set warmup.context_steps=4 --set warmup.context_episodes=8 --set sft.episodes=16
+  SMALL=(--set warmup.steps=20 --set warmup.context_steps=4 --set warmup.context_vocab_steps=4
+         --set warmup.context_episodes=8 --set sft.episodes=16
          --set sft.config.epochs=1 --set eval.n=2 --set grpo.steps=1 --set grpo.tasks_per_step=2
          --set grpo.rollout.group_size=2)
 fi
