@@ -119,7 +119,7 @@ def test_search_r1_queries_are_the_tokens_the_question_and_documents_name_them_w
     for task in [t for t in env.tasks if t.data["hops"] == 2][:20]:
         env.reset(options={"task": task})
         head, hop2 = (" " + hop["query"] for hop in task.data["chain"])
-        first, second, answer = env.gold_actions(task)
+        first, second, _ = env.gold_actions(task)
         obs, *_ = env.step(first)
         assert contains(encode(task.data["question"]), encode(head)) and contains(encode(first), encode(head))
         assert contains(encode(obs[0].content), encode(hop2)) and contains(encode(second), encode(hop2))

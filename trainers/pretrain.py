@@ -9,7 +9,8 @@ pipeline uses the tokens of the expert's answers), so the embeddings that matter
 small alphabet also learns fast (measured: 30 tokens reach 0.9 copy accuracy in about 2,000 steps, the
 full 4,096-token vocabulary shows no progress in 1,500). That copy works only where it was learned (at the
 start of a short sequence of alphabet tokens); the optional second phase (`copy_in_context`) moves it to
-where agents copy: anywhere in long sequences that mix the env's own text with repeated spans.
+where agents copy: anywhere in long sequences that mix the env's own text with repeated spans, and its
+optional continuation (`context_vocab_steps`) to every token of the vocabulary.
 Pretrained LLMs copy already and need none of this.
 """
 
