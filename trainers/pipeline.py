@@ -232,8 +232,8 @@ def warm_start(job: TrainJob, model, tokenizer, policy, renderer, make_env, task
             summary["warmup"]["context_copy_accuracy"] = _mean_of_last(history, "copy_accuracy")
             if job.warmup.context_vocab_steps:  # then spans of every token: held-out names copy too
                 vocab = vocabulary(tokenizer)
-                log(f"copy in context, spans of all {len(vocab)} tokens: {job.warmup.context_vocab_steps} steps")
                 cfg = replace(job.warmup, context_steps=job.warmup.context_vocab_steps, seed=job.warmup.seed + 1)
+                log(f"copy in context, spans of all {len(vocab)} tokens: {cfg.context_steps} steps")
                 history = copy_in_context(model, vocab, texts, cfg, on_step=_progress(
                     cfg.context_steps, log, "copy in context (vocabulary)", "copy_accuracy"))
                 summary["warmup"]["vocab_copy_accuracy"] = _mean_of_last(history, "copy_accuracy")
