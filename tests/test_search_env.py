@@ -3,16 +3,20 @@
 import json
 import random
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 from agentrl.envs.search.env import SearchEnv
 from agentrl.envs.search.questions import SUITES
+from agentrl.config import load_config
 from agentrl.registration import check, make
 from agentrl.tiny_model import load_tokenizer
+from agentrl.trainers.pipeline import TrainJob
 from agentrl.types import Task
 
 SEARCH_ENVS = ["search/r1-v0", "search/tools-v0", "search/react-v0"]
+RECIPES = Path(__file__).parents[1] / "recipes"
 
 
 @pytest.mark.parametrize("env_id", SEARCH_ENVS)
@@ -233,3 +237,13 @@ def test_train_worlds_draw_train_questions_from_several_worlds_each_searched_in_
         make("search/r1-v0", train_worlds=0)
     with pytest.raises(ValueError, match="remove corpus/questions, index and retriever_url"):
         make("search/r1-v0", train_worlds=2, retriever_url="http://localhost:1")
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*search*train*.toml")))
+def test_search_recipes_leave_turns_for_every_gold_chain_they_are_evaluated_on(recipe):
+    """A question of h hops takes h searches and the answer: with fewer turns, it cannot be solved at all."""
+    job = load_config(TrainJob, RECIPES / recipe)
+    for split in [job.eval.split] if isinstance(job.eval.split, str) else job.eval.split:
+        env = make(job.env, split=split, **job.env_kwargs)
+        hops = max(t.data["hops"] for t in list(env.tasks)[:job.eval.n])
+        assert env.max_turns >= hops + 1, f"{recipe}: {split} asks {hops} hops in {env.max_turns} turns"
