@@ -22,7 +22,7 @@ from typing import Iterator
 
 from rich.console import Console
 
-BUILD_FORMAT = 2  # bump when the corpus, the tokenizer recipe or the file layout changes
+BUILD_FORMAT = 3  # bump when the corpus, the tokenizer recipe or the file layout changes
 BUILD_FILE = "agentrl_build.json"
 TEMPLATE_PATH = Path(__file__).parent / "templates" / "chatml_tools.jinja"
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -176,14 +176,16 @@ def _search_r1(rng: random.Random) -> str:
 
 def training_corpus(seed: int = 0, num_lines: int = 4000, corpus: str = "base") -> Iterator[str]:
     """Deterministic tokenizer training text: prose, arithmetic, tool calls, ReAct and Search-R1 traces, chats;
-    with `corpus="search"` also the documents of the search env's generated world (its retrieval corpus, so its
-    invented names and relation phrases get tokens of their own: a name is ~3.6 tokens instead of ~9)."""
+    with `corpus="search"` also the search env's generated world, the documents training shows (so its invented
+    names and relation phrases get tokens of their own). Not the documents that name held-out entities: fit to
+    those, the tokenizer gave held-out names whole tokens that no training text uses, and the model copied
+    them far worse than the syllables they are made of."""
     if corpus not in ("base", "search"):
         raise ValueError(f"corpus must be 'base' or 'search', got {corpus!r}")
     if corpus == "search":
         from agentrl.envs.search.env import _world
 
-        yield from (d["contents"] for d in _world(0).documents())
+        yield from (d["contents"] for d in _world(0).train_documents())
     rng = random.Random(seed)
     kinds = [_sentence, _prose, _fact, _code, lambda r: " = ".join(_arith(r)), _tool_call, _chat, _react, _search_r1]
     weights = [3, 3, 3, 1, 2, 2, 2, 1, 1]

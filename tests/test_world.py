@@ -71,6 +71,14 @@ def test_documents_have_search_r1_shape_and_unique_ids(world):
         assert docs[int(e.doc_id[1:])]["contents"].startswith(f'"{e.name}"\n')
 
 
+def test_train_documents_are_those_that_name_no_held_out_entity(world):
+    heldout = [e.name for e in world.entities.values() if e.split == "heldout"]
+    names_heldout = lambda d: any(re.search(rf"\b{re.escape(n)}\b", d["contents"]) for n in heldout)  # noqa: E731
+    train = world.train_documents()
+    assert train == [d for d in world.documents() if not names_heldout(d)]
+    assert 0.5 * len(world.documents()) < len(train) < len(world.documents())
+
+
 def test_every_hop_reads_its_query_and_answer_off_its_document(world, questions):
     text = {d["id"]: d["contents"] for d in world.documents()}
     for suite, tasks in questions.items():

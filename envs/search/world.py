@@ -109,6 +109,11 @@ class World:
         """The corpus in Search-R1 JSONL shape, `{"id": ..., "contents": "\\"Title\\"\\ntext"}`, in a stable order."""
         return [dict(d) for d in self.docs]
 
+    def train_documents(self) -> list[dict[str, str]]:
+        """The documents that name no held-out entity: all that training shows a model of this world."""
+        heldout = re.compile(r"\b(" + "|".join(re.escape(n) for n, e in self.entities.items() if e.split == "heldout") + r")\b")
+        return [dict(d) for d in self.docs if not heldout.search(d["contents"])]
+
 
 def split_of(name: str) -> str:
     """An entity's split by a stable hash of its name: "heldout" for about `HELDOUT_FRACTION` of names, else
