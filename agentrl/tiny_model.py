@@ -178,8 +178,8 @@ def training_corpus(seed: int = 0, num_lines: int = 4000, corpus: str = "base") 
     """Deterministic tokenizer training text: prose, arithmetic, tool calls, ReAct and Search-R1 traces, chats;
     with `corpus="search"` also the search env's generated world, the documents training shows (so its invented
     names and relation phrases get tokens of their own). Not the documents that name held-out entities: fit to
-    those, the tokenizer gave held-out names whole tokens that no training text uses, and the model copied
-    them far worse than the syllables they are made of."""
+    those, the tokenizer gave held-out names tokens that training barely uses (the model copied held-out name
+    tokens trained on < 10 times right 22% of the time, those trained on 100+ times 85%)."""
     if corpus not in ("base", "search"):
         raise ValueError(f"corpus must be 'base' or 'search', got {corpus!r}")
     if corpus == "search":
