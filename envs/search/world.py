@@ -111,7 +111,8 @@ class World:
 
     def train_documents(self) -> list[dict[str, str]]:
         """The documents that name no held-out entity: all that training shows a model of this world."""
-        heldout = re.compile(r"\b(" + "|".join(re.escape(n) for n, e in self.entities.items() if e.split == "heldout") + r")\b")
+        names = (re.escape(n) for n, e in self.entities.items() if e.split == "heldout")
+        heldout = re.compile(r"\b(" + "|".join(names) + r")\b")
         return [dict(d) for d in self.docs if not heldout.search(d["contents"])]
 
 
