@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from agentrl.config import load_config
 from agentrl.envs.search.env import SearchEnv
 from agentrl.envs.search.questions import SUITES
-from agentrl.config import load_config
 from agentrl.registration import check, make
 from agentrl.tiny_model import load_tokenizer
 from agentrl.trainers.pipeline import TrainJob

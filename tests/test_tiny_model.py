@@ -47,8 +47,8 @@ def test_build_is_deterministic_and_idempotent(tiny_model_dir: Path, tmp_path: P
     assert sha256(again / "model.safetensors") == sha256(tiny_model_dir / "model.safetensors")
 
 
-def test_search_corpus_gives_train_names_shorter_tokens_and_held_out_names_none(tiny_model_dir: Path,
-                                                                                  tmp_path: Path) -> None:
+def test_search_corpus_gives_train_names_shorter_tokens_and_held_out_names_none_of_their_own(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
     """`corpus="search"` adds the documents training shows to the tokenizer's text: train entity names take fewer
     tokens; held-out names, in none of that text, stay in the syllable tokens that training uses too. It is
     another build (its own record), not the base model."""
