@@ -94,3 +94,37 @@ def test_warm_start_stages_are_saved_and_not_redone(tiny_model_dir, tmp_path):
     run(job(tiny_model_dir, tmp_path, **stages), log=again.append)
     assert not any(line.startswith(("copy warm-up:", "copy in context:", "SFT:")) for line in again)
     assert any(line.startswith("sft: done in an earlier run") for line in again)
+
+
+def questions(path) -> set[str]:
+    return {[m.content for m in t.messages if m.role == "user"][-1] for t in read_jsonl(path)}  # in finishing order
+
+
+@pytest.mark.slow
+def test_sft_stages_run_in_order_each_on_its_own_env_and_resume_after_the_last_finished(tiny_model_dir, tmp_path):
+    from agentrl.registration import make
+
+    stages = {"grpo": {"steps": 0}, "eval": None,
+              "sft": [{"episodes": 4, "env_kwargs": {"seed": 1}, "config": {"epochs": 1, "batch_size": 4,
+                                                                            "last_turn_only": True}},
+                      {"episodes": 4, "config": {"epochs": 1, "batch_size": 4}}]}
+    first = []
+    summary = run(job(tiny_model_dir, tmp_path, **stages), log=first.append)
+    assert [line.split(":")[0] for line in first if line.startswith("SFT") and "expert episodes" in line] == \
+        ["SFT 1/2", "SFT 2/2"]
+    assert "last turn only; env {'seed': 1}" in next(line for line in first if line.startswith("SFT 1/2"))
+    assert len(summary["sft_stages"]) == 2 and summary["sft"] == summary["sft_stages"][1]
+    env = lambda **kw: make("math/arith-v0", parser="react", max_turns=3, **kw)  # noqa: E731
+    assert questions(tmp_path / "sft1_demos.jsonl") == {t.data["question"] for t in list(env(seed=1).tasks)[:4]}
+    assert questions(tmp_path / "sft2_demos.jsonl") == {t.data["question"] for t in list(env().tasks)[:4]}
+
+    # killed after stage 1: a rerun loads its model and runs stage 2 only
+    summary_path = tmp_path / "summary.json"
+    saved = json.loads(summary_path.read_text())
+    del saved["sft"]
+    saved["sft_stages"] = saved["sft_stages"][:1]
+    summary_path.write_text(json.dumps(saved))
+    again = []
+    run(job(tiny_model_dir, tmp_path, **stages), log=again.append)
+    assert any(line.startswith("sft: done in an earlier run") for line in again)
+    assert [line.split(":")[0] for line in again if "expert episodes" in line] == ["SFT 2/2"]

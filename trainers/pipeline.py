@@ -56,6 +56,7 @@ class DemoSFT:
 
     episodes: int = 256  # demonstration episodes, on the training split
     error_rate: float = 0.0  # the expert's deliberate mistake rate
+    env_kwargs: dict[str, Any] = field(default_factory=dict)  # overrides of the job's, e.g. {train_worlds = 64}
     config: SFTConfig = field(default_factory=SFTConfig)
 
 
@@ -81,7 +82,7 @@ class TrainJob:
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     train_tasks: int | None = None  # cap on training-split tasks (None: all)
     warmup: CopyWarmup | None = None  # before SFT: teach a randomly initialized model to copy (trainers/pretrain.py)
-    sft: DemoSFT | None = None
+    sft: DemoSFT | list[DemoSFT] | None = None  # one SFT stage ([sft]), or several in order ([[sft]])
     eval: EvalConfig | None = field(default_factory=EvalConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     ppo: PPOConfig | None = None  # instead of GRPO: PPO with a critic and GAE
@@ -107,6 +108,10 @@ class TrainJob:
             raise ValueError("[tango] trains the verifier in-process: set engine.kind = 'transformers'")
 
     @property
+    def sft_stages(self) -> list[DemoSFT]:
+        return self.sft if isinstance(self.sft, list) else [self.sft] if self.sft else []
+
+    @property
     def rl(self) -> GRPOConfig | PPOConfig:
         """The RL loop's settings: [ppo] when the recipe has it, else [grpo] (also read by the methods)."""
         return self.ppo or self.grpo
@@ -126,9 +131,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     tokenizer = load_tokenizer(job.model)
     renderer = Renderer(tokenizer)
     env = make(job.env, **job.env_kwargs)
-    # Rollouts (and everything else that makes envs) use Ray worker actors when the job has [ray].
-    make_env = ray_env_factory(job.env, job.env_kwargs, job.ray) if job.ray else \
-        lambda split="train": make(job.env, split=split, **job.env_kwargs)
+    make_env = env_factory(job)
     tasks = list(env.tasks)[:job.train_tasks]
     dtype, in_process = getattr(torch, job.dtype), job.engine.kind == "transformers"
     policy = None  # rank 0 samples: in-process, or vLLM with every sync parity-checked on two task prompts
@@ -197,6 +200,15 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     return summary
 
 
+def env_factory(job: TrainJob, overrides: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """`make_env(split="train")` for the job's env with its `env_kwargs` (and `overrides`); rollouts, and
+    everything else that makes envs, use Ray worker actors when the job has [ray]."""
+    kwargs = {**job.env_kwargs, **(overrides or {})}
+    if job.ray:
+        return ray_env_factory(job.env, kwargs, job.ray)
+    return lambda split="train": make(job.env, split=split, **kwargs)
+
+
 def check_shardable(job: TrainJob) -> None:
     """What a sharded (torchrun) job supports so far; the rest is a clear error, not a silent single process."""
     unsupported = [name for name in ("warmup", "sft", "lora", "tandem", "tango", "dpo") if getattr(job, name)]
@@ -240,18 +252,28 @@ def warm_start(job: TrainJob, model, tokenizer, policy, renderer, make_env, task
         asyncio.run(policy.sync_weights(model, 0))
         _save_stage(model, tokenizer, out / "warmup_model")
         save()
-    if job.sft and "sft" in summary:  # SFT finished in an earlier run: RL (and tandem's junior) start from it
+    stages = job.sft_stages
+    done = len(stages) if "sft" in summary else len(summary.get("sft_stages", []))  # stages finished earlier
+    if stages and done:  # continue from (RL, and tandem's junior, start from) the latest finished stage
         _load_stage(model, policy, out / "sft_model", log)
-    elif job.sft:
-        log(f"SFT: {job.sft.episodes} expert episodes (mistake rate {job.sft.error_rate})")
-        picked = [tasks[i % len(tasks)] for i in range(job.sft.episodes)]
-        demos = demonstrations(make_env, picked, renderer, job.rl.rollout, job.sft.error_rate, job.rl.seed,
-                               out / "sft_demos.jsonl")
-        steps = job.sft.config.epochs * -(-len(demos) // job.sft.config.batch_size)
-        history = sft(model, demos, job.sft.config, on_step=_progress(steps, log, "SFT", "loss"))
+    for i in range(done, len(stages)):
+        stage, label = stages[i], "SFT" if len(stages) == 1 else f"SFT {i + 1}/{len(stages)}"
+        log(f"{label}: {stage.episodes} expert episodes (mistake rate {stage.error_rate}"
+            + (", last turn only" if stage.config.last_turn_only else "")
+            + (f"; env {stage.env_kwargs})" if stage.env_kwargs else ")"))
+        stage_env = env_factory(job, stage.env_kwargs) if stage.env_kwargs else make_env
+        pool = list(stage_env().tasks) if stage.env_kwargs else tasks
+        picked = [pool[k % len(pool)] for k in range(stage.episodes)]
+        demos = demonstrations(stage_env, picked, renderer, job.rl.rollout, stage.error_rate, job.rl.seed,
+                               out / ("sft_demos.jsonl" if len(stages) == 1 else f"sft{i + 1}_demos.jsonl"))
+        steps = stage.config.epochs * -(-len(demos) // stage.config.batch_size)
+        history = sft(model, demos, stage.config, on_step=_progress(steps, log, label, "loss"))
         asyncio.run(policy.sync_weights(model, 0))
         _save_stage(model, tokenizer, out / "sft_model")  # the warm-started model: other recipes can start from it
-        summary["sft"] = {"steps": len(history), "final_loss": history[-1]["loss"], "kept": history[-1]["kept"]}
+        result = {"steps": len(history), "final_loss": history[-1]["loss"], "kept": history[-1]["kept"]}
+        summary["sft_stages"] = [*summary.get("sft_stages", []), result]
+        if i == len(stages) - 1:
+            summary["sft"] = result  # the last stage's: SFT is done
         save()
 
 

@@ -5,7 +5,7 @@ are trained on. With a filter it is rejection-sampling distillation: keep the tr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import torch
@@ -24,6 +24,8 @@ class SFTConfig:
     batch_size: int = 16  # trajectories per optimizer step
     max_grad_norm: float = 1.0
     min_outcome: float | None = None  # rejection sampling: keep trajectories whose outcome is at least this
+    # Train on each trajectory's last turn only: the final answer given everything before it (reading, not acting).
+    last_turn_only: bool = False
     seed: int = 0
 
 
@@ -34,12 +36,21 @@ def passes(t: Trajectory, min_outcome: float | None) -> bool:
     return min_outcome is None or t.reward_components.get("outcome", t.reward) >= min_outcome
 
 
+def last_turn_only(t: Trajectory) -> Trajectory:
+    """`t` with its loss mask cut to the last assistant turn."""
+    last = t.turns[-1]
+    mask = tuple(m if last.start <= i < last.end else 0 for i, m in enumerate(t.loss_mask))
+    return replace(t, loss_mask=mask)
+
+
 def sft(model: torch.nn.Module, trajectories: Sequence[Trajectory], cfg: SFTConfig,
         on_step: Callable[[dict], None] | None = None) -> list[dict]:
     """Trains `model` in place on the masked tokens of the trajectories that pass the filter."""
     kept = [t for t in trajectories if passes(t, cfg.min_outcome)]
     if not kept:
         raise ValueError(f"No trajectory passes the SFT filter (min_outcome={cfg.min_outcome}).")
+    if cfg.last_turn_only:
+        kept = [last_turn_only(t) for t in kept]
     batch = make_batch(kept, [0.0] * len(kept))
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     generator = torch.Generator().manual_seed(cfg.seed)
