@@ -43,9 +43,19 @@ def load_config(cls: type[T], source: str | Path | dict[str, Any] | None = None,
         raise ConfigError(f"{where} is not a valid {cls.__name__}:\n{problems}") from None
 
 
-def merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """`base` with `overrides` applied on top, nested dicts merged key by key (neither is modified)."""
+def merge(base: dict[str, Any] | list, overrides: dict[str, Any]) -> dict[str, Any] | list:
+    """`base` with `overrides` applied on top, nested dicts merged key by key (neither is modified). A list
+    takes overrides by index (what `--set sft.1.episodes=16` gives): `{"1": {"episodes": 16}}`."""
+    if isinstance(base, list):
+        unknown = set(overrides) - {str(i) for i in range(len(base))}
+        if unknown:
+            raise ConfigError(f"{sorted(unknown)} would index a list of {len(base)}: use 0 to {len(base) - 1}")
+        return [_merged(item, overrides[str(i)]) if str(i) in overrides else item for i, item in enumerate(base)]
     out = dict(base)
     for key, value in overrides.items():
-        out[key] = merge(out.get(key, {}), value) if isinstance(value, dict) else value
+        out[key] = _merged(out.get(key, {}), value)
     return out
+
+
+def _merged(base: Any, value: Any) -> Any:
+    return merge(base, value) if isinstance(value, dict) and isinstance(base, (dict, list)) else value

@@ -36,3 +36,18 @@ def test_bad_toml_and_missing_file(tmp_path):
         load_config(RolloutJob, bad)
     with pytest.raises(ConfigError, match="No recipe"):
         load_config(RolloutJob, tmp_path / "missing.toml")
+
+
+def test_overrides_reach_list_elements_by_index_and_a_bad_index_names_the_range():
+    from agentrl.cli import parse_sets
+    from agentrl.trainers.pipeline import TrainJob
+
+    recipe = RECIPES / "cpu_search_r1_train.toml"
+    job = load_config(TrainJob, recipe, parse_sets(["sft.1.episodes=16", "sft.0.env_kwargs.train_worlds=2",
+                                                    "eval.split.0=train"]))
+    first, second = job.sft_stages
+    assert (first.episodes, first.env_kwargs, first.config.last_turn_only) == (16384, {"train_worlds": 2}, True)
+    assert (second.episodes, second.error_rate, second.config.epochs) == (16, 0.3, 2)
+    assert job.eval.split == ["train", "unseen_compositions", "more_hops", "paraphrase"]
+    with pytest.raises(ConfigError, match=r"\['2'\] would index a list of 2: use 0 to 1"):
+        load_config(TrainJob, recipe, parse_sets(["sft.2.episodes=16"]))

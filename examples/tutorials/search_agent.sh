@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Tutorial: train a Search-R1 agent on CPU (docs/tutorials/search-agent.md).
-# The tiny model learns to copy, is fine-tuned on an expert that searches, then trained with GRPO; held-out
+# The tiny model learns to copy, to read answers out of documents, to search like an expert, then GRPO; held-out
 # suites are evaluated before and after. TUTORIAL_SMALL=1 (what CI runs) shrinks every stage; the commands
 # are the same.
 set -euo pipefail
@@ -9,8 +9,8 @@ OUT=${OUT:-runs/tutorial-search}
 SMALL=()
 if [ "${TUTORIAL_SMALL:-0}" = 1 ]; then
   SMALL=(--set warmup.steps=20 --set warmup.context_steps=4 --set warmup.context_vocab_steps=4
-         --set warmup.context_episodes=8 --set sft.episodes=16
-         --set sft.config.epochs=1 --set eval.n=2 --set grpo.steps=1 --set grpo.tasks_per_step=2
+         --set warmup.context_episodes=8 --set sft.0.episodes=16 --set sft.0.env_kwargs.train_worlds=2
+         --set sft.1.episodes=16 --set sft.1.config.epochs=1 --set eval.n=2 --set grpo.steps=1 --set grpo.tasks_per_step=2
          --set grpo.rollout.group_size=2)
 fi
 
