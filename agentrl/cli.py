@@ -203,7 +203,8 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
           ray_address: Optional[str] = typer.Option(None, help="Run the envs on this Ray cluster ('auto': the "
                                                                "local node's); the recipe's [ray] sets the rest."),
           set_: list[str] = typer.Option([], "--set", help="Override any recipe key: KEY=VALUE with a dotted key "
-                                         "and a TOML value, e.g. --set grpo.lr=1e-4 --set eval.n=16. Repeatable.")
+                                         "and a TOML value, e.g. --set grpo.lr=1e-4 --set eval.n=16; a list's "
+                                         "element by index: --set sft.1.episodes=64. Repeatable.")
           ) -> None:
     """SFT warm start (optional) → held-out eval → RL (GRPO, PPO, tandem, tango or DPO) → held-out eval;
     resumes from the latest checkpoint."""
