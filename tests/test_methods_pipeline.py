@@ -6,6 +6,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from agentrl.config import ConfigError, load_config
+from agentrl.registration import make
 from agentrl.rollout import read_jsonl
 from agentrl.tiny_model import load_tokenizer
 from agentrl.trainers.checkpoint import latest_checkpoint
@@ -97,13 +98,12 @@ def test_warm_start_stages_are_saved_and_not_redone(tiny_model_dir, tmp_path):
 
 
 def questions(path) -> set[str]:
-    return {[m.content for m in t.messages if m.role == "user"][-1] for t in read_jsonl(path)}  # in finishing order
+    """The task questions of a demos file, as a set: episodes are written in the order they finish."""
+    return {[m.content for m in t.messages if m.role == "user"][-1] for t in read_jsonl(path)}
 
 
 @pytest.mark.slow
 def test_sft_stages_run_in_order_each_on_its_own_env_and_resume_after_the_last_finished(tiny_model_dir, tmp_path):
-    from agentrl.registration import make
-
     stages = {"grpo": {"steps": 0}, "eval": None,
               "sft": [{"episodes": 4, "env_kwargs": {"seed": 1}, "config": {"epochs": 1, "batch_size": 4,
                                                                             "last_turn_only": True}},

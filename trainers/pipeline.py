@@ -109,6 +109,7 @@ class TrainJob:
 
     @property
     def sft_stages(self) -> list[DemoSFT]:
+        """The SFT stages in the order they run: none, the one `[sft]`, or every `[[sft]]`."""
         return self.sft if isinstance(self.sft, list) else [self.sft] if self.sft else []
 
     @property
