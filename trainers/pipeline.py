@@ -262,8 +262,10 @@ def warm_start(job: TrainJob, model, tokenizer, policy, renderer, make_env, task
         log(f"{label}: {stage.episodes} expert episodes (mistake rate {stage.error_rate}"
             + (", last turn only" if stage.config.last_turn_only else "")
             + (f"; env {stage.env_kwargs})" if stage.env_kwargs else ")"))
-        stage_env = env_factory(job, stage.env_kwargs) if stage.env_kwargs else make_env
-        pool = list(stage_env().tasks) if stage.env_kwargs else tasks
+        stage_env, pool = make_env, tasks
+        if stage.env_kwargs:  # e.g. more worlds: the stage's own envs and training tasks
+            stage_env = env_factory(job, stage.env_kwargs)
+            pool = list(stage_env().tasks)
         picked = [pool[k % len(pool)] for k in range(stage.episodes)]
         demos = demonstrations(stage_env, picked, renderer, job.rl.rollout, stage.error_rate, job.rl.seed,
                                out / ("sft_demos.jsonl" if len(stages) == 1 else f"sft{i + 1}_demos.jsonl"))
