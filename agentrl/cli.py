@@ -352,19 +352,21 @@ def report(run_dir: Path = typer.Argument(..., help="An eval run directory (from
 @app.command()
 def compare(run_dirs: list[Path] = typer.Argument(..., help="Training runs (`agentrl train` output directories).")
             ) -> None:
-    """Held-out success before and after RL of several training runs, with 95% intervals."""
-    from agentrl.eval_metrics import diff_interval, wilson_interval
+    """Held-out success before and after RL of several training runs, with 95% intervals, and the paired change
+    on the same tasks: tasks gained and lost, and McNemar's exact p."""
+    from agentrl.eval_metrics import diff_interval, mcnemar_p, paired_change, wilson_interval
 
-    def counts(m: dict) -> tuple[int, int]:
-        n = m["episodes"] - m["status"].get("error", 0)
-        return round(m["success"] * n), n
+    def counts(m: dict) -> tuple[int, int]:  # pooled over the held-out suites, if several
+        suites = list(m["suites"].values()) if "suites" in m else [m]
+        n = [s["episodes"] - s["status"].get("error", 0) for s in suites]
+        return sum(round(s["success"] * k) for s, k in zip(suites, n)), sum(n)
 
     def rate(m: dict) -> str:
         (s, n), (lo, hi) = counts(m), wilson_interval(*counts(m))
         return f"{s / n:.3f} [{lo:.2f}, {hi:.2f}]"
 
-    table = Table("run", "method", "before [95% CI]", "after [95% CI]", "change [95% CI]", "RL minutes",
-                  "handoff after RL")
+    table = Table("run", "method", "before [95% CI]", "after [95% CI]", "change [95% CI]",
+                  "paired: gained / lost (p)", "RL minutes", "handoff after RL")
     for run_dir in run_dirs:
         path = run_dir / "summary.json"
         if not path.exists():
@@ -372,15 +374,36 @@ def compare(run_dirs: list[Path] = typer.Argument(..., help="Training runs (`age
             raise typer.Exit(2)
         summary = json.loads(path.read_text())
         before, after = summary.get("before"), summary.get("after")
-        change = "-"
-        if before and after and "suites" not in before:
-            lo, hi = diff_interval(*counts(after), *counts(before))
-            change = f"{after['success'] - before['success']:+.3f} [{lo:+.2f}, {hi:+.2f}]"
+        change = paired = "-"
+        if before and after:
+            (sa, na), (sb, nb) = counts(after), counts(before)
+            lo, hi = diff_interval(sa, na, sb, nb)
+            change = f"{sa / na - sb / nb:+.3f} [{lo:+.2f}, {hi:+.2f}]"
+            outcomes = [_heldout_outcomes(run_dir / "heldout" / label) for label in ("before_RL", "after_RL")]
+            if all(outcomes):
+                _, gained, lost = paired_change(*outcomes)
+                paired = f"+{gained} / -{lost} (p={mcnemar_p(gained, lost):.2g})"
         handoff = ", ".join(f"{k} {v:.3f}" for k, v in (after or {}).get("handoff", {}).items())
-        table.add_row(str(run_dir), summary.get("method", "-"), rate(before) if before and "suites" not in before
-                      else "-", rate(after) if after and "suites" not in after else "-", change,
+        table.add_row(str(run_dir), summary.get("method", "-"), rate(before) if before else "-",
+                      rate(after) if after else "-", change, paired,
                       f"{summary['rl_seconds'] / 60:.1f}" if "rl_seconds" in summary else "-", handoff)
     console.print(table)
+
+
+def _heldout_outcomes(label_dir: Path) -> dict[tuple[str, str], bool]:
+    """(suite, task id) -> success of a training run's held-out evaluation as `agentrl train` saved it, errors left
+    out as in the rates; empty when it is missing or predates per-episode success."""
+    from agentrl.rollout import read_jsonl
+    from agentrl.types import Status
+
+    outcomes = {}
+    for path in sorted(label_dir.glob("*.jsonl")):
+        for t in read_jsonl(path):
+            if "success" not in t.info:
+                return {}
+            if t.status is not Status.ERROR:
+                outcomes[path.stem, t.task_id] = t.info["success"]
+    return outcomes
 
 
 @app.command("suites")

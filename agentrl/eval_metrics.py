@@ -101,6 +101,22 @@ def diff_interval(s1: int, n1: int, s2: int, n2: int, z: float = Z95) -> tuple[f
     return d - math.sqrt((p1 - l1) ** 2 + (u2 - p2) ** 2), d + math.sqrt((u1 - p1) ** 2 + (p2 - l2) ** 2)
 
 
+def paired_change(before: Mapping[Any, bool], after: Mapping[Any, bool]) -> tuple[int, int, int]:
+    """(tasks scored in both, gained: failed before and solved after, lost: the reverse). On the same tasks,
+    the discordant ones carry all the evidence of a change (McNemar); the rest is shared noise."""
+    common = before.keys() & after.keys()
+    return (len(common), sum(1 for k in common if after[k] and not before[k]),
+            sum(1 for k in common if before[k] and not after[k]))
+
+
+def mcnemar_p(gained: int, lost: int) -> float:
+    """Exact two-sided McNemar p-value: the chance, were before and after equally good, that the gained + lost
+    discordant tasks split at least this unevenly (each way with probability 1/2)."""
+    m = gained + lost
+    tail = sum(math.comb(m, i) for i in range(min(gained, lost) + 1)) / 2 ** m
+    return min(1.0, 2 * tail)
+
+
 # ------------------------------------------------------------------------------------------ run summaries
 
 @dataclass(frozen=True)

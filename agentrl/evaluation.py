@@ -30,13 +30,16 @@ from agentrl.types import Task, Trajectory
 
 def evaluate(policy: Policy, renderer: Renderer, make_env: Callable[[], TextEnv], tasks: Sequence[Task],
              config: RolloutConfig) -> tuple[dict[str, Any], list[Trajectory]]:
-    """One episode per task (`config.group_size` is ignored); returns (metrics, trajectories)."""
+    """One episode per task (`config.group_size` is ignored); returns (metrics, trajectories), each marked with
+    its `success` in `info` (for paired comparisons, e.g. `agentrl compare`)."""
     engine = RolloutEngine(make_env, policy, renderer, replace(config, group_size=1))
     try:
         trajectories = [g.trajectories[0] for g in asyncio.run(engine.run(tasks))]
     finally:
         engine.close()
-    return summarize(trajectories, max_reward=make_env().max_reward), trajectories
+    max_reward = make_env().max_reward
+    trajectories = [replace(t, info={**t.info, "success": is_success(t, max_reward)}) for t in trajectories]
+    return summarize(trajectories, max_reward=max_reward), trajectories
 
 
 class EvalRunMismatch(ValueError):

@@ -68,6 +68,36 @@ def test_compare_training_runs(tmp_path, monkeypatch):
     assert missing.exit_code == 2 and "no summary.json" in missing.output
 
 
+def test_compare_pools_held_out_suites_and_pairs_their_tasks(tmp_path, monkeypatch):
+    from agentrl.rollout import write_jsonl
+    from agentrl.types import Trajectory
+
+    monkeypatch.setenv("COLUMNS", "220")
+    run = tmp_path / "search"
+    # suite x: tasks 0-9, solved before {0, 1, 2}, after {0, 3, 4, 5, 6}; suite y: 0-9, before {0}, after {0, 1}.
+    # The same task id in two suites is two tasks. Gained 3, 4, 5, 6 and y's 1; lost 1 and 2.
+    solved = {"before_RL": {"x": {0, 1, 2}, "y": {0}}, "after_RL": {"x": {0, 3, 4, 5, 6}, "y": {0, 1}}}
+    for label, suites in solved.items():
+        for suite, ids in suites.items():
+            write_jsonl([Trajectory(f"t{i}", (1,), (0,), (0.0,), 1, (), float(i in ids),
+                                    info={"success": i in ids}) for i in range(10)],
+                        run / "heldout" / label / f"{suite}.jsonl")
+
+    def held_out(label):
+        suites = {s: {"episodes": 10, "status": {"ok": 10}, "success": len(ids) / 10}
+                  for s, ids in solved[label].items()}
+        return {"success": sum(m["success"] for m in suites.values()) / 2, "suites": suites}
+
+    (run / "summary.json").write_text(json.dumps({"method": "grpo", "before": held_out("before_RL"),
+                                                  "after": held_out("after_RL")}))
+    result = runner.invoke(app, ["compare", str(run)])
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.output.splitlines() if "grpo" in line)
+    # pooled: 4/20 -> 7/20 (Wilson [0.08, 0.42], [0.18, 0.57]); paired: +5 / -2, p = 2 * (1 + 7 + 21) / 128
+    for text in ("0.200 [0.08, 0.42]", "0.350 [0.18, 0.57]", "+0.150", "+5 / -2 (p=0.45)"):
+        assert text in row, (text, row)
+
+
 def test_train_set_overrides_any_recipe_key(tmp_path):
     from agentrl.cli import parse_sets
     from agentrl.config import ConfigError

@@ -13,7 +13,9 @@ from agentrl.eval_metrics import (
     EpisodeInfo,
     diff_interval,
     maj_at_k,
+    mcnemar_p,
     mean_interval,
+    paired_change,
     pass_at_k,
     summarize_run,
     wilson_interval,
@@ -110,6 +112,23 @@ def test_diff_interval_by_hand():
     assert low == approx(0.384036, abs=1e-5)
     lo, hi = diff_interval(5, 10, 5, 10)  # equal runs: symmetric around 0
     assert lo == approx(-hi) and hi > 0
+
+
+def test_paired_change_counts_only_tasks_both_scored():
+    before = {"a": True, "b": False, "c": False, "d": True, "e": False}
+    after = {"a": True, "b": True, "c": True, "d": False, "f": True}  # e and f were scored once: left out
+    assert paired_change(before, after) == (4, 2, 1)
+
+
+def test_mcnemar_p_by_hand():
+    # gained 6, lost 1: P(X <= 1), X ~ Bin(7, 1/2), is (1 + 7) / 128; two-sided, 16 / 128
+    assert mcnemar_p(6, 1) == approx(0.125)
+    assert mcnemar_p(1, 6) == approx(0.125)
+    assert mcnemar_p(5, 0) == approx(2 / 32)
+    # 3 and 3: the tail (1 + 6 + 15 + 20) / 64 holds the middle, so doubling passes 1
+    assert mcnemar_p(3, 3) == 1.0 and mcnemar_p(0, 0) == 1.0
+    # 31 and 6: 2 * sum C(37, i), i <= 6, / 2^37 = 2 * 2,835,200 / 137,438,953,472
+    assert mcnemar_p(31, 6) == approx(4.12576e-5, rel=1e-5)
 
 
 # ------------------------------------------------------------------------------------------- summarize_run

@@ -38,6 +38,8 @@ def test_tandem_reports_handoff_robustness(tiny_model_dir, tmp_path):
     solo = read_jsonl(tmp_path / "heldout" / "before_RL" / "heldout.jsonl")
     sampled = [lp for t in solo for lp, m in zip(t.logprobs, t.loss_mask) if m]
     assert summary["before"]["handoff"]["junior_xent"] == pytest.approx(-sum(sampled) / len(sampled), abs=1e-4)
+    # each saved held-out episode carries its success (`agentrl compare` pairs them): they make up the rate
+    assert summary["before"]["success"] == pytest.approx(sum(t.info["success"] for t in solo) / len(solo))
     rows = metrics(tmp_path)
     assert len(rows) == 2 and rows[0]["sampler_logprob_diff_max"] < 1e-4
 
