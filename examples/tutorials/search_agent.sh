@@ -9,8 +9,8 @@ OUT=${OUT:-runs/tutorial-search}
 SMALL=()
 if [ "${TUTORIAL_SMALL:-0}" = 1 ]; then
   SMALL=(--set warmup.steps=20 --set warmup.context_steps=4 --set warmup.context_vocab_steps=4
-         --set warmup.context_episodes=8 --set sft.0.episodes=16 --set sft.0.env_kwargs.train_worlds=2
-         --set sft.1.episodes=16 --set sft.1.env_kwargs.train_worlds=2 --set sft.1.config.epochs=1
+         --set warmup.context_episodes=8 --set env_kwargs.train_worlds=2 --set sft.0.episodes=16
+         --set sft.1.episodes=16 --set sft.1.config.epochs=1
          --set eval.n=2 --set grpo.steps=1 --set grpo.tasks_per_step=2
          --set grpo.rollout.group_size=2)
 fi
