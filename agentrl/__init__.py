@@ -5,9 +5,9 @@
     obs, info = env.reset(seed=0)
 """
 
-from agentrl.env import TextEnv, ToolEnv
-from agentrl.registration import check, make, register, registry
-from agentrl.suites import Suite, SuiteEntry, register_suite
+from agentrl.env.api import TextEnv, ToolEnv
+from agentrl.env.registry import check, make, register, registry
+from agentrl.env.suites import Suite, SuiteEntry, register_suite
 from agentrl.types import Group, Message, Status, Task, ToolCall, Trajectory, Turn
 
 __all__ = ["TextEnv", "ToolEnv", "check", "make", "register", "registry", "Suite", "SuiteEntry", "register_suite",

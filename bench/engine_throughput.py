@@ -33,14 +33,15 @@ from pathlib import Path
 import torch
 
 from agentrl.envs.math import ArithmeticEnv
-from agentrl.hf_policy import HFPolicy
-from agentrl.policy import Policy, SamplingParams
+from agentrl.policy.hf import HFPolicy
+from agentrl.policy.protocol import Policy, SamplingParams
 from agentrl.renderer import Renderer
-from agentrl.rollout import RolloutConfig, RolloutEngine
-from agentrl.tiny_model import build_tiny_model, load_tokenizer
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.models.tiny import build_tiny_model
+from agentrl.models.tokenizer import load_tokenizer
 from agentrl.types import Trajectory
-from agentrl.vllm_policy import VLLMPolicy
-from agentrl.vllm_server import ServerConfig, VLLMServer
+from agentrl.policy.vllm_client import VLLMPolicy
+from agentrl.policy.vllm_server import ServerConfig, VLLMServer
 
 MODEL_DIR = Path.home() / ".cache" / "agentrl" / "models" / "tiny"
 TURN_END = ("k",)  # a stop string that ends a random model's turn after ~20 tokens (see above)

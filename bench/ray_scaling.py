@@ -21,11 +21,12 @@ import time
 from pathlib import Path
 
 import agentrl
-from agentrl.ray_envs import RayConfig, RayEnvPool, init_ray
+from agentrl.rollout.ray_pool import RayConfig, RayEnvPool, init_ray
 from agentrl.renderer import Renderer
-from agentrl.rollout import RolloutConfig, RolloutEngine
-from agentrl.scripted_policy import ScriptedPolicy, playing
-from agentrl.tiny_model import build_tiny_model, load_tokenizer
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.policy.scripted import ScriptedPolicy, playing
+from agentrl.models.tiny import build_tiny_model
+from agentrl.models.tokenizer import load_tokenizer
 
 ENV = "search/r1-v0"
 

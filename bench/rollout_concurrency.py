@@ -15,11 +15,11 @@ import time
 from pathlib import Path
 
 from agentrl.envs.math import ArithmeticEnv
-from agentrl.hf_policy import HFPolicy
-from agentrl.policy import SamplingParams
+from agentrl.policy.hf import HFPolicy
+from agentrl.policy.protocol import SamplingParams
 from agentrl.renderer import Renderer
-from agentrl.rollout import RolloutConfig, RolloutEngine
-from agentrl.tiny_model import build_tiny_model
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.models.tiny import build_tiny_model
 
 MODEL_DIR = Path.home() / ".cache" / "agentrl" / "models" / "tiny"
 

@@ -58,11 +58,12 @@ from typing import Callable
 
 import torch
 
-from agentrl.hf_policy import HFPolicy
-from agentrl.policy import Sample, SamplingParams
+from agentrl.policy.hf import HFPolicy
+from agentrl.policy.protocol import Sample, SamplingParams
 from agentrl.renderer import Renderer
-from agentrl.rollout import RolloutConfig
-from agentrl.tiny_model import build_tiny_model, load_tokenizer
+from agentrl.rollout.engine import RolloutConfig
+from agentrl.models.tiny import build_tiny_model
+from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers.grpo import GRPOConfig, to_batch, update
 from agentrl.trainers.rewards import group_rewards
 from agentrl.trainers.losses import PolicyLossConfig

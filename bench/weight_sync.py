@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from agentrl.tiny_model import build_tiny_model
-from agentrl.vllm_policy import VLLMPolicy
-from agentrl.vllm_server import ServerConfig, VLLMServer
+from agentrl.models.tiny import build_tiny_model
+from agentrl.policy.vllm_client import VLLMPolicy
+from agentrl.policy.vllm_server import ServerConfig, VLLMServer
 
 MODELS = Path.home() / ".cache" / "agentrl" / "models"
 BIG = dict(hidden_size=768, num_layers=8, num_heads=12, num_kv_heads=4, intermediate_size=2048)

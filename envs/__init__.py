@@ -1,7 +1,7 @@
 """agentrl's own environment families. Importing this package registers their ids."""
 
-from agentrl.registration import register
-from agentrl.suites import Suite, SuiteEntry, register_suite
+from agentrl.env.registry import register
+from agentrl.env.suites import Suite, SuiteEntry, register_suite
 from agentrl.envs.web.miniwob import HELDOUT_TYPES as MINIWOB_HELDOUT_TYPES, TRAIN_TYPES as MINIWOB_TRAIN_TYPES
 
 register("math/arith-v0", "agentrl.envs.math:ArithmeticEnv")
@@ -17,20 +17,20 @@ for _name in (*MINIWOB_TRAIN_TYPES, *MINIWOB_HELDOUT_TYPES):  # the tasks with s
     register(f"web/miniwob-{_name}-v0", "agentrl.envs.web.miniwob:MiniWoBEnv", tasks=[_name])
 register("web/shop-v0", "agentrl.envs.web.shop.env:ShopEnv")
 
-# Other libraries' envs (agentrl/adapters; docs/adapters.md), with a solver each so that they check.
-register("gymnasium/FrozenLake-v1", "agentrl.adapters.gymnasium_env:GymnasiumEnv", gym_id="FrozenLake-v1",
-         render_mode="ansi", is_slippery=False, solver="agentrl.adapters.gymnasium_env:frozen_lake_solver",
+# Other libraries' envs (agentrl/env/adapters; docs/adapters.md), with a solver each so that they check.
+register("gymnasium/FrozenLake-v1", "agentrl.env.adapters.gymnasium_env:GymnasiumEnv", gym_id="FrozenLake-v1",
+         render_mode="ansi", is_slippery=False, solver="agentrl.env.adapters.gymnasium_env:frozen_lake_solver",
          instructions="Walk from S to the goal G on the frozen lake without stepping into a hole H. "
                       "Actions: 0 left, 1 down, 2 right, 3 up.")
-register("textarena/GuessTheNumber-v0", "agentrl.adapters.textarena_env:TextArenaEnv", game="GuessTheNumber-v0")
-register("skyrl/gsm8k-v0", "agentrl.adapters.skyrl_env:SkyRLEnv", env_class="gsm8k")
-register("skyrl/gsm8k_multi_turn-v0", "agentrl.adapters.skyrl_env:SkyRLEnv", env_class="gsm8k_multi_turn")
-register("verifiers/arith-tools-v0", "agentrl.adapters.verifiers_env:VerifiersEnv",
-         environment="agentrl.adapters.verifiers_examples", env_args={"kind": "arith_tools"})
-register("verifiers/guess-v0", "agentrl.adapters.verifiers_env:VerifiersEnv",
-         environment="agentrl.adapters.verifiers_examples", env_args={"kind": "guess"})
-register("verifiers/env-v0", "agentrl.adapters.verifiers_env:VerifiersEnv")  # environment="NAME" required
-register("openenv/remote-v0", "agentrl.adapters.openenv_env:OpenEnvEnv")  # url="http://host:port" required
+register("textarena/GuessTheNumber-v0", "agentrl.env.adapters.textarena_env:TextArenaEnv", game="GuessTheNumber-v0")
+register("skyrl/gsm8k-v0", "agentrl.envs.math.adapted:ArithmeticSkyRLEnv", env_class="gsm8k")
+register("skyrl/gsm8k_multi_turn-v0", "agentrl.envs.math.adapted:ArithmeticSkyRLEnv", env_class="gsm8k_multi_turn")
+register("verifiers/arith-tools-v0", "agentrl.env.adapters.verifiers_env:VerifiersEnv",
+         environment="agentrl.envs.math.adapted", env_args={"kind": "arith_tools"})
+register("verifiers/guess-v0", "agentrl.env.adapters.verifiers_env:VerifiersEnv",
+         environment="agentrl.envs.math.adapted", env_args={"kind": "guess"})
+register("verifiers/env-v0", "agentrl.env.adapters.verifiers_env:VerifiersEnv")  # environment="NAME" required
+register("openenv/remote-v0", "agentrl.env.adapters.openenv_env:OpenEnvEnv")  # url="http://host:port" required
 
 register_suite(Suite("math/heldout", (SuiteEntry("math/arith-v0", "heldout", 200),),
                      description="Arithmetic expression and word problems the training split never holds."))

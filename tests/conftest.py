@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.tiny_model import build_tiny_model
+from agentrl.models.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="session")

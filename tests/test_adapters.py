@@ -17,12 +17,12 @@ from openenv.core import GenericEnvClient
 from transformers import AutoTokenizer
 
 import agentrl
-from agentrl.adapters.openenv_server import build_app
-from agentrl.adapters.trl_env import trl_dataset, trl_environment
-from agentrl.conformance import conformance
+from agentrl.env.adapters.openenv_server import build_app
+from agentrl.env.adapters.trl_env import trl_dataset, trl_environment
+from agentrl.env.conformance import conformance
 from agentrl.renderer import Renderer
-from agentrl.rollout import RolloutConfig, RolloutEngine
-from agentrl.scripted_policy import ScriptedPolicy, playing
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.policy.scripted import ScriptedPolicy, playing
 from agentrl.types import Status
 
 RG_ENV = "verifiers.envs.integrations.reasoninggym_env:ReasoningGymEnv"

@@ -3,7 +3,8 @@
 import torch
 from transformers import AutoModelForCausalLM
 
-from agentrl.trainers.batch import make_batch, token_logprobs
+from agentrl.trainers.batch import make_batch
+from agentrl.policy.logprobs import token_logprobs
 from agentrl.types import Trajectory, Turn
 
 

@@ -5,8 +5,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from agentrl.cli import app
-from agentrl.rollout import read_jsonl
+from agentrl.cli.main import app
+from agentrl.rollout.jsonl import read_jsonl
 from agentrl.types import Status
 
 runner = CliRunner()
@@ -23,7 +23,7 @@ def test_envs_list_show_check():
     assert unknown.exit_code == 2 and "Did you mean 'math/arith-v0'" in unknown.output
     missing = runner.invoke(app, ["envs", "check", "verifiers/env-v0"])
     assert missing.exit_code == 2 and "'environment'" in missing.output and "--kwargs" in missing.output
-    kwargs = '{"environment": "agentrl.adapters.verifiers_examples", "env_args": {"kind": "guess"}}'
+    kwargs = '{"environment": "agentrl.envs.math.adapted", "env_args": {"kind": "guess"}}'
     checked = runner.invoke(app, ["envs", "check", "verifiers/env-v0", "--n-tasks", "2", "--kwargs", kwargs])
     assert checked.exit_code == 0 and "check_env passed" in checked.output
 
@@ -69,7 +69,7 @@ def test_compare_training_runs(tmp_path, monkeypatch):
 
 
 def test_compare_pools_held_out_suites_and_pairs_their_tasks(tmp_path, monkeypatch):
-    from agentrl.rollout import write_jsonl
+    from agentrl.rollout.jsonl import write_jsonl
     from agentrl.types import Trajectory
 
     monkeypatch.setenv("COLUMNS", "220")
@@ -99,7 +99,7 @@ def test_compare_pools_held_out_suites_and_pairs_their_tasks(tmp_path, monkeypat
 
 
 def test_train_set_overrides_any_recipe_key(tmp_path):
-    from agentrl.cli import parse_sets
+    from agentrl.cli.main import parse_sets
     from agentrl.config import ConfigError
 
     assert parse_sets(["grpo.lr=1e-4", "grpo.rollout.group_size=4", "env=math/arith-v0", "eval.split=[\"a\"]"]) == {

@@ -13,8 +13,8 @@ import agentrl
 from agentrl.envs.code.harness import run_tests, split_check
 from agentrl.envs.code.tasks import TEMPLATES, generated, humaneval
 from agentrl.renderer import Renderer
-from agentrl.rollout import RolloutConfig, RolloutEngine
-from agentrl.scripted_policy import ScriptedPolicy, playing
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.policy.scripted import ScriptedPolicy, playing
 from agentrl.tools.sandbox import Limits, LocalRuntime
 from agentrl.types import Status, ToolCall
 

@@ -32,7 +32,7 @@ def test_register_rejects_bad_entry_points_and_conflicts():
 
 def test_third_party_registration_by_entry_point(tmp_path, monkeypatch):
     """An installed plugin (a real dist-info with an `agentrl.envs` entry point) registers its envs."""
-    import agentrl.registration as registration
+    import agentrl.env.registry as registration
 
     (tmp_path / "my_plugin.py").write_text(
         "import agentrl\n"

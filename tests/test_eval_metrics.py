@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from agentrl.eval_metrics import (
+from agentrl.eval.metrics import (
     Z95,
     EpisodeInfo,
     diff_interval,

@@ -6,14 +6,15 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from agentrl.cli import app
-from agentrl.evaluation import EvalRunMismatch, run_suite
-from agentrl.hf_policy import HFPolicy
-from agentrl.policy import SamplingParams
+from agentrl.cli.main import app
+from agentrl.eval.run import EvalRunMismatch, run_suite
+from agentrl.policy.hf import HFPolicy
+from agentrl.policy.protocol import SamplingParams
 from agentrl.renderer import Renderer
-from agentrl.rollout import RolloutConfig, read_jsonl
-from agentrl.suites import Suite, SuiteEntry
-from agentrl.tiny_model import load_tokenizer
+from agentrl.rollout.engine import RolloutConfig
+from agentrl.rollout.jsonl import read_jsonl
+from agentrl.env.suites import Suite, SuiteEntry
+from agentrl.models.tokenizer import load_tokenizer
 
 SUITE = Suite("test/eval", (SuiteEntry("math/arith-v0", "heldout", 3),
                             SuiteEntry("search/r1-v0", "more_hops", 2, {"topk": 1})))

@@ -7,10 +7,11 @@ from transformers import AutoModelForCausalLM
 
 from agentrl.config import load_config
 from agentrl.envs.math import ArithmeticEnv
-from agentrl.hf_policy import HFPolicy
-from agentrl.policy import SamplingParams
-from agentrl.rollout import RolloutConfig, read_jsonl
-from agentrl.tiny_model import load_tokenizer
+from agentrl.policy.hf import HFPolicy
+from agentrl.policy.protocol import SamplingParams
+from agentrl.rollout.engine import RolloutConfig
+from agentrl.rollout.jsonl import read_jsonl
+from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers.checkpoint import latest_checkpoint
 from agentrl.trainers.grpo import GRPOConfig, TaskStream, train
 from agentrl.trainers.pipeline import TrainJob

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from agentrl.hf_policy import HFPolicy
-from agentrl.policy import Policy, PolicyError, Sample, SamplingParams
-from agentrl.tiny_model import load_tokenizer
+from agentrl.policy.hf import HFPolicy
+from agentrl.policy.protocol import Policy, PolicyError, Sample, SamplingParams
+from agentrl.models.tokenizer import load_tokenizer
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 

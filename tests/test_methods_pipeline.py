@@ -6,9 +6,9 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from agentrl.config import ConfigError, load_config
-from agentrl.registration import make
-from agentrl.rollout import read_jsonl
-from agentrl.tiny_model import load_tokenizer
+from agentrl.env.registry import make
+from agentrl.rollout.jsonl import read_jsonl
+from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers.checkpoint import latest_checkpoint
 from agentrl.trainers.pipeline import TrainJob, run
 

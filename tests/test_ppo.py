@@ -8,10 +8,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from agentrl.envs.math import ArithmeticEnv
-from agentrl.hf_policy import HFPolicy
-from agentrl.policy import SamplingParams
-from agentrl.rollout import RolloutConfig
-from agentrl.tiny_model import load_tokenizer
+from agentrl.policy.hf import HFPolicy
+from agentrl.policy.protocol import SamplingParams
+from agentrl.rollout.engine import RolloutConfig
+from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers.batch import Batch, make_batch
 from agentrl.trainers.checkpoint import latest_checkpoint
 from agentrl.trainers.grpo import GRPOConfig, update

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from agentrl.tiny_model import load_tokenizer
+from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers.pretrain import CopyWarmup, alphabet, context_sequence, copy_in_context, copy_warmup, vocabulary
 
 

@@ -10,10 +10,10 @@ import ray
 from transformers import AutoTokenizer
 
 import agentrl
-from agentrl.ray_envs import RayConfig, RayEnvPool, WorkerLost, init_ray
+from agentrl.rollout.ray_pool import RayConfig, RayEnvPool, WorkerLost, init_ray
 from agentrl.renderer import Renderer
-from agentrl.rollout import RolloutConfig, RolloutEngine
-from agentrl.scripted_policy import ScriptedPolicy, playing
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.policy.scripted import ScriptedPolicy, playing
 from agentrl.types import Status
 
 ENV, KWARGS = "math/arith-v0", {"n_tasks": 12}

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.eval_metrics import summarize_run
-from agentrl.report import write_report
-from agentrl.rollout import write_jsonl
-from agentrl.tiny_model import load_tokenizer
+from agentrl.eval.metrics import summarize_run
+from agentrl.eval.report import write_report
+from agentrl.rollout.jsonl import write_jsonl
+from agentrl.models.tokenizer import load_tokenizer
 from agentrl.types import Message, Status, ToolCall, Trajectory, Turn
-from agentrl.viewer import turn_blocks, write_viewer
+from agentrl.eval.viewer import turn_blocks, write_viewer
 
 CHROMIUM = os.environ.get("AGENTRL_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",

@@ -116,7 +116,7 @@ def test_serve_retriever_command(tmp_path, index):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "agentrl.cli", "serve", "retriever", "--corpus", str(corpus),
+    server = subprocess.Popen([sys.executable, "-m", "agentrl.cli.main", "serve", "retriever", "--corpus", str(corpus),
                                "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               env={**os.environ, "HOME": str(tmp_path)})  # the index cache goes here
     try:
@@ -136,7 +136,7 @@ def test_serve_retriever_command(tmp_path, index):
 
 
 def test_env_over_the_server_sees_what_the_in_process_env_sees(server_url):
-    from agentrl.registration import make
+    from agentrl.env.registry import make
 
     local, remote = make("search/tools-v0"), make("search/tools-v0", retriever_url=server_url)
     for env in (local, remote):

@@ -10,9 +10,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from agentrl.envs.math import ArithmeticEnv
-from agentrl.policy import PolicyError, Sample, SamplingParams
+from agentrl.policy.protocol import PolicyError, Sample, SamplingParams
 from agentrl.renderer import Renderer
-from agentrl.rollout import RolloutConfig, RolloutEngine, read_jsonl, summarize, write_jsonl
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.rollout.jsonl import read_jsonl, write_jsonl
+from agentrl.eval.metrics import summarize
 from agentrl.tools import tool
 from agentrl.types import Status, ToolCall
 

@@ -8,11 +8,11 @@ from collections import defaultdict
 from transformers import AutoTokenizer
 
 import agentrl
-from agentrl.policy import current_episode
+from agentrl.policy.protocol import current_episode
 from agentrl.renderer import Renderer
-from agentrl.rollout import RolloutConfig, RolloutEngine
-from agentrl.router import RoutedPolicy
-from agentrl.scripted_policy import ScriptedPolicy, playing
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.policy.router import RoutedPolicy
+from agentrl.policy.scripted import ScriptedPolicy, playing
 
 
 class Recording(ScriptedPolicy):

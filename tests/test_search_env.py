@@ -10,8 +10,8 @@ import pytest
 from agentrl.config import load_config
 from agentrl.envs.search.env import SearchEnv
 from agentrl.envs.search.questions import SUITES
-from agentrl.registration import check, make
-from agentrl.tiny_model import load_tokenizer
+from agentrl.env.registry import check, make
+from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers.pipeline import TrainJob
 from agentrl.types import Task
 

@@ -3,8 +3,8 @@
 import pytest
 
 from agentrl.config import ConfigError
-from agentrl.registration import make
-from agentrl.suites import Suite, SuiteEntry, get_suite, register_suite, suites
+from agentrl.env.registry import make
+from agentrl.env.suites import Suite, SuiteEntry, get_suite, register_suite, suites
 
 
 def test_builtin_suites_name_real_envs_and_splits():

@@ -8,12 +8,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from agentrl.envs.math import ArithmeticEnv
-from agentrl.hf_policy import HFPolicy
-from agentrl.policy import Sample, SamplingParams
+from agentrl.policy.hf import HFPolicy
+from agentrl.policy.protocol import Sample, SamplingParams
 from agentrl.renderer import Renderer
-from agentrl.rollout import RolloutConfig, RolloutEngine
-from agentrl.tiny_model import load_tokenizer
-from agentrl.trainers.batch import make_batch, token_logprobs
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.models.tokenizer import load_tokenizer
+from agentrl.trainers.batch import make_batch
+from agentrl.policy.logprobs import token_logprobs
 from agentrl.trainers.tandem import TandemPolicy, junior_cross_entropy, unit_end
 
 EOS = 0

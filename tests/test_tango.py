@@ -8,8 +8,8 @@ from transformers import AutoTokenizer
 from agentrl.envs.math import ArithmeticEnv
 from gymnasium.utils.env_checker import check_env
 from agentrl.renderer import Renderer
-from agentrl.rollout import RolloutConfig, RolloutEngine
-from agentrl.scripted_policy import ScriptedPolicy, playing
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.policy.scripted import ScriptedPolicy, playing
 from agentrl.trainers.tango import (Judgement, VerifierEnv, agreement, combined_reward, format_judgement,
                                     parse_judgement, process_weight, step_share, trajectory_steps,
                                     verification_task)

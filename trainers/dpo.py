@@ -17,9 +17,10 @@ import torch
 from pydantic import with_config
 
 from agentrl.config import STRICT
-from agentrl.rollout import RolloutConfig
+from agentrl.rollout.engine import RolloutConfig
 from agentrl.types import Group, Trajectory
-from agentrl.trainers.batch import make_batch, token_logprobs
+from agentrl.trainers.batch import make_batch
+from agentrl.policy.logprobs import token_logprobs
 from agentrl.trainers.losses import dpo_loss
 from agentrl.trainers.rewards import RewardConfig, group_rewards
 

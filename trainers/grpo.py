@@ -23,12 +23,13 @@ from pydantic import with_config
 from transformers import AutoModelForCausalLM
 
 from agentrl.config import STRICT
-from agentrl.env import TextEnv
-from agentrl.policy import Policy
+from agentrl.env.api import TextEnv
+from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
-from agentrl.rollout import RolloutConfig, RolloutEngine
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.trainers.advantages import ADVANTAGES
-from agentrl.trainers.batch import Batch, make_batch, token_logprobs
+from agentrl.trainers.batch import Batch, make_batch
+from agentrl.policy.logprobs import token_logprobs
 from agentrl.trainers.checkpoint import latest_checkpoint, resume, save_checkpoint
 from agentrl.trainers.fsdp import broadcast, data_parallel, full_optimizer_state, gather_into
 from agentrl.trainers.losses import POLICY_LOSSES, PolicyLossConfig, kl_loss, masked_mean, micro_batch_weight

@@ -2,7 +2,7 @@
 
 `add_lora` wraps the model's linear layers in place, so the in-process sampler (which holds the same
 model object) samples from the adapted weights, and freezes everything else. Engines and checkpoints
-get the merged weights (`agentrl.weights.export_state_dict`); checkpoints also keep the adapters alone
+get the merged weights (`agentrl.policy.weights.export_state_dict`); checkpoints also keep the adapters alone
 (`adapter.safetensors`), which is what a resumed run loads on top of its base model.
 """
 
@@ -16,7 +16,7 @@ from pydantic import with_config
 from safetensors.torch import load_file, save_file
 
 from agentrl.config import STRICT
-from agentrl.weights import lora_layers
+from agentrl.policy.weights import lora_layers
 
 ADAPTER_FILE = "adapter.safetensors"
 

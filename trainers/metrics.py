@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from agentrl.rollout import summarize
+from agentrl.eval.metrics import summarize
 from agentrl.types import Group
 
 

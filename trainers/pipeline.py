@@ -26,16 +26,17 @@ from pydantic import with_config
 from transformers import AutoModelForCausalLM
 
 from agentrl.config import STRICT
-from agentrl.engines import EngineConfig, open_policy
-from agentrl.evaluation import evaluate
-from agentrl.hf_policy import HFPolicy
-from agentrl.policy import Policy, SamplingParams
-from agentrl.ray_envs import RayConfig, ray_env_factory
-from agentrl.registration import make
+from agentrl.policy.backends import EngineConfig, open_policy
+from agentrl.eval.run import evaluate
+from agentrl.policy.hf import HFPolicy
+from agentrl.policy.protocol import Policy, SamplingParams
+from agentrl.rollout.ray_pool import RayConfig, ray_env_factory
+from agentrl.env.registry import make
 from agentrl.renderer import Renderer
-from agentrl.rollout import JsonlWriter, RolloutConfig, RolloutEngine, write_jsonl
-from agentrl.scripted_policy import ScriptedPolicy, playing
-from agentrl.tiny_model import load_tokenizer
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.rollout.jsonl import JsonlWriter, write_jsonl
+from agentrl.policy.scripted import ScriptedPolicy, playing
+from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers import fsdp, tango
 from agentrl.trainers.checkpoint import latest_checkpoint, load_model, save_checkpoint, save_model
 from agentrl.trainers.dpo import DPOConfig, preference_pairs, train_dpo

@@ -26,11 +26,12 @@ from pydantic import with_config
 from transformers import AutoModelForTokenClassification
 
 from agentrl.config import STRICT
-from agentrl.env import TextEnv
-from agentrl.policy import Policy
-from agentrl.rollout import RolloutConfig
+from agentrl.env.api import TextEnv
+from agentrl.policy.protocol import Policy
+from agentrl.rollout.engine import RolloutConfig
 from agentrl.trainers.advantages import gae, masked_whiten, turn_rewards_to_tokens
-from agentrl.trainers.batch import Batch, make_batch, token_logprobs
+from agentrl.trainers.batch import Batch, make_batch
+from agentrl.policy.logprobs import token_logprobs
 from agentrl.trainers.checkpoint import latest_checkpoint, restore, resume
 from agentrl.trainers.fsdp import (data_parallel, full_optimizer_state, full_state_dict, gather_into,
                                    load_full_state_dict, shard)

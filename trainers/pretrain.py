@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from pydantic import with_config
 
 from agentrl.config import STRICT
-from agentrl.trainers.batch import lm_head
+from agentrl.policy.logprobs import lm_head
 
 
 @with_config(STRICT)

@@ -13,7 +13,8 @@ from pydantic import with_config
 
 from agentrl.config import STRICT
 from agentrl.types import Status, Trajectory
-from agentrl.trainers.batch import make_batch, token_logprobs
+from agentrl.trainers.batch import make_batch
+from agentrl.policy.logprobs import token_logprobs
 
 
 @with_config(STRICT)

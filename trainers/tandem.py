@@ -33,9 +33,10 @@ import torch
 from pydantic import with_config
 
 from agentrl.config import STRICT
-from agentrl.policy import Policy, Sample, SamplingParams
+from agentrl.policy.protocol import Policy, Sample, SamplingParams
 from agentrl.types import Trajectory
-from agentrl.trainers.batch import make_batch, token_logprobs
+from agentrl.trainers.batch import make_batch
+from agentrl.policy.logprobs import token_logprobs
 
 Unit = Literal["token", "word", "sentence"]
 SENTENCE_END = frozenset(".!?\n")

@@ -38,11 +38,11 @@ import torch
 from pydantic import with_config
 
 from agentrl.config import STRICT
-from agentrl.env import TextEnv
-from agentrl.policy import Policy
+from agentrl.env.api import TextEnv
+from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
-from agentrl.rollout import RolloutConfig, RolloutEngine
-from agentrl.scripted_policy import ScriptedPolicy, playing
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.policy.scripted import ScriptedPolicy, playing
 from agentrl.types import Group, Message, Task, Trajectory
 from agentrl.trainers.checkpoint import latest_checkpoint, load_model, save_checkpoint
 from agentrl.trainers.grpo import GRPOConfig, TaskStream, collect_step, step_seed, to_batch, update

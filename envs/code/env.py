@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from agentrl.env import Score, ToolEnv
+from agentrl.env.api import Score, ToolEnv
 from agentrl.envs.code import tasks as code_tasks
 from agentrl.envs.code.harness import run_tests
 from agentrl.tools import PARSERS, ParsedAction, ToolSet, tool

@@ -14,7 +14,7 @@ import random
 import re
 from typing import Sequence
 
-from agentrl.env import Score, ToolEnv
+from agentrl.env.api import Score, ToolEnv
 from agentrl.envs.math.arithmetic import ExpressionError, evaluate, format_number
 from agentrl.envs.math.tasks import make_tasks
 from agentrl.tools import PARSERS, ParsedAction, ToolSet, tool

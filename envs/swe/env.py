@@ -23,7 +23,7 @@ import shlex
 from pathlib import Path
 from typing import Sequence
 
-from agentrl.env import Score, ToolEnv
+from agentrl.env.api import Score, ToolEnv
 from agentrl.envs.swe.generate import CACHE, INSTANCES
 from agentrl.envs.swe.repos import REPOS, fetch, upload
 from agentrl.envs.swe.instances import load, parse_pytest_summary

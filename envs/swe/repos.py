@@ -18,13 +18,14 @@ import sys
 import tarfile
 import tempfile
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from agentrl.tools.sandbox import SandboxError
 from agentrl.tools.sandbox.docker_runtime import build_image
 
-DOCKERFILE = Path(__file__).resolve().parents[2] / "containers" / "swe" / "Dockerfile"
+DOCKERFILE = resources.files("agentrl.containers") / "swe" / "Dockerfile"
 TEST_WHEELS = ("pytest==9.2.0", "pluggy==1.7.0", "iniconfig==2.3.1", "packaging==26.4", "pygments==2.21.0")
 
 
@@ -82,7 +83,7 @@ def image(spec: RepoSpec, cache: Path, docker_client: Any) -> str:
     if docker_client.images.list(name=tag):
         return tag
     with tempfile.TemporaryDirectory() as context:
-        shutil.copy(DOCKERFILE, Path(context) / "Dockerfile")
+        (Path(context) / "Dockerfile").write_bytes(DOCKERFILE.read_bytes())
         shutil.copytree(wheels, Path(context) / "wheels")
         docker_client.images.build(path=context, tag=tag, buildargs={"SANDBOX_IMAGE": sandbox_image}, rm=True,
                                    network_mode="none")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 from urllib.parse import urlsplit
 
-from agentrl.env import ToolEnv
+from agentrl.env.api import ToolEnv
 from agentrl.tools import PARSERS, ToolSet, tool
 from agentrl.tools.browser import ActionError, PageState, Session, shared_browser
 from agentrl.types import Message, Task, ToolCall

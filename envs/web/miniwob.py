@@ -20,7 +20,7 @@ from functools import cache
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-from agentrl.env import Score
+from agentrl.env.api import Score
 from agentrl.envs.web.env import WebEnv, find_one
 from agentrl.tools import ParsedAction
 from agentrl.tools.browser import PageState

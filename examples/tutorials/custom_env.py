@@ -16,7 +16,7 @@ from pathlib import Path
 # --8<-- [start:env]
 import agentrl
 from agentrl import Message, Task, ToolCall, ToolEnv
-from agentrl.env import Score
+from agentrl.env.api import Score
 from agentrl.tools import HermesParser, ToolSet, tool
 
 ITEMS, SHELVES = ["bolts", "nuts", "gears"], ["A", "B", "C"]
@@ -95,10 +95,11 @@ def main() -> None:
         print(f"model: {action}\n  env: {obs[0].content if obs else '(episode over)'} (reward {reward})")
 
     # 3. Episodes of the (untrained) tiny model through the rollout engine: token ids and loss masks.
-    from agentrl.hf_policy import HFPolicy
+    from agentrl.policy.hf import HFPolicy
     from agentrl.renderer import Renderer
-    from agentrl.rollout import RolloutConfig, RolloutEngine
-    from agentrl.tiny_model import build_tiny_model, load_tokenizer
+    from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+    from agentrl.models.tiny import build_tiny_model
+    from agentrl.models.tokenizer import load_tokenizer
 
     model_dir = build_tiny_model(args.model, quiet=True)
     engine = RolloutEngine(lambda: agentrl.make("tutorial/warehouse-v0"), HFPolicy.load(str(model_dir)),

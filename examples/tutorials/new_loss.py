@@ -72,7 +72,7 @@ def main() -> None:
     # Train with it: the same job a recipe describes, built in Python. GRPO on the math env from the tiny
     # model (no warm start, so do not expect it to learn in a few steps: the point is the plumbing).
     from agentrl.config import load_config
-    from agentrl.tiny_model import build_tiny_model
+    from agentrl.models.tiny import build_tiny_model
     from agentrl.trainers.pipeline import TrainJob, run
 
     model = build_tiny_model(args.model, quiet=True)

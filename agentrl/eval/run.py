@@ -1,0 +1,159 @@
+"""Evaluation: a policy on a task split (`evaluate`), or on a whole suite into a run directory (`run_suite`).
+
+A success is an episode whose `outcome` reward component is 1 (or, for envs without one, whose reward
+reaches the env's maximum). Errors are counted, never scored as failures.
+
+`run_suite` writes RUN_DIR/run.json (what was asked), trajectories.jsonl (one line per episode, appended as
+each finishes) and results.json (`eval_metrics.summarize_run`). It is resumable: run again with the same
+arguments and only the missing (entry, task, sample) episodes run. Every episode's seeds come from
+(seed, entry, task, sample) alone, so a resumed run samples exactly what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from agentrl.env.api import TextEnv
+from agentrl.eval.metrics import summarize_run
+from agentrl.policy.protocol import Policy
+from agentrl.env.registry import make
+from agentrl.renderer import Renderer
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.eval.metrics import is_success, summarize
+from agentrl.env.suites import Suite, SuiteEntry
+from agentrl.types import Task, Trajectory
+
+
+def evaluate(policy: Policy, renderer: Renderer, make_env: Callable[[], TextEnv], tasks: Sequence[Task],
+             config: RolloutConfig) -> tuple[dict[str, Any], list[Trajectory]]:
+    """One episode per task (`config.group_size` is ignored); returns (metrics, trajectories), each marked with
+    its `success` in `info` (for paired comparisons, e.g. `agentrl compare`)."""
+    engine = RolloutEngine(make_env, policy, renderer, replace(config, group_size=1))
+    try:
+        trajectories = [g.trajectories[0] for g in asyncio.run(engine.run(tasks))]
+    finally:
+        engine.close()
+    max_reward = make_env().max_reward
+    trajectories = [replace(t, info={**t.info, "success": is_success(t, max_reward)}) for t in trajectories]
+    return summarize(trajectories, max_reward=max_reward), trajectories
+
+
+class EvalRunMismatch(ValueError):
+    """RUN_DIR holds an eval of another suite, model or settings: resuming into it would mix results."""
+
+
+@dataclass(frozen=True)
+class _Episode:
+    entry: SuiteEntry
+    task: Task
+    sample: int
+    env_seed: int
+    sample_seed: int
+
+
+def run_suite(suite: Suite, policy: Policy, renderer: Renderer, out_dir: str | Path, model: str | Path,
+              ks: Sequence[int] = (1,), n_tasks: int | None = None, config: RolloutConfig = RolloutConfig(),
+              on_episode: Callable[[Trajectory], None] | None = None) -> dict[str, Any]:
+    """Evaluates `policy` on every entry of `suite` with max(ks) samples per task; returns results.json."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    n_samples = max(ks)
+    entries = [replace(e, n_tasks=min(e.n_tasks, n_tasks or e.n_tasks)) for e in suite.entries]
+    run = {"suite": suite.name, "version": suite.version, "model": str(model), "k": sorted(set(ks)), "n": n_samples,
+           "seed": config.seed, "sampling": asdict(config.sampling),
+           "entries": [{"name": e.name, "env": e.env, "split": e.split, "n_tasks": e.n_tasks,
+                        "env_kwargs": e.env_kwargs} for e in entries]}
+    run = json.loads(json.dumps(run))  # as it reads back from run.json (tuples become lists)
+    run_path, log_path = out / "run.json", out / "trajectories.jsonl"
+    previous = json.loads(run_path.read_text()) if run_path.exists() else None
+    if previous is not None:
+        asked = {k: v for k, v in previous.items() if k in run}
+        if asked != run:
+            changed = sorted(k for k in run if asked.get(k) != run[k])
+            raise EvalRunMismatch(f"{out} holds an eval with other {', '.join(changed)}; "
+                                  f"use a new output directory (or delete this one) to start over.")
+        run = previous
+    run.update(started=run.get("started") or time.strftime("%Y-%m-%dT%H:%M:%S"), finished=None)
+    run_path.write_text(json.dumps(run, indent=2))
+
+    done = _read_finished(log_path)
+    envs = {e.name: make(e.env, split=e.split, **e.env_kwargs) for e in entries}
+    todo = [ep for ep in _episodes(entries, envs, n_samples, config.seed)
+            if (ep.entry.name, ep.task.id, ep.sample) not in done]
+    start = time.perf_counter()
+    with open(log_path, "a") as log:
+        def finished(ep: _Episode, t: Trajectory) -> None:
+            env = envs[ep.entry.name]
+            t = replace(t, info={**t.info, "entry": ep.entry.name, "env": ep.entry.env, "split": ep.entry.split,
+                                 "sample": ep.sample, "success": is_success(t, env.max_reward),
+                                 "difficulty": env.difficulty(ep.task)})
+            log.write(json.dumps(t.to_dict(), ensure_ascii=False) + "\n")
+            log.flush()
+            done[(ep.entry.name, ep.task.id, ep.sample)] = t
+            if on_episode:
+                on_episode(t)
+
+        asyncio.run(_run_episodes(todo, entries, policy, renderer, config, finished))
+    trajectories = [done[k] for k in sorted(done)]
+    results = summarize_run(trajectories, run["k"])
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    run.update(finished=time.strftime("%Y-%m-%dT%H:%M:%S"),
+               seconds=round((run.get("seconds") or 0.0) + time.perf_counter() - start, 2))
+    run_path.write_text(json.dumps(run, indent=2))
+    return results
+
+
+def _episodes(entries: Sequence[SuiteEntry], envs: dict[str, TextEnv], n_samples: int,
+              seed: int) -> list[_Episode]:
+    episodes = []
+    for e_index, entry in enumerate(entries):
+        tasks = list(envs[entry.name].tasks)[:entry.n_tasks]
+        for t_index, task in enumerate(tasks):
+            env_seed = (seed * 1_000 + e_index) * 1_000_003 + t_index
+            episodes += [_Episode(entry, task, k, env_seed, env_seed * n_samples + k) for k in range(n_samples)]
+    return episodes
+
+
+async def _run_episodes(todo: Sequence[_Episode], entries: Sequence[SuiteEntry], policy: Policy,
+                        renderer: Renderer, config: RolloutConfig,
+                        finished: Callable[[_Episode, Trajectory], None]) -> None:
+    engines = {e.name: RolloutEngine(lambda e=e: make(e.env, split=e.split, **e.env_kwargs), policy, renderer,
+                                     config) for e in entries}
+    gate = asyncio.Semaphore(config.concurrency)
+
+    async def one(ep: _Episode) -> None:
+        async with gate:
+            t = await engines[ep.entry.name].run_episode(ep.task, ep.env_seed, ep.sample_seed, ep.sample)
+        finished(ep, t)
+
+    try:
+        await asyncio.gather(*(one(ep) for ep in todo))
+    finally:
+        for engine in engines.values():
+            engine.close()
+
+
+def _read_finished(path: Path) -> dict[tuple[str, str, int], Trajectory]:
+    """The episodes a previous (possibly killed) run finished. A last line cut short by the kill is
+    dropped from the file, so that appending continues on a clean line."""
+    if not path.exists():
+        return {}
+    lines = path.read_text().splitlines(keepends=True)
+    finished, kept = {}, []
+    for i, line in enumerate(lines):
+        try:
+            t = Trajectory.from_dict(json.loads(line))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}:{i + 1} is not a trajectory; the run directory is damaged") from None
+        finished[(t.info["entry"], t.task_id, t.info["sample"])] = t
+        kept.append(line if line.endswith("\n") else line + "\n")
+    if kept != lines:
+        path.write_text("".join(kept))
+    return finished

