@@ -6,6 +6,7 @@ errors that name the key, not silent no-ops. Validation is pydantic's; the confi
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
@@ -14,8 +15,9 @@ from pydantic import ConfigDict, TypeAdapter, ValidationError
 
 T = TypeVar("T")
 
-# Put on every config dataclass: `@with_config(STRICT)`. Extra keys are errors; numbers are not parsed from strings.
-STRICT = ConfigDict(extra="forbid", strict=False, arbitrary_types_allowed=False)
+# Put on every config dataclass: `@with_config(STRICT)`. Extra keys are errors; numbers are not parsed from strings
+# (`load_config` validates the recipe as JSON: strict mode there takes arrays for tuples and tables for dataclasses).
+STRICT = ConfigDict(extra="forbid", strict=True, arbitrary_types_allowed=False)
 
 
 class ConfigError(ValueError):
@@ -37,7 +39,7 @@ def load_config(cls: type[T], source: str | Path | dict[str, Any] | None = None,
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
     data = merge(data, overrides or {})
     try:
-        return TypeAdapter(cls).validate_python(data)
+        return TypeAdapter(cls).validate_json(json.dumps(data, default=_plain))
     except ValidationError as e:
         problems = "\n".join(f"  {'.'.join(map(str, err['loc'])) or '(top)'}: {err['msg']}" for err in e.errors())
         raise ConfigError(f"{where} is not a valid {cls.__name__}:\n{problems}") from None
@@ -59,3 +61,10 @@ def merge(base: dict[str, Any] | list, overrides: dict[str, Any]) -> dict[str, A
 
 def _merged(base: Any, value: Any) -> Any:
     return merge(base, value) if isinstance(value, dict) and isinstance(base, (dict, list)) else value
+
+
+def _plain(value: Any) -> Any:
+    """What a recipe would hold in place of a Python value given in a dict: a path as its string."""
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"a config value must be what TOML can hold, got {type(value).__name__}: {value!r}")

@@ -31,7 +31,7 @@ from agentrl.rollout.engine import RolloutConfig, RolloutEngine  # noqa: E402
 from agentrl.cli.serve import serve_app  # noqa: E402
 from agentrl.models.tokenizer import load_tokenizer  # noqa: E402
 from agentrl.types import Status  # noqa: E402
-from agentrl import vllm_policy  # noqa: E402
+from agentrl.policy import vllm_client  # noqa: E402
 from agentrl.policy.vllm_client import VLLMPolicy  # noqa: E402
 from agentrl.policy.vllm_server import ServerConfig, VLLMServer, server_command  # noqa: E402
 
@@ -211,7 +211,7 @@ async def test_failed_parity_rolls_back(policy: VLLMPolicy, hf_model, prompts, m
             broken.lm_head.weight.mul_(1.5)
         broken.save_pretrained(path)
 
-    monkeypatch.setattr(vllm_policy, "save_checkpoint", save_other_weights)
+    monkeypatch.setattr(vllm_client, "save_checkpoint", save_other_weights)
     policy.parity = ParityCheck(prompts=prompts[:2])
     with pytest.raises(ParityError, match="disagree"):
         await policy.sync_weights(hf_model, version=3)
@@ -223,7 +223,7 @@ async def test_failed_parity_after_a_transfer_blocks_sampling(vllm_server: VLLMS
                                                              monkeypatch) -> None:
     """A broadcast keeps no copy of the old weights, so there is nothing to roll back to: the engine refuses
     to sample until a sync passes its parity check."""
-    from agentrl import weight_transfer
+    from agentrl.policy import weight_transfer
     from agentrl.policy.weights import export_state_dict
 
     def export_other_weights(model):  # a broken transfer: the engine gets other weights
