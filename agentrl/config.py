@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import ConfigDict, TypeAdapter, ValidationError
+from pydantic import BeforeValidator, ConfigDict, TypeAdapter, ValidationError
 
 T = TypeVar("T")
 
@@ -41,8 +41,16 @@ def load_config(cls: type[T], source: str | Path | dict[str, Any] | None = None,
     try:
         return TypeAdapter(cls).validate_json(json.dumps(data, default=_plain))
     except ValidationError as e:
-        problems = "\n".join(f"  {'.'.join(map(str, err['loc'])) or '(top)'}: {err['msg']}" for err in e.errors())
+        problems = "\n".join(f"  {'.'.join(map(str, err['loc'])) or '(top)'}: {err['msg']}{_given(err)}"
+                             for err in e.errors())
         raise ConfigError(f"{where} is not a valid {cls.__name__}:\n{problems}") from None
+
+
+def table_defaults(**defaults: Any) -> BeforeValidator:
+    """For a field's `Annotated` type: the recipe's table starts from `defaults` (merged key by key), the values
+    the field's default has, so that a table which leaves a key out gets what no table at all would give:
+    `rollout: Annotated[RolloutConfig, table_defaults(group_size=8)] = field(default_factory=...)`."""
+    return BeforeValidator(lambda table: merge(defaults, table) if isinstance(table, dict) else table)
 
 
 def merge(base: dict[str, Any] | list, overrides: dict[str, Any]) -> dict[str, Any] | list:
@@ -61,6 +69,12 @@ def merge(base: dict[str, Any] | list, overrides: dict[str, Any]) -> dict[str, A
 
 def _merged(base: Any, value: Any) -> Any:
     return merge(base, value) if isinstance(value, dict) and isinstance(base, (dict, list)) else value
+
+
+def _given(error: dict[str, Any]) -> str:
+    """`, got '20'` for a value of the wrong type (not for a missing key or a whole table)."""
+    value = error.get("input")
+    return "" if error["type"] == "missing" or isinstance(value, (dict, list)) else f", got {value!r}"
 
 
 def _plain(value: Any) -> Any:

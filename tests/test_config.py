@@ -51,3 +51,41 @@ def test_overrides_reach_list_elements_by_index_and_a_bad_index_names_the_range(
     assert job.eval.split == ["train", "unseen_compositions", "more_hops", "paraphrase"]
     with pytest.raises(ConfigError, match=r"\['2'\] would index a list of 2: use 0 to 1"):
         load_config(TrainJob, recipe, parse_sets(["sft.2.episodes=16"]))
+
+
+TRAIN = {"env": "math/arith-v0", "model": "m"}
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"grpo": {"steps": "20"}}, r"grpo.steps: Input should be a valid integer, got '20'"),  # no number from a string
+    ({"grpo": {"lr": "1e-4"}}, r"grpo.lr: Input should be a valid number, got '1e-4'"),
+    ({"grpo": {"rollout": {"group_size": 4, "seed": 3}}}, r"grpo.rollout.seed is derived from grpo.seed"),
+    ({"ppo": {"rollout": {"seed": 3}}, "grpo": {}}, r"ppo.rollout.seed is derived from ppo.seed"),
+    ({"dpo": {"rollout": {"seed": 3}}}, r"dpo.rollout.seed is derived from dpo.seed"),
+    ({"grpo": {"rollout": {"sampling": {"seed": 1}}}}, r"sampling.seed: each turn's sampling seed is derived"),
+    ({"grpo": {"kl_kind": "k4"}}, r"kl_kind must be one of \('k1', 'k2', 'k3'\), got 'k4'"),
+])
+def test_train_job_refuses_strings_for_numbers_and_seeds_it_would_overwrite(section, message):
+    from agentrl.trainers.pipeline import TrainJob
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(TrainJob, {**TRAIN, **section})
+
+
+def test_a_table_that_leaves_a_key_out_gets_what_no_table_gives():
+    from agentrl.trainers.pipeline import TrainJob
+
+    bare, bare_dpo = load_config(TrainJob, TRAIN), load_config(TrainJob, {**TRAIN, "dpo": {}})
+    tables = load_config(TrainJob, {**TRAIN, "grpo": {"rollout": {"max_turns": 4}},
+                                    "eval": {"rollout": {"sampling": {"max_tokens": 32}}}})
+    dpo = load_config(TrainJob, {**TRAIN, "dpo": {"rollout": {"max_turns": 4}}})
+    assert bare.grpo.rollout.group_size == tables.grpo.rollout.group_size == 8
+    assert bare_dpo.dpo.rollout.group_size == dpo.dpo.rollout.group_size == 4
+    assert bare.eval.rollout.sampling.temperature == tables.eval.rollout.sampling.temperature == 0.0  # greedy
+    assert (tables.grpo.rollout.max_turns, tables.eval.rollout.sampling.max_tokens) == (4, 32)  # and the table's own
+
+
+def test_strict_types_still_take_toml_arrays_for_tuples_and_integers_for_floats():
+    sampling = {"stop": ["</answer>"], "top_p": 1}
+    job = load_config(RolloutJob, {"env": "e", "model": "m", "rollout": {"sampling": sampling}})
+    assert job.rollout.sampling.stop == ("</answer>",) and job.rollout.sampling.top_p == 1.0

@@ -5,6 +5,7 @@ commands are the ones the pages show."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -60,3 +61,15 @@ def test_tandem(tmp_path, tiny_model_dir) -> None:
 def test_code_agent(tmp_path, tiny_model_dir) -> None:
     run_tutorial("code_agent.sh", tmp_path, tiny_model_dir)
     assert (tmp_path / "out" / "summary.json").exists()
+
+
+def test_minimal_grpo_loop(tmp_path, tiny_model_dir) -> None:
+    """examples/minimal_grpo.py: each step trains every valid episode of its groups, on exactly the sampled tokens
+    (the script asserts that). The untrained tiny model earns no arithmetic reward, so the advantages, the loss
+    and the gradient are exactly 0: with no signal, no update."""
+    out = run_tutorial(str(ROOT / "examples" / "minimal_grpo.py"), tmp_path, tiny_model_dir, "--model",
+                       str(tiny_model_dir), "--steps", "2", "--tasks-per-step", "2", "--group-size", "4")
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["episodes"] == r["trained"] == 8 and r["sampled_tokens"] > 0 for r in rows)
+    assert all(r["reward"] == r["loss"] == r["grad_norm"] == 0.0 for r in rows)

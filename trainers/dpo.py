@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Annotated, Callable, Sequence
 
 import torch
 from pydantic import with_config
 
-from agentrl.config import STRICT
-from agentrl.rollout.engine import RolloutConfig
+from agentrl.config import STRICT, table_defaults
+from agentrl.rollout.engine import RolloutConfig, check_loop_rollout
 from agentrl.types import Group, Trajectory
 from agentrl.trainers.batch import make_batch
 from agentrl.policy.logprobs import token_logprobs
@@ -29,7 +29,8 @@ from agentrl.trainers.rewards import RewardConfig, group_rewards
 @dataclass(frozen=True)
 class DPOConfig:
     tasks: int = 256  # training tasks to sample pairs from
-    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(group_size=4))  # group_size: samples per task
+    rollout: Annotated[RolloutConfig, table_defaults(group_size=4)] = field(  # group_size: samples per task
+        default_factory=lambda: RolloutConfig(group_size=4))
     reward: RewardConfig = field(default_factory=RewardConfig)  # what ranks a group's episodes
     beta: float = 0.1
     label_smoothing: float = 0.0
@@ -43,6 +44,7 @@ class DPOConfig:
     def __post_init__(self) -> None:
         if self.beta <= 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
+        check_loop_rollout("dpo", self.rollout)
         if self.rollout.group_size < 2:
             raise ValueError("dpo.rollout.group_size must be >= 2: pairs come from samples of one task")
         if self.min_margin < 0:

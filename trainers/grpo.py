@@ -16,23 +16,23 @@ import random
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
 import torch
 from pydantic import with_config
 from transformers import AutoModelForCausalLM
 
-from agentrl.config import STRICT
+from agentrl.config import STRICT, table_defaults
 from agentrl.env.api import TextEnv
 from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
-from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine, check_loop_rollout
 from agentrl.trainers.advantages import ADVANTAGES
 from agentrl.trainers.batch import Batch, make_batch
 from agentrl.policy.logprobs import token_logprobs
 from agentrl.trainers.checkpoint import latest_checkpoint, resume, save_checkpoint
 from agentrl.trainers.fsdp import broadcast, data_parallel, full_optimizer_state, gather_into
-from agentrl.trainers.losses import POLICY_LOSSES, PolicyLossConfig, kl_loss, masked_mean, micro_batch_weight
+from agentrl.trainers.losses import KL_KINDS, POLICY_LOSSES, PolicyLossConfig, kl_loss, masked_mean, micro_batch_weight
 from agentrl.trainers.metrics import MetricsLogger, rollout_metrics
 from agentrl.trainers.rewards import RewardConfig, group_rewards, majority_vote_metrics
 from agentrl.types import Group, Task
@@ -43,7 +43,8 @@ from agentrl.types import Group, Task
 class GRPOConfig:
     steps: int = 20
     tasks_per_step: int = 8
-    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(group_size=8))
+    rollout: Annotated[RolloutConfig, table_defaults(group_size=8)] = field(
+        default_factory=lambda: RolloutConfig(group_size=8))
     advantage: str = "grpo"  # a key of agentrl.trainers.advantages.ADVANTAGES
     reward: RewardConfig = field(default_factory=RewardConfig)  # the training reward: env's, or a mix of sources
     loss: str = "ppo"  # a key of agentrl.trainers.losses.POLICY_LOSSES
@@ -65,9 +66,11 @@ class GRPOConfig:
             raise ValueError(f"advantage must be one of {sorted(ADVANTAGES)}, got {self.advantage!r}")
         if self.loss not in POLICY_LOSSES:
             raise ValueError(f"loss must be one of {sorted(POLICY_LOSSES)}, got {self.loss!r}")
+        if self.kl_kind not in KL_KINDS:
+            raise ValueError(f"kl_kind must be one of {KL_KINDS}, got {self.kl_kind!r}")
         if self.rollout.group_size < 2:
-            raise ValueError("GRPO needs rollout.group_size >= 2 to compare samples of one task (a [grpo.rollout] "
-                             "table without group_size gets the rollout default, 1: set it, e.g. 8)")
+            raise ValueError("GRPO needs rollout.group_size >= 2 to compare samples of one task")
+        check_loop_rollout("grpo", self.rollout)
         if self.micro_batch_size is not None and not 1 <= self.micro_batch_size <= self.minibatch_size:
             raise ValueError(f"micro_batch_size must be in [1, minibatch_size], got {self.micro_batch_size}")
 

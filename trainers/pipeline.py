@@ -19,13 +19,13 @@ import random
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
 
 import torch
 from pydantic import with_config
 from transformers import AutoModelForCausalLM
 
-from agentrl.config import STRICT
+from agentrl.config import STRICT, table_defaults
 from agentrl.policy.backends import EngineConfig, open_policy
 from agentrl.eval.run import evaluate
 from agentrl.policy.hf import HFPolicy
@@ -67,7 +67,8 @@ class EvalConfig:
     split: str | list[str] = "heldout"  # one split, or several held-out suites (each reported, then averaged)
     n: int = 200  # tasks per split, one episode each
     every: int = 0  # also evaluate every this many GRPO steps, logged with the training metrics (0: never)
-    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(sampling=SamplingParams(temperature=0.0)))
+    rollout: Annotated[RolloutConfig, table_defaults(sampling={"temperature": 0.0})] = field(  # greedy
+        default_factory=lambda: RolloutConfig(sampling=SamplingParams(temperature=0.0)))
 
 
 @with_config(STRICT)

@@ -28,7 +28,7 @@ from transformers import AutoModelForTokenClassification
 from agentrl.config import STRICT
 from agentrl.env.api import TextEnv
 from agentrl.policy.protocol import Policy
-from agentrl.rollout.engine import RolloutConfig
+from agentrl.rollout.engine import RolloutConfig, check_loop_rollout
 from agentrl.trainers.advantages import gae, masked_whiten, turn_rewards_to_tokens
 from agentrl.trainers.batch import Batch, make_batch
 from agentrl.policy.logprobs import token_logprobs
@@ -76,6 +76,7 @@ class PPOConfig:
             raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")
         if self.micro_batch_size is not None and not 1 <= self.micro_batch_size <= self.minibatch_size:
             raise ValueError(f"micro_batch_size must be in [1, minibatch_size], got {self.micro_batch_size}")
+        check_loop_rollout("ppo", self.rollout)
         if self.dynamic_sampling:
             raise ValueError("dynamic_sampling is a GRPO option: PPO's critic, not the group, is the baseline")
 

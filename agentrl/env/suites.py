@@ -84,7 +84,8 @@ def get_suite(name_or_path: str) -> Suite:
         return load_suite(name_or_path)
     known = suites()
     if name_or_path not in known:
-        raise KeyError(f"No suite {name_or_path!r}.{did_you_mean(name_or_path, known)} Registered: {', '.join(known)}; or pass a .toml file.")
+        raise KeyError(f"No suite {name_or_path!r}.{did_you_mean(name_or_path, known)} Registered: "
+                       f"{', '.join(known)}; or pass a .toml file.")
     return known[name_or_path]
 
 

@@ -5,7 +5,7 @@ init DIR`). The tokenizer is trained on a small corpus that the project generate
 the weights are random. Both `transformers` and vLLM load the result from DIR. Building is deterministic:
 the same settings give byte-identical files, and a complete build with the same settings is not redone.
 
-Two choices that vLLM on CPU forces (see MACHINE.md): head_dim 64 (CPU attention refuses 16) and untied
+Two choices that vLLM on CPU forces (docs/vllm.md): head_dim 64 (CPU attention refuses 16) and untied
 embeddings (with tied ones, vLLM's in-place weight reload silently leaves a mixed model).
 """
 
@@ -235,7 +235,7 @@ def build_model(settings: TinyModelSettings, tokenizer):
         num_attention_heads=settings.num_heads,
         num_key_value_heads=settings.num_kv_heads,
         max_position_embeddings=settings.max_position_embeddings,
-        tie_word_embeddings=False,  # vLLM's weight reload breaks with tied embeddings (MACHINE.md)
+        tie_word_embeddings=False,  # vLLM's weight reload breaks with tied embeddings (docs/vllm.md)
         bos_token_id=None,
         eos_token_id=eos_id,
         pad_token_id=pad_id,

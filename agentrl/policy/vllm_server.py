@@ -2,7 +2,7 @@
 
 The server runs `python -m vllm.entrypoints.openai.api_server` from this Python, in its own process
 group (so that stopping it also stops its engine-core child), with its output streamed to a log file.
-The flags are the ones the rest of the package relies on (MACHINE.md has the checked CPU recipe):
+The flags are the ones the rest of the package relies on (docs/vllm.md has the checked CPU facts):
 
 - `--logprobs-mode raw_logprobs`: returned logprobs are the model's temperature-1 log-softmax, before
   temperature / top-p / top-k, which is what the trainer's forward pass computes;

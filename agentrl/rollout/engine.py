@@ -41,11 +41,22 @@ class RolloutConfig:
         for name in ("group_size", "concurrency", "max_turns", "env_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sampling.seed is not None:
+            raise ValueError("sampling.seed: each turn's sampling seed is derived from the rollout's seed (per task, "
+                             "sample and turn); set that seed instead")
         if self.sampling.n != 1:
             raise ValueError("sampling.n must be 1 in a rollout: use group_size for several samples per task")
         if self.sampling.max_tokens >= self.max_total_tokens:
             raise ValueError(f"sampling.max_tokens ({self.sampling.max_tokens}) must be below max_total_tokens "
                              f"({self.max_total_tokens}), which also holds the prompt")
+
+
+def check_loop_rollout(section: str, rollout: RolloutConfig) -> None:
+    """A training loop derives each collection's rollout seed from `section.seed` (distinct per step, the same on a
+    resumed run): a seed set in `[section.rollout]` would be replaced, so it is an error."""
+    if rollout.seed != 0:
+        raise ValueError(f"{section}.rollout.seed is derived from {section}.seed (per step, the same on a resumed "
+                         f"run): set {section}.seed instead")
 
 
 _plays = itertools.count()  # makes every play's episode key unique, replays included
@@ -139,7 +150,7 @@ class RolloutEngine:
             budget = cfg.max_total_tokens - len(ep.ids)
             if budget <= 0:
                 return Status.TRUNCATED, f"max_total_tokens={cfg.max_total_tokens}", prompt_len
-            sampling = replace(cfg.sampling, n=1, max_tokens=min(cfg.sampling.max_tokens, budget),
+            sampling = replace(cfg.sampling, max_tokens=min(cfg.sampling.max_tokens, budget),
                                seed=sample_seed * 1_000_003 + turn, stop_token_ids=stop_ids)
             sample = (await self.policy.generate(ep.ids, sampling))[0]
             start = len(ep.ids)
