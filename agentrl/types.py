@@ -22,6 +22,34 @@ class Status(str, enum.Enum):
     ERROR = "error"  # an exception in a tool, the env or the policy; reason holds it
 
 
+class StopReason(str, enum.Enum):
+    """Why an episode stopped, kept on the `Trajectory` beside its status and its free-text reason."""
+
+    TERMINATED = "terminated"
+    """The env ended the episode: the task is over, solved or not. Status ok."""
+    ENV_TRUNCATED = "env_truncated"
+    """The env cut the episode short (its own turn, step or invalid-action limit). Status truncated."""
+    MAX_TURNS = "max_turns"
+    """The rollout's `max_turns` ran out before the env ended the episode. Status truncated."""
+    MAX_TOKENS = "max_tokens"
+    """A turn's sample reached `sampling.max_tokens` before the turn ended. Status truncated."""
+    MAX_TOTAL_TOKENS = "max_total_tokens"
+    """The episode's `max_total_tokens` (prompt included) ran out, between turns or mid-turn. Status truncated."""
+    ENV_ERROR = "env_error"
+    """The env or one of its tools raised, or a reset / step took longer than `step_timeout`. Status error."""
+    POLICY_ERROR = "policy_error"
+    """The policy's `generate` raised: a crashed or unreachable server, a prompt it refuses. Status error."""
+    RENDER_ERROR = "render_error"
+    """The chat template cannot express the conversation (`RendererError`). Status error."""
+
+    @property
+    def status(self) -> Status:
+        """The trajectory status this stop gives: ok, truncated or error."""
+        if self is StopReason.TERMINATED:
+            return Status.OK
+        return Status.ERROR if self.value.endswith("_error") else Status.TRUNCATED
+
+
 @dataclass(frozen=True)
 class Task:
     """One problem instance. `data` is env-specific (question, gold answer, supporting facts...)."""
@@ -105,6 +133,7 @@ class Trajectory:
     seed: int | None = None
     weight_version: int = 0  # the policy weights that sampled it (bumped by each weight sync)
     info: dict[str, Any] = field(default_factory=dict)
+    stop: StopReason | None = None  # why it stopped (None in files written before stop reasons existed)
 
     def __post_init__(self) -> None:
         T = len(self.token_ids)
@@ -121,6 +150,7 @@ class Trajectory:
         """A JSON-ready dict (one line of a rollout JSONL): the fields, status as its value, messages as `to_dict`s."""
         d = asdict(self)
         d["status"] = self.status.value
+        d["stop"] = self.stop.value if self.stop else None
         d["messages"] = [m.to_dict() for m in self.messages]
         return d
 
@@ -132,6 +162,7 @@ class Trajectory:
             d[key] = tuple(d[key])
         d["turns"] = tuple(Turn(**t) for t in d["turns"])
         d["status"] = Status(d["status"])
+        d["stop"] = StopReason(d["stop"]) if d.get("stop") else None
         d["messages"] = tuple(Message.from_dict(m) for m in d["messages"])
         return cls(**d)
 

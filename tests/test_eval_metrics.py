@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -13,8 +14,10 @@ from agentrl.eval.metrics import (
     EpisodeInfo,
     diff_interval,
     maj_at_k,
+    majority_vote,
     mcnemar_p,
     mean_interval,
+    normalize_answer,
     paired_change,
     pass_at_k,
     summarize_run,
@@ -60,10 +63,24 @@ def test_maj_at_k_majority_and_normalization():
     assert maj_at_k(answers, correct, 5) == 0.0  # "lyon" 3 votes vs 2
 
 
-def test_maj_at_k_ties_go_to_first_occurrence():
+def test_answers_are_compared_by_value_and_spacing():
+    assert normalize_answer(" 12 ") == normalize_answer("12.0") == normalize_answer("24/2") == "12"
+    assert normalize_answer("Paris.") == normalize_answer("  paris ") == "paris"
+    assert normalize_answer(None) is None
+
+
+def test_majority_vote_ties_are_broken_the_same_whatever_the_order():
+    answers = ["8", "7", None, "7.0", " 8", None, None]  # 7 and 8 tie with two votes; None never votes
+    for order in itertools.permutations(answers):
+        assert majority_vote(list(order)) == "7"  # the smaller in string order
+    assert majority_vote([None, None]) is None
+    assert majority_vote(["b", "a", "b"]) == "b"
+
+
+def test_maj_at_k_ties_go_to_the_smaller_answer_whatever_the_order():  # the rule of training's TTRL label too
     assert maj_at_k(["7", "8"], [False, True], 2) == 0.0
-    assert maj_at_k(["8", "7"], [True, False], 2) == 1.0
-    assert maj_at_k(["7", "8", "8", "7"], [False, True, True, False], 4) == 0.0  # 2-2: "7" came first
+    assert maj_at_k(["8", "7"], [True, False], 2) == 0.0
+    assert maj_at_k(["8", "7.0", "8", "7"], [True, False, True, False], 4) == 0.0  # 2-2: "7" < "8"
 
 
 def test_maj_at_k_none_does_not_vote():
@@ -74,7 +91,7 @@ def test_maj_at_k_none_does_not_vote():
 
 def test_maj_at_k_custom_normalizer_and_errors():
     assert maj_at_k(["1.0", "1", "2"], [True, True, False], 3, normalize=lambda a: str(float(a))) == 1.0
-    assert maj_at_k(["1.0", "2", "1"], [True, False, True], 3, normalize=str) == 1.0  # tie: "1.0" first
+    assert maj_at_k(["1.0", "2", "1"], [False, False, True], 3, normalize=str) == 1.0  # tie: "1" < "1.0" < "2"
     with pytest.raises(ValueError):
         maj_at_k(["a"], [True], 2)
     with pytest.raises(ValueError):
@@ -192,9 +209,9 @@ def test_summarize_run_entry_by_hand():
     # pass@3 = (1 + (1 - C(3,3)/C(4,3)))/2; pass@4: only t2 has 4 valid samples -> 1 - C(3,4)/C(4,4) = 1
     assert e["pass_at_k"] == {"1": {"value": approx(11 / 24), "tasks": 2}, "2": {"value": approx(0.75), "tasks": 2},
                               "3": {"value": approx(0.875), "tasks": 2}, "4": {"value": 1.0, "tasks": 1}}
-    # maj over valid samples in sample order. t1: [Paris], [Paris, Lyon] (tie -> Paris), [Paris, Lyon, paris]
-    # -> correct; t2: [7], [7, None], [7, None, 8], [7, None, 8, 9] -> "7", wrong
-    assert e["maj_at_k"] == {"1": {"value": 0.5, "tasks": 2}, "2": {"value": 0.5, "tasks": 2},
+    # maj over valid samples in sample order. t1: [Paris] -> correct, [Paris, Lyon] (tie -> "lyon" < "paris")
+    # -> wrong, [Paris, Lyon, paris] -> correct; t2: [7], [7, None], [7, None, 8], [7, None, 8, 9] -> "7", wrong
+    assert e["maj_at_k"] == {"1": {"value": 0.5, "tasks": 2}, "2": {"value": 0.0, "tasks": 2},
                              "3": {"value": 0.5, "tasks": 2}, "4": {"value": 0.0, "tasks": 1}}
     assert e["mean_turns"] == approx(12 / 7)  # valid turns 2,1,2 | 1,3,1,2
     assert e["mean_tool_calls"] == approx(5 / 7)

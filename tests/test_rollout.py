@@ -11,12 +11,12 @@ from transformers import AutoTokenizer
 
 from agentrl.envs.math import ArithmeticEnv
 from agentrl.policy.protocol import PolicyError, Sample, SamplingParams
-from agentrl.renderer import Renderer
+from agentrl.renderer import Renderer, RendererError
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.rollout.jsonl import read_jsonl, write_jsonl
 from agentrl.eval.metrics import summarize
 from agentrl.tools import tool
-from agentrl.types import Status, ToolCall
+from agentrl.types import Status, StopReason, ToolCall
 
 
 @tool(timeout=5.0)
@@ -90,6 +90,7 @@ def test_gold_policy_gives_exact_trajectories(renderer):
     for group in groups:
         for t in group.trajectories:
             assert t.status is Status.OK and t.reward == 1.0 and len(t.turns) == 2, t.reason
+            assert t.stop is StopReason.TERMINATED
             assert t.reward_components == {"outcome": 1.0, "process": 1.0}
             # prompt ids are the rendering of the first messages
             assert list(t.token_ids[:t.prompt_len]) == renderer.prompt_ids(t.messages[:2], env.tool_schemas)
@@ -123,12 +124,14 @@ def test_failing_and_hanging_tools_become_error_trajectories(renderer):
     for i, t in enumerate(trajectories):
         if i % 4 == 0:
             assert t.status is Status.ERROR and "ToolError" in t.reason and "backend unreachable" in t.reason
+            assert t.stop is StopReason.ENV_ERROR
         elif i % 4 == 1:
-            assert t.status is Status.ERROR and "ToolTimeout" in t.reason
+            assert t.status is Status.ERROR and "ToolTimeout" in t.reason and t.stop is StopReason.ENV_ERROR
         else:
             assert t.status is Status.OK and t.reward == 1.0
     summary = summarize(trajectories)
     assert summary["status"] == {"error": 32, "ok": 32} and summary["mean_reward"] == 1.0
+    assert summary["stops"] == {"env_error": 32, "terminated": 32}
 
 
 def test_limits_end_as_truncated_with_reasons(renderer):
@@ -138,18 +141,27 @@ def test_limits_end_as_truncated_with_reasons(renderer):
     one_turn = run(RolloutEngine(lambda: ArithmeticEnv(n_tasks=2), policy, renderer, RolloutConfig(max_turns=1)), tasks)
     t = one_turn[0].trajectories[0]
     assert t.status is Status.TRUNCATED and t.reason == "max_turns=1" and len(t.turns) == 1
+    assert t.stop is StopReason.MAX_TURNS
     assert t.token_ids[-1] == renderer.stop_token_ids[0]  # no dangling observation after the last turn
 
     env_limit = run(RolloutEngine(lambda: ArithmeticEnv(n_tasks=2, max_turns=1), policy, renderer), tasks)
     assert env_limit[0].trajectories[0].status is Status.TRUNCATED
     assert env_limit[0].trajectories[0].reason == "max_turns=1"
+    assert env_limit[0].trajectories[0].stop is StopReason.ENV_TRUNCATED  # the env's own limit, not the rollout's
 
     prompt_len = len(renderer.prompt_ids(env.first_messages(tasks[0]), env.tool_schemas))
     short = RolloutConfig(max_total_tokens=prompt_len + 5)
     cut = run(RolloutEngine(lambda: ArithmeticEnv(n_tasks=2), ScriptedPolicy(renderer, gold_scripts(env), "length"),
                             renderer, short), tasks[:1])[0].trajectories[0]
     assert cut.status is Status.TRUNCATED and cut.reason == "max_total_tokens reached mid-turn"
+    assert cut.stop is StopReason.MAX_TOTAL_TOKENS
     assert len(cut.token_ids) == prompt_len + 5 and cut.turns[0].finish_reason == "length"
+
+    per_turn = RolloutConfig(sampling=SamplingParams(max_tokens=3))
+    cut = run(RolloutEngine(lambda: ArithmeticEnv(n_tasks=2), ScriptedPolicy(renderer, gold_scripts(env), "length"),
+                            renderer, per_turn), tasks[:1])[0].trajectories[0]
+    assert (cut.status, cut.stop, cut.reason) == (Status.TRUNCATED, StopReason.MAX_TOKENS, "max_tokens reached mid-turn")
+    assert len(cut.token_ids) == prompt_len + 3
 
 
 class BrokenPolicy:
@@ -171,15 +183,35 @@ def test_policy_and_env_failures_are_data(renderer, tmp_path: Path):
     env = ArithmeticEnv(n_tasks=3)
     broken = run(RolloutEngine(lambda: ArithmeticEnv(n_tasks=3), BrokenPolicy(), renderer), list(env.tasks))
     assert all(g.trajectories[0].status is Status.ERROR and "PolicyError" in g.trajectories[0].reason for g in broken)
+    assert all(g.trajectories[0].stop is StopReason.POLICY_ERROR for g in broken)
     assert all(len(g.trajectories[0].token_ids) > 0 for g in broken)  # the prompt is kept for debugging
     assert all(g.trajectories[0].weight_version == 3 for g in broken)
     assert all(g.valid == () for g in broken)
 
     stuck = run(RolloutEngine(lambda: StuckEnv(n_tasks=3), ScriptedPolicy(renderer, gold_scripts(env)), renderer,
                               RolloutConfig(step_timeout=0.5)), list(env.tasks)[:1])
-    assert "EnvTimeout" in stuck[0].trajectories[0].reason
+    assert "EnvTimeout" in stuck[0].trajectories[0].reason and stuck[0].trajectories[0].stop is StopReason.ENV_ERROR
 
     path = tmp_path / "out.jsonl"
     trajectories = [t for g in broken + stuck for t in g.trajectories]
     write_jsonl(trajectories, path)
-    assert read_jsonl(path) == trajectories
+    assert read_jsonl(path) == trajectories  # stop reasons included
+
+
+def test_a_conversation_the_template_cannot_express_is_a_render_error(renderer, monkeypatch):
+    def cannot(*args, **kwargs):
+        raise RendererError("The chat template dropped a 'tool' message")
+
+    env = ArithmeticEnv(n_tasks=1)
+    monkeypatch.setattr(renderer, "observation_ids", cannot)  # fault injection: the template drops the tool reply
+    t = run(RolloutEngine(lambda: ArithmeticEnv(n_tasks=1), ScriptedPolicy(renderer, gold_scripts(env)), renderer),
+            list(env.tasks))[0].trajectories[0]
+    assert (t.status, t.stop) == (Status.ERROR, StopReason.RENDER_ERROR) and t.reason.startswith("RendererError: ")
+
+
+def test_each_stop_reason_gives_its_status():
+    ok = {StopReason.TERMINATED}
+    error = {StopReason.ENV_ERROR, StopReason.POLICY_ERROR, StopReason.RENDER_ERROR}
+    for stop in StopReason:
+        expected = Status.OK if stop in ok else Status.ERROR if stop in error else Status.TRUNCATED
+        assert stop.status is expected, stop

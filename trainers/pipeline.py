@@ -30,7 +30,7 @@ from agentrl.policy.backends import EngineConfig, open_policy
 from agentrl.eval.run import evaluate
 from agentrl.policy.hf import HFPolicy
 from agentrl.policy.protocol import Policy, SamplingParams
-from agentrl.rollout.ray_pool import RayConfig, ray_env_factory
+from agentrl.rollout.ray_pool import RayConfig, env_factory
 from agentrl.env.registry import make
 from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
@@ -134,7 +134,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     tokenizer = load_tokenizer(job.model)
     renderer = Renderer(tokenizer)
     env = make(job.env, **job.env_kwargs)
-    make_env = env_factory(job)
+    make_env = env_factory(job.env, job.env_kwargs, job.ray)
     tasks = list(env.tasks)[:job.train_tasks]
     dtype, in_process = getattr(torch, job.dtype), job.engine.kind == "transformers"
     policy = None  # rank 0 samples: in-process, or vLLM with every sync parity-checked on two task prompts
@@ -203,15 +203,6 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     return summary
 
 
-def env_factory(job: TrainJob, overrides: dict[str, Any] | None = None) -> Callable[..., Any]:
-    """`make_env(split="train")` for the job's env with its `env_kwargs` (and `overrides`); rollouts, and
-    everything else that makes envs, use Ray worker actors when the job has [ray]."""
-    kwargs = {**job.env_kwargs, **(overrides or {})}
-    if job.ray:
-        return ray_env_factory(job.env, kwargs, job.ray)
-    return lambda split="train": make(job.env, split=split, **kwargs)
-
-
 def check_shardable(job: TrainJob) -> None:
     """What a sharded (torchrun) job supports so far; the rest is a clear error, not a silent single process."""
     unsupported = [name for name in ("warmup", "sft", "lora", "tandem", "tango", "dpo") if getattr(job, name)]
@@ -266,7 +257,7 @@ def warm_start(job: TrainJob, model, tokenizer, policy, renderer, make_env, task
             + (f"; env {stage.env_kwargs})" if stage.env_kwargs else ")"))
         stage_env, pool = make_env, tasks
         if stage.env_kwargs:  # e.g. more worlds: the stage's own envs and training tasks
-            stage_env = env_factory(job, stage.env_kwargs)
+            stage_env = env_factory(job.env, {**job.env_kwargs, **stage.env_kwargs}, job.ray)
             pool = list(stage_env().tasks)
         picked = [pool[k % len(pool)] for k in range(stage.episodes)]
         demos = demonstrations(stage_env, picked, renderer, job.rl.rollout, stage.error_rate, job.rl.seed,

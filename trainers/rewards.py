@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
-from collections import Counter
 from dataclasses import dataclass, field
-from fractions import Fraction
 from typing import Callable, Sequence
 
 from pydantic import with_config
 
 from agentrl.config import STRICT
+from agentrl.eval.metrics import majority_vote, normalize_answer
 from agentrl.types import Group, Status, Trajectory
 
 
@@ -50,28 +48,6 @@ class RewardConfig:
             raise ValueError(f"length_norm must be >= 1, got {self.length_norm}")
 
 
-def normalize_answer(answer: str | None) -> str | None:
-    """The form answers are compared (and voted) in: case and spacing folded, numbers by value, so
-    " 12 ", "12.0" and "24/2" are one answer. None (no final answer) stays None and never votes."""
-    if answer is None:
-        return None
-    text = re.sub(r"\s+", " ", answer.strip().casefold()).rstrip(".")
-    try:
-        return str(Fraction(text.replace(" ", "")))
-    except (ValueError, ZeroDivisionError):
-        return text
-
-
-def majority_answer(answers: Sequence[str | None]) -> str | None:
-    """The most common normalized answer; ties go to the smallest in string order, so the label does not
-    depend on the order in which episodes finished. None when nobody answered."""
-    counts = Counter(a for a in map(normalize_answer, answers) if a is not None)
-    if not counts:
-        return None
-    top = max(counts.values())
-    return min(a for a, c in counts.items() if c == top)
-
-
 def _coin(seed: int, t: Trajectory, index: int) -> float:
     digest = hashlib.sha256(f"{seed}/{t.task_id}/{t.seed}/{index}".encode()).digest()
     return float(digest[0] & 1)
@@ -81,7 +57,7 @@ Source = Callable[[Sequence[Trajectory], RewardConfig], list[float]]  # a group'
 
 
 def _majority_vote(ts: Sequence[Trajectory], cfg: RewardConfig) -> list[float]:
-    label = majority_answer([t.info.get("answer") for t in ts])
+    label = majority_vote([t.info.get("answer") for t in ts])
     return [float(label is not None and normalize_answer(t.info.get("answer")) == label) for t in ts]
 
 
@@ -114,7 +90,7 @@ def majority_vote_metrics(groups: Sequence[Group]) -> dict[str, float]:
     correct, agreement, n = 0, 0.0, 0
     for g in groups:
         answers = [normalize_answer(t.info.get("answer")) for t in g.valid]
-        label = majority_answer([t.info.get("answer") for t in g.valid])
+        label = majority_vote([t.info.get("answer") for t in g.valid])
         if label is None:
             continue
         n += 1

@@ -156,8 +156,7 @@ def rollout(
     """Run episodes of an env with a model and write exact-token trajectories as JSONL."""
     from agentrl.config import ConfigError, load_config
     from agentrl.policy.backends import open_policy
-    from agentrl.rollout.ray_pool import ray_env_factory
-    from agentrl.env.registry import make
+    from agentrl.rollout.ray_pool import env_factory
     from agentrl.renderer import Renderer
     from agentrl.rollout.engine import RolloutEngine
     from agentrl.rollout.jsonl import JsonlWriter
@@ -179,12 +178,8 @@ def rollout(
     if len(tasks) < job.n:
         console.print(f"[yellow]{job.env} has only {len(tasks)} {job.split} tasks; running those.[/]")
     policy = open_policy(job.model, job.engine)
-    if job.ray:
-        remote = ray_env_factory(job.env, job.env_kwargs, job.ray)
-        make_env = lambda: remote(split=job.split)  # noqa: E731
-    else:
-        make_env = lambda: make(job.env, split=job.split, **job.env_kwargs)  # noqa: E731
-    runner = RolloutEngine(make_env, policy, Renderer(load_tokenizer(job.model)), job.rollout)
+    make_split = env_factory(job.env, job.env_kwargs, job.ray)
+    runner = RolloutEngine(lambda: make_split(job.split), policy, Renderer(load_tokenizer(job.model)), job.rollout)
     with Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as bar, JsonlWriter(job.out) as writer:
         progress = bar.add_task("episodes", total=len(tasks) * job.rollout.group_size)

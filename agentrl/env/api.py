@@ -140,7 +140,12 @@ class TextEnv(gym.Env[Observation, str]):
 
     @abc.abstractmethod
     def act(self, action: str) -> tuple[Sequence[Message], float, bool, dict[str, Any]]:
-        """One turn: (observation messages, reward, terminated, info)."""
+        """One turn: (observation messages, reward, terminated, info).
+
+        The rollout engine reads these `info` keys: `reward_components` (named parts of the reward), `tool_calls`
+        (how many ran), `answer` (the final answer), `reason` (why the episode ended), and `per_turn`, a dict
+        whose values it collects into the trajectory's `info` as (turn, value) pairs by key (the web envs'
+        `screenshots`)."""
 
     @abc.abstractmethod
     def gold_actions(self, task: Task) -> list[str]:

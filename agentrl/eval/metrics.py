@@ -10,9 +10,11 @@ reward, pass@k and maj@k denominator and counted separately, with its reason.
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter, defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 from agentrl.types import Status, Trajectory
@@ -37,33 +39,43 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - prod
 
 
-def normalize_answer(answer: str) -> str:
-    """The default maj@k normalizer: surrounding whitespace and case do not split votes."""
-    return answer.strip().casefold()
+def normalize_answer(answer: str | None) -> str | None:
+    """The form answers are compared (and voted) in: case and spacing folded, numbers by value, so
+    " 12 ", "12.0" and "24/2" are one answer. None (no final answer) stays None and never votes."""
+    if answer is None:
+        return None
+    text = re.sub(r"\s+", " ", answer.strip().casefold()).rstrip(".")
+    try:
+        return str(Fraction(text.replace(" ", "")))
+    except (ValueError, ZeroDivisionError):
+        return text
+
+
+def majority_vote(answers: Sequence[str | None], normalize: Callable[[str], str] = normalize_answer) -> str | None:
+    """The most common normalized answer; a tie goes to the smallest in string order, so the winner does not
+    depend on the order in which samples finished. None answers do not vote; None when nobody answered. The
+    one vote rule of training (TTRL's majority label) and evaluation (maj@k)."""
+    counts = Counter(normalize(a) for a in answers if a is not None)
+    if not counts:
+        return None
+    top = max(counts.values())
+    return min(a for a, c in counts.items() if c == top)
 
 
 def maj_at_k(answers: Sequence[str | None], correct: Sequence[bool], k: int,
              normalize: Callable[[str], str] = normalize_answer) -> float:
-    """Majority vote over the first k samples: 1.0 if the most common (normalized) answer was correct.
+    """Majority vote (`majority_vote`) over the first k samples: 1.0 if the winning answer was correct.
 
-    `None` answers (no final answer given) do not vote; a tie goes to the answer seen first; with no votes
-    at all the task is failed. The winning answer's correctness is that of its first sample."""
+    With no votes at all the task is failed. The winning answer's correctness is that of its first sample."""
     if len(answers) != len(correct):
         raise ValueError(f"answers and correct differ in length: {len(answers)} != {len(correct)}")
     if not 1 <= k <= len(answers):
         raise ValueError(f"need 1 <= k <= {len(answers)} (the number of samples), got k={k}")
-    votes: Counter[str] = Counter()
-    first: dict[str, int] = {}  # normalized answer -> index of its first sample
-    for i in range(k):
-        if answers[i] is not None:
-            key = normalize(answers[i])
-            votes[key] += 1
-            first.setdefault(key, i)
-    if not votes:
+    winner = majority_vote(answers[:k], normalize)
+    if winner is None:
         return 0.0
-    top = max(votes.values())
-    winner = min((key for key, v in votes.items() if v == top), key=first.__getitem__)
-    return 1.0 if correct[first[winner]] else 0.0
+    first = next(i for i in range(k) if answers[i] is not None and normalize(answers[i]) == winner)
+    return 1.0 if correct[first] else 0.0
 
 
 def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
@@ -279,6 +291,7 @@ def summarize(trajectories: Sequence[Trajectory], max_reward: float | None = Non
     out: dict[str, Any] = {
         "episodes": n,
         "status": dict(Counter(t.status.value for t in trajectories)),
+        "stops": dict(Counter(t.stop.value for t in trajectories if t.stop)),
         "mean_reward": sum(t.reward for t in valid) / n_valid if valid else float("nan"),
         "reward_components": {k: v / n_valid for k, v in components.items()},
         "mean_turns": sum(len(t.turns) for t in trajectories) / n if n else 0.0,

@@ -19,9 +19,9 @@ from pydantic import with_config
 
 from agentrl.config import STRICT
 from agentrl.env.api import TextEnv
-from agentrl.policy.protocol import Policy, SamplingParams, current_episode
-from agentrl.renderer import Renderer
-from agentrl.types import Group, Message, Status, Task, Trajectory, Turn
+from agentrl.policy.protocol import Policy, Sample, SamplingParams, current_episode
+from agentrl.renderer import Renderer, RendererError
+from agentrl.types import Group, Message, StopReason, Task, Trajectory, Turn
 
 
 @with_config(STRICT)
@@ -66,27 +66,59 @@ class EnvTimeout(TimeoutError):
     """env.reset or env.step took longer than `step_timeout`."""
 
 
+class _PolicyFailed(Exception):
+    """The policy's `generate` raised (its exception is the cause): the episode stops as `policy_error`."""
+
+
 @dataclass
 class _Episode:
-    """Mutable builder of one trajectory; frozen into a `Trajectory` at the end."""
+    """Mutable builder of one trajectory; `freeze` makes the `Trajectory`."""
 
+    task: Task
+    group: int
+    env_seed: int
+    weight_version: int
     ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    prompt_len: int = 0
     turns: list[Turn] = field(default_factory=list)
     messages: list[Message] = field(default_factory=list)
     reward: float = 0.0
     components: dict[str, float] = field(default_factory=dict)
     tool_calls: int = 0
     answer: str | None = None  # the final answer, when the env reports one (ToolEnv does)
-    untrained: int = 0  # sampled tokens that a frozen partner wrote (tandem rollouts): loss mask 0
-    screenshots: list[tuple[int, str]] = field(default_factory=list)  # (turn, PNG path) of the page after it (web)
+    # What the env reports for the trajectory turn by turn (`info["per_turn"]`), as (turn, value) pairs by key:
+    # the web envs' page screenshots.
+    per_turn: dict[str, list[tuple[int, Any]]] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
 
     def extend(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None = None,
                trainable: Sequence[int] = ()) -> None:
         self.ids += ids
         self.mask += list(trainable) if sampled and trainable else [int(sampled)] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
+
+    def record(self, turn: int, reward: float, info: dict[str, Any]) -> None:
+        """Take in what one env step reported."""
+        self.reward += reward
+        self.components.update(info.get("reward_components", {}))
+        self.tool_calls += info.get("tool_calls", 0)
+        self.answer = info.get("answer", self.answer)
+        for key, value in info.get("per_turn", {}).items():
+            self.per_turn.setdefault(key, []).append((turn, value))
+
+    def freeze(self, stop: StopReason, reason: str) -> Trajectory:
+        # sampled tokens a frozen partner wrote (tandem rollouts) keep loss mask 0
+        untrained = sum(t.end - t.start - sum(self.mask[t.start:t.end]) for t in self.turns)
+        info = {"tool_calls": self.tool_calls, "answer": self.answer,
+                "seconds": round(time.perf_counter() - self.started, 3),
+                **({"untrained_tokens": untrained} if untrained else {}), **self.per_turn}
+        return Trajectory(
+            task_id=self.task.id, token_ids=tuple(self.ids), loss_mask=tuple(self.mask),
+            logprobs=tuple(self.logprobs), prompt_len=self.prompt_len, turns=tuple(self.turns), reward=self.reward,
+            reward_components=self.components, status=stop.status, reason=reason, messages=tuple(self.messages),
+            group=self.group, seed=self.env_seed, weight_version=self.weight_version, info=info, stop=stop)
 
 
 class RolloutEngine:
@@ -116,71 +148,65 @@ class RolloutEngine:
         return replace(trajectory, info={**trajectory.info, "attempts": attempt}) if attempt > 1 else trajectory
 
     async def _run_once(self, task: Task, env_seed: int, sample_seed: int, group: int) -> tuple[Trajectory, bool]:
-        ep, env, version, retryable = _Episode(), None, self.policy.weight_version, False
+        ep, env, retryable = _Episode(task, group, env_seed, self.policy.weight_version), None, False
         current_episode.set(f"{task.id}@{env_seed}/{sample_seed}/{next(_plays)}")
-        status, reason, prompt_len = Status.OK, "", 0
-        start = time.perf_counter()
         try:
             env = self.make_env()
-            status, reason, prompt_len = await self._play(env, task, env_seed, sample_seed, ep)
+            stop, reason = await self._play(env, sample_seed, ep)
         except Exception as e:  # the one capture point: any failure becomes an `error` trajectory
-            status, reason = Status.ERROR, f"{type(e).__name__}: {e}"
-            retryable = getattr(e, "retryable", False)
+            cause = e.__cause__ if isinstance(e, _PolicyFailed) else e
+            stop = (StopReason.POLICY_ERROR if isinstance(e, _PolicyFailed) else
+                    StopReason.RENDER_ERROR if isinstance(e, RendererError) else StopReason.ENV_ERROR)
+            reason, retryable = f"{type(cause).__name__}: {cause}", getattr(cause, "retryable", False)
         finally:
             if env is not None:
                 env.close()
-        return Trajectory(task.id, tuple(ep.ids), tuple(ep.mask), tuple(ep.logprobs), prompt_len,
-                          tuple(ep.turns), ep.reward, ep.components, status, reason, tuple(ep.messages),
-                          group, env_seed, version,
-                          {"tool_calls": ep.tool_calls, "answer": ep.answer,
-                           "seconds": round(time.perf_counter() - start, 3),
-                           **({"untrained_tokens": ep.untrained} if ep.untrained else {}),
-                           **({"screenshots": ep.screenshots} if ep.screenshots else {})}), retryable
+        return ep.freeze(stop, reason), retryable
 
-    async def _play(self, env: TextEnv, task: Task, env_seed: int, sample_seed: int,
-                    ep: _Episode) -> tuple[Status, str, int]:
+    async def _play(self, env: TextEnv, sample_seed: int, ep: _Episode) -> tuple[StopReason, str]:
+        """Turns until the env ends the episode or a budget runs out; returns why it stopped."""
         cfg, r = self.config, self.renderer
-        obs, info = await self._call(env.reset, seed=env_seed, options={"task": task})
+        obs, info = await self._call(env.reset, seed=ep.env_seed, options={"task": ep.task})
         tools = info.get("tools")
         ep.messages += obs
         ep.extend(r.prompt_ids(ep.messages, tools), sampled=False)
-        prompt_len = len(ep.ids)
-        stop_ids = tuple(dict.fromkeys(cfg.sampling.stop_token_ids + r.stop_token_ids))
+        ep.prompt_len = len(ep.ids)
         for turn in range(cfg.max_turns):
-            budget = cfg.max_total_tokens - len(ep.ids)
-            if budget <= 0:
-                return Status.TRUNCATED, f"max_total_tokens={cfg.max_total_tokens}", prompt_len
-            sampling = replace(cfg.sampling, max_tokens=min(cfg.sampling.max_tokens, budget),
-                               seed=sample_seed * 1_000_003 + turn, stop_token_ids=stop_ids)
-            sample = (await self.policy.generate(ep.ids, sampling))[0]
-            start = len(ep.ids)
-            ep.extend(sample.token_ids, sampled=True, logprobs=sample.logprobs, trainable=sample.trainable)
-            ep.untrained += len(sample.trainable) - sum(sample.trainable)
+            if len(ep.ids) >= cfg.max_total_tokens:
+                return StopReason.MAX_TOTAL_TOKENS, f"max_total_tokens={cfg.max_total_tokens}"
+            start, sample = len(ep.ids), await self._sample_turn(ep, sample_seed * 1_000_003 + turn)
+            end = len(ep.ids)
             if sample.finish_reason == "length":
-                ep.turns.append(Turn(start, len(ep.ids), len(ep.ids), 0.0, "length"))
-                limit = "max_total_tokens" if sampling.max_tokens < cfg.sampling.max_tokens else "max_tokens"
-                return Status.TRUNCATED, f"{limit} reached mid-turn", prompt_len
+                ep.turns.append(Turn(start, end, end, 0.0, "length"))
+                budget_cut = cfg.max_total_tokens - start < cfg.sampling.max_tokens
+                cut = StopReason.MAX_TOTAL_TOKENS if budget_cut else StopReason.MAX_TOKENS
+                return cut, f"{cut.value} reached mid-turn"
             ids = sample.token_ids
             text = r.decode(ids[:-1] if ids and ids[-1] in r.stop_token_ids else ids)  # without the turn end
             obs, reward, terminated, truncated, info = await self._call(env.step, text)
+            ep.record(turn, reward, info)
             assistant = env.assistant_message(text)
-            ep.reward += reward
-            ep.components.update(info.get("reward_components", {}))
-            ep.tool_calls += info.get("tool_calls", 0)
-            ep.answer = info.get("answer", ep.answer)
-            if "screenshot" in info:
-                ep.screenshots.append((turn, info["screenshot"]))
-            end = len(ep.ids)
-            if terminated or truncated or turn + 1 == cfg.max_turns:
-                ep.turns.append(Turn(start, end, end, reward))
-                ep.messages += [assistant, *obs]
-                if terminated:
-                    return Status.OK, info.get("reason", ""), prompt_len
-                return Status.TRUNCATED, info.get("reason", f"max_turns={cfg.max_turns}"), prompt_len
-            ep.extend(r.observation_ids(ep.messages, assistant, obs, sample.token_ids, tools), sampled=False)
+            if not (terminated or truncated or turn + 1 == cfg.max_turns):  # the next turn starts after the obs
+                ep.extend(r.observation_ids(ep.messages, assistant, obs, sample.token_ids, tools), sampled=False)
             ep.messages += [assistant, *obs]
             ep.turns.append(Turn(start, end, len(ep.ids), reward))
-        raise AssertionError("unreachable: the loop returns on its last turn")
+            if terminated or truncated:
+                return ((StopReason.TERMINATED, info.get("reason", "")) if terminated else
+                        (StopReason.ENV_TRUNCATED, info.get("reason", "the env truncated the episode")))
+        return StopReason.MAX_TURNS, f"max_turns={cfg.max_turns}"
+
+    async def _sample_turn(self, ep: _Episode, seed: int) -> Sample:
+        """The policy's next turn, within what is left of the episode's token budget, appended to `ep`."""
+        budget = self.config.max_total_tokens - len(ep.ids)
+        sampling = replace(self.config.sampling, max_tokens=min(self.config.sampling.max_tokens, budget), seed=seed,
+                           stop_token_ids=tuple(dict.fromkeys(self.config.sampling.stop_token_ids
+                                                              + self.renderer.stop_token_ids)))
+        try:
+            sample = (await self.policy.generate(ep.ids, sampling))[0]
+        except Exception as e:
+            raise _PolicyFailed() from e
+        ep.extend(sample.token_ids, sampled=True, logprobs=sample.logprobs, trainable=sample.trainable)
+        return sample
 
     async def run(self, tasks: Sequence[Task], on_episode: Callable[[Trajectory], None] | None = None
                   ) -> list[Group]:

@@ -192,7 +192,12 @@ class RemoteEnv:
             raise e.as_instanceof_cause() from None  # the env raised: the same exception as in-process
 
 
-def ray_env_factory(env_id: str, env_kwargs: dict[str, Any], config: RayConfig) -> Callable[..., RemoteEnv]:
-    """`make_env(split=...)` for the training pipeline: envs in a pool of Ray workers."""
-    pool = RayEnvPool(env_id, env_kwargs, config)
+def env_factory(env_id: str, env_kwargs: dict[str, Any], ray: RayConfig | None = None) -> Callable[..., Any]:
+    """`make_env(split="train")` for a job's env with its kwargs: in this process, or in a pool of Ray workers
+    when the job has [ray]. The one way a job makes its envs (`agentrl rollout`, `train`)."""
+    if ray is None:
+        from agentrl.env.registry import make
+
+        return lambda split="train", **kwargs: make(env_id, split=split, **{**env_kwargs, **kwargs})
+    pool = RayEnvPool(env_id, env_kwargs, ray)
     return lambda split="train", **kwargs: pool.make(split=split, **kwargs)
