@@ -12,7 +12,6 @@ from torch.testing import assert_close
 
 from agentrl.trainers import (
     ADVANTAGES,
-    broadcast_to_tokens,
     gae,
     grpo_advantages,
     masked_whiten,
@@ -94,10 +93,9 @@ def test_registry_runs_estimators_group_by_group():
     close(ADVANTAGES["rloo"](T_([1.0, 0.0, 0.0, 1.0])), [2 / 3, -2 / 3, -2 / 3, 2 / 3])
 
 
-def test_masked_whiten_and_broadcast_ignore_mask_zero_positions():
+def test_masked_whiten_ignores_mask_zero_positions():
     # masked values [1, 3]: mean 2, std sqrt(2) -> -+0.70711; the 100 is not part of the statistics
     close(masked_whiten(T_([[1.0, 100.0, 3.0]]), T_([[1, 0, 1]])), [[-0.70711, 0.0, 0.70711]])
-    close(broadcast_to_tokens(T_([2.0, -1.0]), T_([[0, 1, 1], [1, 0, 1]])), [[0.0, 2.0, 2.0], [-1.0, 0.0, -1.0]])
 
 
 # --- GAE over loss-masked tokens -------------------------------------------------------------------------

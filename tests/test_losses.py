@@ -15,7 +15,6 @@ from agentrl.trainers import (
     PolicyLossConfig,
     aggregate,
     clip_cov_loss,
-    entropy_from_logits,
     gspo_loss,
     kl_cov_loss,
     kl_estimate,
@@ -244,16 +243,6 @@ def test_value_loss_clipping_by_hand():
     assert loss.item() == pytest.approx(0.5 * 1.36 / 3)  # 0.5 * (0 + 0.36 + 1) / 3
 
 
-def test_entropy_from_logits():
-    # uniform over 2: ln 2; p = [0.25, 0.75]: 0.25 ln 4 + 0.75 ln(4/3) = 0.346574 + 0.215762 = 0.562335;
-    # a -inf logit (a masked-out vocabulary entry) adds 0, not nan.
-    logits = T_([[[0.0, 0.0, -math.inf], [0.0, math.log(3.0), -math.inf]]], requires_grad=True)
-    ent = entropy_from_logits(logits)
-    close(ent, [[LN2, 0.562335]])
-    ent.sum().backward()
-    assert torch.isfinite(logits.grad).all()
-
-
 # --- mask-0 positions contribute nothing -----------------------------------------------------------------
 
 GARBAGE = [1e30, -1e30, math.inf, -math.inf, math.nan, 7.0]
@@ -301,10 +290,5 @@ def test_masked_positions_are_inert_in_kl_loss(kind):
     _assert_mask_zero_positions_are_inert(lambda lp, ref, _, mask: kl_loss(lp, ref, mask, kind)[0])
 
 
-def test_masked_positions_are_inert_in_value_loss_and_entropy():
+def test_masked_positions_are_inert_in_value_loss():
     _assert_mask_zero_positions_are_inert(lambda v, old, ret, mask: value_loss(v, old, ret, mask)[0])
-    # entropy_BT is computed at every position and reduced with masked_mean: any finite logits at mask-0
-    # positions add nothing. (A model's logits are finite; entropy_from_logits does not see the mask.)
-    _assert_mask_zero_positions_are_inert(
-        lambda x, _, __, mask: masked_mean(entropy_from_logits(torch.stack([x, -x], -1)), mask),
-        garbage=[1e30, -1e30, 3e38, -3e38, 0.0, 7.0])

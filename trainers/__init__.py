@@ -6,7 +6,6 @@ variant is one function plus one entry in `ADVANTAGES` or `POLICY_LOSSES`.
 
 from agentrl.trainers.advantages import (
     ADVANTAGES,
-    broadcast_to_tokens,
     gae,
     grpo_advantages,
     masked_whiten,
@@ -23,7 +22,6 @@ from agentrl.trainers.losses import (
     aggregate,
     clip_cov_loss,
     dpo_loss,
-    entropy_from_logits,
     gspo_loss,
     kl_cov_loss,
     kl_estimate,
@@ -35,8 +33,8 @@ from agentrl.trainers.losses import (
 )
 
 __all__ = [
-    "ADVANTAGES", "AGG_MODES", "KL_KINDS", "POLICY_LOSSES", "PolicyLossConfig", "aggregate", "broadcast_to_tokens",
-    "clip_cov_loss", "dpo_loss", "entropy_from_logits", "gae", "grpo_advantages", "gspo_loss", "kl_cov_loss",
+    "ADVANTAGES", "AGG_MODES", "KL_KINDS", "POLICY_LOSSES", "PolicyLossConfig", "aggregate",
+    "clip_cov_loss", "dpo_loss", "gae", "grpo_advantages", "gspo_loss", "kl_cov_loss",
     "kl_estimate", "kl_in_reward", "kl_loss", "masked_mean", "masked_whiten", "ppo_clip_loss",
     "reinforce_pp_advantages", "rloo_advantages", "turn_level_group_advantages", "turn_rewards_to_tokens",
     "value_loss",

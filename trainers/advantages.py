@@ -199,11 +199,6 @@ def turn_level_group_advantages(turn_rewards: Sequence[Sequence[float]],
     return _spans_to_tokens(per_turn, turn_spans, T, last_token_only=False)
 
 
-def broadcast_to_tokens(adv_B: Tensor, mask_BT: Tensor) -> Tensor:
-    """Each trajectory's advantage on each of its sampled tokens; 0 at mask-0 positions. Returns adv_BT."""
-    return torch.where(mask_BT.bool(), adv_B.float()[:, None], 0.0)
-
-
 # --- registry --------------------------------------------------------------------------------------------
 # Every entry has one signature, so the loops can pick an estimator by name:
 #     fn(rewards_B, valid_B=None, group_ids_B=None) -> adv_B

@@ -1,5 +1,5 @@
-"""Checkpoints that resume a run exactly: model (loadable with `from_pretrained`), optimizer, scheduler,
-RNG states, step, data position and weight version.
+"""Checkpoints that resume a run exactly: model (loadable with `from_pretrained`), optimizer, RNG states,
+step, data position and weight version.
 
 Each checkpoint is written to a temporary directory and renamed into place, so a run killed while
 saving leaves the previous checkpoint intact.
@@ -21,12 +21,14 @@ from agentrl.trainers.lora import has_lora, load_adapter, save_adapter
 from agentrl.policy.weights import save_full
 
 
-def save_checkpoint(out_dir: Path, step: int, model: Any, tokenizer: Any, optimizer: torch.optim.Optimizer | None,
-                    scheduler: Any, state: dict[str, Any], submodels: dict[str, Any] | None = None,
-                    optimizer_state: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(out_dir: Path, step: int, model: Any, tokenizer: Any, *, state: dict[str, Any],
+                    optimizer: torch.optim.Optimizer | None = None, optimizer_state: dict[str, Any] | None = None,
+                    submodels: dict[str, Any] | None = None) -> Path:
     """`state` holds what else the loop needs (data position, other optimizers' state dicts); `submodels`
     are saved with `save_pretrained` in subdirectories of the same name (e.g. PPO's critic). A sharded
     trainer passes its gathered `optimizer_state` instead of the optimizer, and a plain copy as `model`."""
+    if (optimizer is None) == (optimizer_state is None):
+        raise ValueError("save_checkpoint needs the optimizer, or (sharded) its gathered optimizer_state")
     final = Path(out_dir) / "checkpoints" / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -35,7 +37,6 @@ def save_checkpoint(out_dir: Path, step: int, model: Any, tokenizer: Any, optimi
         save_full(submodel, tmp / name)
     torch.save({
         "step": step, "state": state, "optimizer": optimizer_state if optimizer is None else optimizer.state_dict(),
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
     }, tmp / "trainer_state.pt")
     shutil.rmtree(final, ignore_errors=True)
@@ -67,13 +68,10 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def resume(model: Any, optimizer: torch.optim.Optimizer, checkpoint: Path, scheduler: Any = None) -> dict[str, Any]:
-    """Restores the model, optimizer, scheduler and RNGs from `checkpoint` in place; returns {"step": ...,
-    "state": ...}."""
+def resume(model: Any, optimizer: torch.optim.Optimizer, checkpoint: Path) -> dict[str, Any]:
+    """Restores the model, optimizer and RNGs from `checkpoint` in place; returns {"step": ..., "state": ...}."""
     saved = torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False)
     restore(model, optimizer, checkpoint, saved["optimizer"], AutoModelForCausalLM)
-    if scheduler is not None and saved["scheduler"] is not None:
-        scheduler.load_state_dict(saved["scheduler"])
     random.setstate(saved["rng"]["python"])
     np.random.set_state(saved["rng"]["numpy"])
     torch.set_rng_state(saved["rng"]["torch"])

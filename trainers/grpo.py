@@ -278,9 +278,10 @@ def run_steps(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: P
             state, submodels = checkpoint_extras()
             optimizer_state = full_optimizer_state(model, optimizer) if world > 1 else None
             if rank == 0:
-                save_checkpoint(out_dir, step + 1, plain or model, tokenizer, None if world > 1 else optimizer,
-                                None, {"data_position": stream.position, "weight_version": step + 1, **state},
-                                submodels, optimizer_state=optimizer_state)
+                save_checkpoint(out_dir, step + 1, plain or model, tokenizer,
+                                state={"data_position": stream.position, "weight_version": step + 1, **state},
+                                optimizer=None if world > 1 else optimizer, optimizer_state=optimizer_state,
+                                submodels=submodels)
     if logger is not None:
         logger.close()
     return history

@@ -346,12 +346,3 @@ def dpo_loss(logp_BT: Tensor, ref_logp_BT: Tensor, mask_BT: Tensor, *, beta: flo
     with torch.no_grad():
         metrics = {"reward_accuracy": (z_P > 0).float().mean().item(), "reward_margin": margin_P.mean().item()}
     return loss, metrics
-
-
-def entropy_from_logits(logits_BTV: Tensor) -> Tensor:
-    """Entropy of softmax(logits) at each position, in nats, computed in float32. Returns entropy_BT for
-    every position: reduce it with `masked_mean` (or `aggregate`) so that only sampled tokens count."""
-    logp = torch.log_softmax(logits_BTV.float(), dim=-1)
-    # Clamping -inf log-probs (masked vocabulary) keeps 0 * -inf from turning into nan.
-    logp = logp.clamp(min=torch.finfo(logp.dtype).min)
-    return -(logp.exp() * logp).sum(-1)

@@ -327,7 +327,7 @@ def run_dpo(job: TrainJob, model, tokenizer, policy, renderer, make_env, tasks, 
     history = train_dpo(model, pairs, cfg)
     asyncio.run(policy.sync_weights(model, 1))
     optimizer = torch.optim.AdamW(model.parameters())  # a fresh one: DPO is offline, there is nothing to resume
-    save_checkpoint(out, 1, model, tokenizer, optimizer, None, {"weight_version": 1})
+    save_checkpoint(out, 1, model, tokenizer, state={"weight_version": 1}, optimizer=optimizer)
     last = history[-1]
     log(f"DPO: {len(history)} steps, final loss {last['loss']:.3f}, reward accuracy {last['reward_accuracy']:.2f}")
     return {"pairs": len(pairs), "steps": len(history), "final_loss": last["loss"],

@@ -274,7 +274,7 @@ def train(cfg: TangoConfig, grpo: GRPOConfig, model: torch.nn.Module, tokenizer:
     logger.close()
     verifier.model.save_pretrained(out_dir / "verifier")
     tokenizer.save_pretrained(out_dir / "verifier")
-    save_checkpoint(out_dir, grpo.steps, model, tokenizer, optimizer, None, {"weight_version": grpo.steps})
+    save_checkpoint(out_dir, grpo.steps, model, tokenizer, state={"weight_version": grpo.steps}, optimizer=optimizer)
     return history
 
 
