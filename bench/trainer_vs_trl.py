@@ -64,7 +64,8 @@ from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig
 from agentrl.models.tiny import build_tiny_model
 from agentrl.models.tokenizer import load_tokenizer
-from agentrl.trainers.grpo import GRPOConfig, to_batch, update
+from agentrl.trainers.grpo import GRPOConfig, to_batch
+from agentrl.trainers.loop import update
 from agentrl.trainers.rewards import group_rewards
 from agentrl.trainers.losses import PolicyLossConfig
 from agentrl.types import Group, Message, Task, Trajectory, Turn

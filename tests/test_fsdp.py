@@ -11,7 +11,8 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from agentrl.trainers.batch import Batch
-from agentrl.trainers.grpo import GRPOConfig, update
+from agentrl.trainers.grpo import GRPOConfig
+from agentrl.trainers.loop import update
 from agentrl.trainers.losses import PolicyLossConfig
 
 

@@ -10,7 +10,7 @@ from agentrl.env.registry import make
 from agentrl.rollout.jsonl import read_jsonl
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers.checkpoint import latest_checkpoint
-from agentrl.trainers.pipeline import TrainJob, run
+from agentrl.trainers.pipeline import METHODS, TrainJob, check_shardable, run
 
 ROLLOUT = {"max_total_tokens": 512, "sampling": {"max_tokens": 12, "temperature": 0.0}}
 GRPO = {"steps": 2, "tasks_per_step": 2, "minibatch_size": 4, "lr": 1e-3,
@@ -57,6 +57,28 @@ def test_tango_co_trains_a_verifier(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_tango_resumes_mid_run_with_the_same_metrics(tiny_model_dir, tmp_path):
+    """Killed after step 1 of 2, the run resumes from that checkpoint (generator, verifier, both optimizers, RNGs,
+    data position) and its step 2 is the uninterrupted run's."""
+    tango = {"verifier_warmup": 4, "verifier_group_size": 2}
+    run(job(tiny_model_dir, tmp_path / "straight", grpo={**GRPO, "checkpoint_every": 1}, tango=tango), log=print)
+    run(job(tiny_model_dir, tmp_path / "resumed", grpo={**GRPO, "steps": 1}, tango=tango), log=print)  # "killed"
+    resumed_log = []
+    run(job(tiny_model_dir, tmp_path / "resumed", grpo=GRPO, tango=tango), log=resumed_log.append)
+    assert not any("verifier warm start" in line for line in resumed_log)  # the verifier came from the checkpoint
+    straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [1, 2]
+    a, b = straight[1], resumed[1]
+    for key in ("mean_reward", "sampled_tokens", "alpha", "train_reward"):
+        assert a[key] == b[key], key
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+    assert a["verifier"]["sampled_tokens"] == b["verifier"]["sampled_tokens"]
+    # the verifier's entropy on its own samples: 8.254 against 8.267 nats when the resumed run keeps the verifier
+    # it started with instead of the checkpoint's
+    assert a["verifier"]["entropy"] == pytest.approx(b["verifier"]["entropy"], abs=1e-5)
+
+
+@pytest.mark.slow
 def test_dpo_and_majority_vote_run(tiny_model_dir, tmp_path):
     dpo = {"tasks": 4, "epochs": 1, "reward": {"terms": {"random": 1.0}},  # the random model: all else ties
            "rollout": {**ROLLOUT, "group_size": 3, "sampling": {"max_tokens": 12, "temperature": 1.0}}}
@@ -73,6 +95,12 @@ def test_one_method_per_recipe(tiny_model_dir, tmp_path):
         job(tiny_model_dir, tmp_path, tandem={}, tango={})
     with pytest.raises(ConfigError, match="replaces GRPO"):
         job(tiny_model_dir, tmp_path, dpo={}, grpo=GRPO)
+    with pytest.raises(ConfigError, match=r"\[ppo\] replaces GRPO"):
+        job(tiny_model_dir, tmp_path, ppo={}, grpo=GRPO)
+    # the method is the one table of METHODS the recipe has, GRPO without any
+    assert [job(tiny_model_dir, tmp_path, **{m: {}} if m != "grpo" else {}).method for m in METHODS] == list(METHODS)
+    with pytest.raises(ValueError, match=r"remove \['tango'\]"):  # not shardable: refused under torchrun
+        check_shardable(job(tiny_model_dir, tmp_path, tango={}))
 
 
 @pytest.mark.slow

@@ -14,7 +14,8 @@ from agentrl.rollout.engine import RolloutConfig
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers.batch import Batch, make_batch
 from agentrl.trainers.checkpoint import latest_checkpoint
-from agentrl.trainers.grpo import GRPOConfig, update
+from agentrl.trainers.grpo import GRPOConfig
+from agentrl.trainers.loop import update
 from agentrl.trainers.ppo import PPOConfig, advantages, make_critic, token_rewards, token_values, train
 from agentrl.trainers.rewards import RewardConfig
 from agentrl.types import Trajectory, Turn
@@ -142,7 +143,7 @@ def test_ppo_runs_and_resumes_exactly(tiny_model_dir, tmp_path):
 
 
 def test_ppo_config_says_what_is_wrong():
-    with pytest.raises(ValueError, match="dynamic_sampling is a GRPO option"):
+    with pytest.raises(TypeError, match="dynamic_sampling"):  # a GRPO option: PPO's critic is the baseline
         PPOConfig(dynamic_sampling=True)
     with pytest.raises(ValueError, match="gamma and lam"):
         PPOConfig(lam=1.5)

@@ -4,11 +4,11 @@ parameter, gradient and optimizer state, and trains on its share of each minibat
     rank, world = init()                      # under torchrun (or any launcher that sets RANK/WORLD_SIZE)
     shard(model)                              # every decoder layer its own unit, the root the rest
     optimizer = torch.optim.AdamW(model.parameters())   # made after shard(): it holds the shards
-    grpo.update(model, ...)                   # each rank: rows[rank::world] of every minibatch
+    loop.update(model, ...)                   # each rank: rows[rank::world] of every minibatch
     state = full_state_dict(model)            # every rank calls; rank 0 gets full CPU tensors, for the
                                               # engine's weight sync and for checkpoints
 
-Sharding the data is gradient accumulation across processes: `grpo.optimize` weighs each rank's part by its
+Sharding the data is gradient accumulation across processes: `loop.optimize` weighs each rank's part by its
 share of the minibatch's tokens (`losses.micro_batch_weight`) times `world`, because FSDP averages the
 gradients of the ranks; so the step equals the single-process step on the whole minibatch, whatever the
 loss aggregation. Gloo on CPU (tests), NCCL on GPUs.

@@ -71,6 +71,23 @@ class EvalConfig:
         default_factory=lambda: RolloutConfig(sampling=SamplingParams(temperature=0.0)))
 
 
+@dataclass(frozen=True)
+class Method:
+    """An RL method that a recipe chooses by its table: where its loop's settings are, and what it supports."""
+
+    settings: str  # the table of its loop's settings: its own, or [grpo] for the methods built on GRPO
+    shardable: bool = False  # runs sharded under torchrun (FSDP)
+
+
+METHODS: dict[str, Method] = {  # a recipe with none of these tables runs GRPO
+    "grpo": Method("grpo", shardable=True),
+    "ppo": Method("ppo", shardable=True),  # PPO with a critic and GAE, instead of GRPO
+    "tandem": Method("grpo"),  # GRPO on tandem rollouts
+    "tango": Method("grpo"),  # GRPO with a co-trained process verifier
+    "dpo": Method("dpo"),  # DPO on pairs of the starting model's episodes, instead of GRPO
+}
+
+
 @with_config(STRICT)
 @dataclass(frozen=True)
 class TrainJob:
@@ -97,12 +114,11 @@ class TrainJob:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        methods = [name for name in ("ppo", "tandem", "tango", "dpo") if getattr(self, name) is not None]
-        if len(methods) > 1:
-            raise ValueError(f"choose one RL method per recipe, got sections {methods}")
-        for name in ("dpo", "ppo"):
-            if getattr(self, name) is not None and self.grpo != GRPOConfig():
-                raise ValueError(f"[{name}] replaces GRPO: move its settings into [{name}] and remove [grpo]")
+        chosen = [name for name in METHODS if name != "grpo" and getattr(self, name) is not None]
+        if len(chosen) > 1:
+            raise ValueError(f"choose one RL method per recipe, got sections {chosen}")
+        if chosen and METHODS[chosen[0]].settings != "grpo" and self.grpo != GRPOConfig():
+            raise ValueError(f"[{chosen[0]}] replaces GRPO: move its settings into [{chosen[0]}] and remove [grpo]")
         if self.tandem is not None and self.engine.url:
             raise ValueError("[tandem] starts a second vLLM server for the junior; it cannot attach to engine.url: "
                              "remove engine.url to let the job start both servers")
@@ -113,6 +129,11 @@ class TrainJob:
     def sft_stages(self) -> list[DemoSFT]:
         """The SFT stages in the order they run: none, the one `[sft]`, or every `[[sft]]`."""
         return self.sft if isinstance(self.sft, list) else [self.sft] if self.sft else []
+
+    @property
+    def method(self) -> str:
+        """The RL method: the one of `METHODS` whose table the recipe has, else GRPO."""
+        return next((name for name in METHODS if name != "grpo" and getattr(self, name) is not None), "grpo")
 
     @property
     def rl(self) -> GRPOConfig | PPOConfig:
@@ -166,7 +187,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         summary["before"] = evaluate_now("before RL")
         save()
 
-    summary["method"] = next((m for m in ("dpo", "ppo", "tango", "tandem") if getattr(job, m)), "grpo")
+    summary["method"] = job.method
     if not job.dpo and job.rl.reward != RewardConfig():
         summary["method"] += " (" + ", ".join(f"{k} {w:g}" for k, w in job.rl.reward.terms.items()) + ")"
     started = time.perf_counter()
@@ -205,7 +226,8 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
 
 def check_shardable(job: TrainJob) -> None:
     """What a sharded (torchrun) job supports so far; the rest is a clear error, not a silent single process."""
-    unsupported = [name for name in ("warmup", "sft", "lora", "tandem", "tango", "dpo") if getattr(job, name)]
+    unsupported = [name for name in ("warmup", "sft", "lora") if getattr(job, name)]
+    unsupported += [] if METHODS[job.method].shardable else [job.method]
     if unsupported:
         raise ValueError(f"a sharded (torchrun) job runs the GRPO or PPO loop only; remove {unsupported}. Run warm "
                          "starts in one process first and set model to their output (e.g. runs/X/sft_model).")
@@ -340,7 +362,7 @@ def run_tango(job: TrainJob, model, tokenizer, policy, renderer, make_env, tasks
     verifier_model = copy.deepcopy(model)
     verifier_policy = HFPolicy(verifier_model, tokenizer)
     checker = make_env().check_step
-    if latest_checkpoint(out) is None:  # else tango.train loads the finished run
+    if latest_checkpoint(out) is None:  # else tango.train resumes from it (the verifier too)
         engine = RolloutEngine(make_env, policy, renderer, replace(job.grpo.rollout, group_size=1, seed=1))
         start = [t for g in asyncio.run(engine.run(tasks[:cfg.verifier_warmup])) for t in g.valid]
         engine.close()

@@ -1,5 +1,5 @@
-"""PPO for multi-turn tool-using agents, top to bottom: GRPO's loop with a learned critic instead of group
-baselines.
+"""PPO for multi-turn tool-using agents: the RL loop (`trainers/loop.py`) with a learned critic instead of
+group baselines.
 
 Each step: collect `tasks_per_step` groups of `group_size` episodes (one per task is usual) → token rewards:
 each turn's reward on that turn's last sampled token (other reward sources on the episode's last one),
@@ -16,9 +16,9 @@ It is saved with each checkpoint under `critic/` and loads with `from_pretrained
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,58 +27,37 @@ from transformers import AutoModelForTokenClassification
 
 from agentrl.config import STRICT
 from agentrl.env.api import TextEnv
+from agentrl.policy.logprobs import token_logprobs
 from agentrl.policy.protocol import Policy
-from agentrl.rollout.engine import RolloutConfig, check_loop_rollout
+from agentrl.trainers import loop
 from agentrl.trainers.advantages import gae, masked_whiten, turn_rewards_to_tokens
 from agentrl.trainers.batch import Batch, make_batch
-from agentrl.policy.logprobs import token_logprobs
-from agentrl.trainers.checkpoint import latest_checkpoint, restore, resume
-from agentrl.trainers.fsdp import (data_parallel, full_optimizer_state, full_state_dict, gather_into,
-                                   load_full_state_dict, shard)
-from agentrl.trainers.grpo import TaskStream, optimize, run_steps, update
-from agentrl.trainers.losses import KL_KINDS, POLICY_LOSSES, PolicyLossConfig, kl_in_reward, masked_mean, value_loss
-from agentrl.trainers.rewards import RewardConfig, group_rewards
+from agentrl.trainers.checkpoint import restore
+from agentrl.trainers.fsdp import data_parallel, full_state_dict, load_full_state_dict, shard
+from agentrl.trainers.losses import kl_in_reward, masked_mean, value_loss
+from agentrl.trainers.rewards import group_rewards
 from agentrl.types import Group, Task, Trajectory
 
 
 @with_config(STRICT)
 @dataclass(frozen=True)
-class PPOConfig:
-    steps: int = 20
+class PPOConfig(loop.LoopConfig):
+    """`[ppo]`: the loop's settings (`LoopConfig`, with PPO's defaults) and the critic's."""
+
+    section: ClassVar[str] = "ppo"
     tasks_per_step: int = 32
-    rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(group_size=1))
-    reward: RewardConfig = field(default_factory=RewardConfig)  # the training reward: env's, or a mix of sources
-    loss: str = "ppo"  # a key of agentrl.trainers.losses.POLICY_LOSSES
-    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    kl_kind: str = "k1"  # the KL penalty is in the reward here: k1, the plain log ratio
+    epochs: int = 2  # passes over each step's batch
     gamma: float = 1.0  # discount per sampled token
     lam: float = 0.95  # GAE's lambda: 1 = Monte Carlo returns minus the value, 0 = one-step TD
     whiten_advantages: bool = True  # normalize the advantages over the batch's sampled tokens
-    kl_coef: float = 0.0  # > 0: reward minus kl_coef * KL(policy || initial policy) on every sampled token
-    kl_kind: str = "k1"
-    lr: float = 1e-5
     critic_lr: float = 1e-4
     value_clip: float | None = 0.2  # PPO's value clipping around the values at collection time; None: off
-    epochs: int = 2  # passes over each step's batch
-    minibatch_size: int = 16  # trajectories per optimizer step
-    micro_batch_size: int | None = None  # trajectories per forward/backward pass (gradient accumulation)
-    max_grad_norm: float = 1.0
-    checkpoint_every: int = 0  # steps; 0 = only at the end
-    seed: int = 0
-    dynamic_sampling: bool = False  # PPO has no group baseline to starve; `collect` reads these two
-    max_refills: int = 0
 
     def __post_init__(self) -> None:
-        if self.loss not in POLICY_LOSSES:
-            raise ValueError(f"loss must be one of {sorted(POLICY_LOSSES)}, got {self.loss!r}")
-        if self.kl_kind not in KL_KINDS:
-            raise ValueError(f"kl_kind must be one of {KL_KINDS}, got {self.kl_kind!r}")
+        super().__post_init__()
         if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
             raise ValueError(f"gamma and lam must be in [0, 1], got {self.gamma}, {self.lam}")
-        if self.micro_batch_size is not None and not 1 <= self.micro_batch_size <= self.minibatch_size:
-            raise ValueError(f"micro_batch_size must be in [1, minibatch_size], got {self.micro_batch_size}")
-        check_loop_rollout("ppo", self.rollout)
-        if self.dynamic_sampling:
-            raise ValueError("dynamic_sampling is a GRPO option: PPO's critic, not the group, is the baseline")
 
 
 def make_critic(model: torch.nn.Module) -> torch.nn.Module:
@@ -160,9 +139,51 @@ def update_critic(critic: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
         return value_loss(values_BT, old_values_BT[rows, :T].to(device), returns_BT[rows, :T].to(device), mb.mask_BT,
                           clip=cfg.value_clip)
 
-    metrics = optimize(critic, optimizer, batch, cfg, generator, critic_loss, "token-mean")
+    metrics = loop.optimize(critic, optimizer, batch, cfg, generator, critic_loss, "token-mean")
     return {("value_loss" if k == "loss" else "value_grad_norm" if k == "grad_norm" else k): v
             for k, v in metrics.items()}
+
+
+class PPO:
+    """PPO's part of the loop: GAE advantages from the critic as it was at collection, then the policy's and the
+    critic's epochs. The critic and its optimizer are part of every checkpoint."""
+
+    def __init__(self, cfg: PPOConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        self.cfg, self.model, self.optimizer = cfg, model, optimizer
+        self.critic = make_critic(model)
+        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+        self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr)
+        rank, world = data_parallel()  # rank 0's unsharded critic, which checkpoints save
+        self.plain_critic = AutoModelForTokenClassification.from_config(
+            self.critic.config, dtype=next(self.critic.parameters()).dtype) if world > 1 and rank == 0 else None
+
+    @staticmethod
+    def keep(group: Group) -> bool:
+        """A group (usually one episode) with a valid episode: the critic, not the group, is the baseline."""
+        return len(group.valid) >= 1
+
+    def train_step(self, kept: list[Group], collected: list[Group], step: int) -> dict:
+        if not kept:
+            return {}
+        cfg, generator = self.cfg, lambda: torch.Generator().manual_seed(self.cfg.seed + step)
+        trajectories = [t for g in kept for t in g.valid]
+        rewards_B = [r for g in kept for r in group_rewards(g, cfg.reward)]
+        batch, values_BT, returns_BT, metrics = advantages(make_batch(trajectories, [0.0] * len(trajectories)),
+                                                           trajectories, rewards_B, self.critic, self.ref, cfg,
+                                                           policy=self.model)
+        metrics["train_reward"] = sum(rewards_B) / len(rewards_B)
+        metrics.update(loop.update(self.model, None, self.optimizer, batch, cfg, generator()))
+        metrics.update(update_critic(self.critic, self.critic_optimizer, batch, values_BT, returns_BT, cfg,
+                                     generator()))
+        return metrics
+
+    def checkpoint_state(self, sharding: loop.Sharding) -> tuple[dict, dict]:
+        critic, optimizer_state = sharding.gathered(self.critic, self.critic_optimizer, self.plain_critic)
+        return ({"critic_optimizer": optimizer_state}, {"critic": critic}) if sharding.main else ({}, {})
+
+    def restore(self, checkpoint: Path, state: dict) -> None:
+        restore(self.critic, self.critic_optimizer, checkpoint / "critic", state["critic_optimizer"],
+                AutoModelForTokenClassification)
 
 
 def train(cfg: PPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy, make_env: Callable[[], TextEnv],
@@ -171,44 +192,7 @@ def train(cfg: PPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy
     """Runs (or resumes, from the latest checkpoint in `out_dir`) PPO on `model`, which `policy` samples
     from after each sync. Same contract as `grpo.train`."""
     torch.manual_seed(cfg.seed)
-    critic = make_critic(model)
-    ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_lr)
-    stream, start = TaskStream(tasks, cfg.seed), 0
-    rank, world = data_parallel()
-    if (checkpoint := latest_checkpoint(out_dir)) is not None:  # resume: both models, optimizers, RNGs, data
-        resumed = resume(model, optimizer, checkpoint)
-        restore(critic, critic_optimizer, checkpoint / "critic", resumed["state"]["critic_optimizer"],
-                AutoModelForTokenClassification)
-        start, stream.position = resumed["step"], resumed["state"]["data_position"]
-    # rank 0's unsharded critic, which checkpoints save
-    plain_critic = AutoModelForTokenClassification.from_config(critic.config, dtype=next(critic.parameters()).dtype) \
-        if world > 1 and rank == 0 else None
-
-    def train_step(kept: list[Group], collected: list[Group], step: int) -> dict:
-        return _update(kept, model, critic, ref, optimizer, critic_optimizer, cfg, step) if kept else {}
-
-    def checkpoint_extras() -> tuple[dict, dict]:
-        """The critic and its optimizer state (gathered on rank 0 when sharded: collectives on every rank)."""
-        if world == 1:
-            return {"critic_optimizer": critic_optimizer.state_dict()}, {"critic": critic}
-        optimizer_state = full_optimizer_state(critic, critic_optimizer)
-        gather_into(critic, plain_critic)
-        return ({"critic_optimizer": optimizer_state}, {"critic": plain_critic}) if rank == 0 else ({}, {})
-
-    return run_steps(cfg, model, tokenizer, policy, make_env, stream, start, out_dir, train_step,
-                     checkpoint_extras, optimizer, on_step, periodic_eval)
-
-
-def _update(kept: list[Group], model, critic, ref, optimizer, critic_optimizer, cfg: PPOConfig, step: int) -> dict:
-    """Advantages from the critic as it was at collection, then the policy's and the critic's epochs."""
-    trajectories = [t for g in kept for t in g.valid]
-    rewards_B = [r for g in kept for r in group_rewards(g, cfg.reward)]
-    batch, values_BT, returns_BT, metrics = advantages(make_batch(trajectories, [0.0] * len(trajectories)),
-                                                       trajectories, rewards_B, critic, ref, cfg, policy=model)
-    metrics["train_reward"] = sum(rewards_B) / len(rewards_B)
-    metrics.update(update(model, None, optimizer, batch, cfg, torch.Generator().manual_seed(cfg.seed + step)))
-    metrics.update(update_critic(critic, critic_optimizer, batch, values_BT, returns_BT, cfg,
-                                 torch.Generator().manual_seed(cfg.seed + step)))
-    return metrics
+    ppo = PPO(cfg, model, optimizer)
+    return loop.run(cfg, ppo, model, optimizer, tokenizer, policy, make_env, tasks, out_dir, ppo.keep,
+                    on_step=on_step, periodic_eval=periodic_eval)

@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from pydantic import with_config
+from transformers import AutoModelForCausalLM
 
 from agentrl.config import STRICT
 from agentrl.env.api import TextEnv
@@ -44,9 +45,10 @@ from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.policy.scripted import ScriptedPolicy, playing
 from agentrl.types import Group, Message, Task, Trajectory
-from agentrl.trainers.checkpoint import latest_checkpoint, load_model, save_checkpoint
-from agentrl.trainers.grpo import GRPOConfig, TaskStream, collect_step, step_seed, to_batch, update
-from agentrl.trainers.metrics import MetricsLogger, rollout_metrics
+from agentrl.trainers.checkpoint import restore
+from agentrl.trainers.grpo import GRPOConfig, to_batch
+from agentrl.trainers.loop import Sharding, run, step_seed, update
+from agentrl.trainers.metrics import rollout_metrics
 from agentrl.trainers.sft import SFTConfig, sft
 
 StepChecker = Callable[[str], "bool | None"]  # one step's text -> correct / incorrect / nothing to check
@@ -223,31 +225,25 @@ class Verifier:
         return metrics
 
 
-def train(cfg: TangoConfig, grpo: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy,
-          verifier: Verifier, make_env: Callable[[], TextEnv], tasks: list[Task], out_dir: Path,
-          checker: StepChecker | None = None, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
-    """Alternates generator and verifier GRPO updates for `grpo.steps` steps; returns each step's metrics.
-    Saves the generator's checkpoint and the verifier (`out_dir/verifier`) at the end. A finished run is
-    loaded, not redone; an interrupted one starts over (there are no mid-run checkpoints)."""
-    if (checkpoint := latest_checkpoint(out_dir)) is not None:
-        load_model(model, checkpoint)
-        asyncio.run(policy.sync_weights(model, grpo.steps))
-        return []
-    torch.manual_seed(grpo.seed)
-    renderer = Renderer(tokenizer)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=grpo.lr)
-    stream, max_reward = TaskStream(tasks, grpo.seed), make_env().max_reward
-    problems = {t.id: t.data.get("question", "") for t in tasks}
-    logger, history = MetricsLogger(out_dir), []
-    for step in range(grpo.steps):
+class Tango:
+    """RL Tango's part of the loop: the verifier judges each kept trajectory's steps, the generator trains on the
+    outcome mixed with that process reward, then the verifier trains on its own judgements' rewards. The
+    verifier and its optimizer are part of every checkpoint."""
+
+    def __init__(self, cfg: TangoConfig, grpo: GRPOConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 verifier: Verifier, renderer: Renderer, checker: StepChecker | None, tasks: list[Task]):
+        self.cfg, self.grpo, self.model, self.optimizer, self.verifier = cfg, grpo, model, optimizer, verifier
+        self.renderer, self.checker = renderer, checker
+        self.problems = {t.id: t.data.get("question", "") for t in tasks}
+
+    def train_step(self, kept: list[Group], collected: list[Group], step: int) -> dict:
+        cfg, grpo, renderer = self.cfg, self.grpo, self.renderer
         t0 = time.perf_counter()
-        kept, collected = collect_step(make_env, policy, renderer, stream, grpo, step)
-        t1 = time.perf_counter()
-        metrics = rollout_metrics(collected, max_reward)
         trajectories = [t for g in kept for t in g.valid]
-        vtasks = [verification_task(t, problems[t.task_id], renderer, checker, i) for i, t in enumerate(trajectories)]
-        vgroups = verifier.judge(vtasks, seed=step_seed(grpo, step))
-        t2 = time.perf_counter()
+        vtasks = [verification_task(t, self.problems[t.task_id], renderer, self.checker, i)
+                  for i, t in enumerate(trajectories)]
+        vgroups = self.verifier.judge(vtasks, seed=step_seed(grpo, step))
+        judging = time.perf_counter() - t0
         judgements = [[parse_judgement(trajectory_steps(v, renderer)[0][0]) for v in g.valid] for g in vgroups]
         process = iter([sum(step_share(j, task.data["n_steps"]) for j in js) / max(len(js), 1)
                         for task, js in zip(vtasks, judgements)])  # in the order of `trajectories`
@@ -255,26 +251,41 @@ def train(cfg: TangoConfig, grpo: GRPOConfig, model: torch.nn.Module, tokenizer:
         rewards = [[combined_reward(t.reward_components.get("outcome", t.reward), next(process), alpha)
                     for t in g.valid] for g in kept]
         train_rewards = [r for rs in rewards for r in rs]
+        metrics = {}
         if kept:
-            metrics.update(update(model, None, optimizer, to_batch(kept, grpo.advantage, rewards), grpo,
+            metrics.update(update(self.model, None, self.optimizer, to_batch(kept, grpo.advantage, rewards), grpo,
                                   torch.Generator().manual_seed(grpo.seed + step)))
-            asyncio.run(policy.sync_weights(model, step + 1))
         flat = [j for js in judgements for j in js]
-        metrics.update(
-            alpha=alpha, train_reward=sum(train_rewards) / max(len(train_rewards), 1),
-            verifier={**rollout_metrics(vgroups, 1.0),
-                      "format_rate": sum(j.verdict is not None for j in flat) / max(len(flat), 1),
-                      "step_agreement": agreement([task for task, js in zip(vtasks, judgements) for _ in js], flat),
-                      **verifier.train_on(vgroups, step)},
-            time={"rollout": t1 - t0, "verifier_rollout": t2 - t1, "train": time.perf_counter() - t2})
-        logger.log(step + 1, metrics)
-        history.append(metrics)
-        if on_step:
-            on_step(step + 1, metrics)
-    logger.close()
+        return {**metrics, "alpha": alpha, "train_reward": sum(train_rewards) / max(len(train_rewards), 1),
+                "verifier": {**rollout_metrics(vgroups, 1.0),
+                             "format_rate": sum(j.verdict is not None for j in flat) / max(len(flat), 1),
+                             "step_agreement": agreement([task for task, js in zip(vtasks, judgements) for _ in js],
+                                                         flat),
+                             **self.verifier.train_on(vgroups, step)},
+                "time": {"verifier_rollout": judging}}
+
+    def checkpoint_state(self, sharding: Sharding) -> tuple[dict, dict]:
+        return {"verifier_optimizer": self.verifier.optimizer.state_dict()}, {"verifier": self.verifier.model}
+
+    def restore(self, checkpoint: Path, state: dict) -> None:
+        restore(self.verifier.model, self.verifier.optimizer, checkpoint / "verifier", state["verifier_optimizer"],
+                AutoModelForCausalLM)
+        asyncio.run(self.verifier.policy.sync_weights(self.verifier.model, state["weight_version"]))
+
+
+def train(cfg: TangoConfig, grpo: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy,
+          verifier: Verifier, make_env: Callable[[], TextEnv], tasks: list[Task], out_dir: Path,
+          checker: StepChecker | None = None, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
+    """Alternates generator and verifier GRPO updates for `grpo.steps` steps of the RL loop, resuming from the
+    latest checkpoint in `out_dir` like the others; returns the metrics of the steps run now. The final verifier
+    is also saved on its own, in `out_dir/verifier`."""
+    torch.manual_seed(grpo.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=grpo.lr)
+    tango = Tango(cfg, grpo, model, optimizer, verifier, Renderer(tokenizer), checker, tasks)
+    history = run(grpo, tango, model, optimizer, tokenizer, policy, make_env, tasks, out_dir,
+                  keep=lambda g: len(g.valid) >= 2, on_step=on_step)
     verifier.model.save_pretrained(out_dir / "verifier")
     tokenizer.save_pretrained(out_dir / "verifier")
-    save_checkpoint(out_dir, grpo.steps, model, tokenizer, state={"weight_version": grpo.steps}, optimizer=optimizer)
     return history
 
 

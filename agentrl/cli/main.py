@@ -204,7 +204,7 @@ def rollout(
 def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see recipes/)."),
           model: Optional[str] = typer.Option(None, help="Override the recipe's model."),
           out_dir: Optional[str] = typer.Option(None, help="Override the recipe's output directory."),
-          steps: Optional[int] = typer.Option(None, help="Override the RL steps (grpo.steps, or ppo.steps)."),
+          steps: Optional[int] = typer.Option(None, help="Override the RL loop's steps (grpo.steps or ppo.steps)."),
           ray_address: Optional[str] = typer.Option(None, help="Run the envs on this Ray cluster ('auto': the "
                                                                "local node's); the recipe's [ray] sets the rest."),
           set_: list[str] = typer.Option([], "--set", help="Override any recipe key: KEY=VALUE with a dotted key "
@@ -213,17 +213,15 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
           ) -> None:
     """SFT warm start (optional) → held-out eval → RL (GRPO, PPO, tandem, tango or DPO) → held-out eval;
     resumes from the latest checkpoint."""
-    import tomllib
-
     from agentrl.config import ConfigError, load_config, merge
-    from agentrl.trainers.pipeline import TrainJob, run
+    from agentrl.trainers.pipeline import METHODS, TrainJob, run
 
     try:
-        loop = "ppo" if recipe.exists() and "ppo" in tomllib.loads(recipe.read_text()) else "grpo"
-        overrides = merge(parse_sets(set_), _given(model=model, out_dir=out_dir, **{loop: _given(steps=steps)},
-                                                    ray=_given(address=ray_address)))
+        overrides = merge(parse_sets(set_), _given(model=model, out_dir=out_dir, ray=_given(address=ray_address)))
         job = load_config(TrainJob, recipe, overrides)
-    except (ConfigError, tomllib.TOMLDecodeError) as e:
+        if steps is not None:  # the steps of the method's loop, [grpo] or [ppo] (DPO has none: an error)
+            job = load_config(TrainJob, recipe, merge(overrides, {METHODS[job.method].settings: {"steps": steps}}))
+    except ConfigError as e:
         console.print(f"[red]{e}[/]")
         raise typer.Exit(2)
     _make_or_exit(job.env, **job.env_kwargs)

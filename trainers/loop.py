@@ -1,0 +1,276 @@
+"""The one step loop of RL training, and what every RL method shares.
+
+    for step in range(start, cfg.steps):
+        kept, collected = collect(...)             # groups of episodes from the rollout engine
+        metrics = method.train_step(kept, collected, step)
+        sharding.sync(step + 1)                    # the new weights, version step + 1, into the engine
+        log(metrics)                               # rollout, training, timing, held-out
+        checkpoint when due                        # the policy, its optimizer, the data position, the method's state
+
+A method (`grpo.GRPO`, `ppo.PPO`, `tango.Tango`) supplies `train_step` and what its checkpoints keep beyond the
+policy; which groups it trains on is its `keep` rule. Sharding over ranks hides behind `Sharding`: in one
+process every call is plain; with FSDP, rank 0 alone samples, evaluates, logs and writes checkpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Protocol
+
+import torch
+from pydantic import with_config
+from transformers import AutoModelForCausalLM
+
+from agentrl.config import STRICT
+from agentrl.env.api import TextEnv
+from agentrl.policy.logprobs import token_logprobs
+from agentrl.policy.protocol import Policy
+from agentrl.renderer import Renderer
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine, check_loop_rollout
+from agentrl.trainers.batch import Batch
+from agentrl.trainers.checkpoint import latest_checkpoint, resume, save_checkpoint
+from agentrl.trainers.fsdp import broadcast, data_parallel, full_optimizer_state, gather_into
+from agentrl.trainers.losses import KL_KINDS, POLICY_LOSSES, PolicyLossConfig, kl_loss, masked_mean, micro_batch_weight
+from agentrl.trainers.metrics import MetricsLogger, rollout_metrics
+from agentrl.trainers.rewards import RewardConfig
+from agentrl.types import Group, Task
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class LoopConfig:
+    """The settings of every RL loop; `GRPOConfig` and `PPOConfig` add their own (and their defaults)."""
+
+    section: ClassVar[str] = "rl"  # the recipe table, for error messages
+    steps: int = 20
+    tasks_per_step: int = 8
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)  # the training reward: env's, or a mix of sources
+    loss: str = "ppo"  # a key of agentrl.trainers.losses.POLICY_LOSSES
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    kl_coef: float = 0.0  # > 0: KL to a frozen copy of the initial policy
+    kl_kind: str = "k3"  # one of KL_KINDS
+    lr: float = 1e-5
+    epochs: int = 1  # passes over each step's batch
+    minibatch_size: int = 16  # trajectories per optimizer step
+    micro_batch_size: int | None = None  # trajectories per forward/backward pass (gradient accumulation)
+    max_grad_norm: float = 1.0
+    checkpoint_every: int = 0  # steps; 0 = only at the end
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.loss not in POLICY_LOSSES:
+            raise ValueError(f"loss must be one of {sorted(POLICY_LOSSES)}, got {self.loss!r}")
+        if self.kl_kind not in KL_KINDS:
+            raise ValueError(f"kl_kind must be one of {KL_KINDS}, got {self.kl_kind!r}")
+        if self.micro_batch_size is not None and not 1 <= self.micro_batch_size <= self.minibatch_size:
+            raise ValueError(f"micro_batch_size must be in [1, minibatch_size], got {self.micro_batch_size}")
+        check_loop_rollout(self.section, self.rollout)
+
+
+class Method(Protocol):
+    """What an RL method gives the loop."""
+
+    def train_step(self, kept: list[Group], collected: list[Group], step: int) -> dict:
+        """Update on the groups kept (all collected ones are there for metrics); returns the step's metrics."""
+
+    def checkpoint_state(self, sharding: Sharding) -> tuple[dict, dict]:
+        """(state, submodels) to save beyond the policy and its optimizer, e.g. a critic (a collective when
+        sharded: every rank calls it)."""
+
+    def restore(self, checkpoint: Path, state: dict) -> None:
+        """Load what `checkpoint_state` saved, on resuming from `checkpoint`."""
+
+
+class TaskStream:
+    """Tasks in a seeded order, reshuffled each pass; `position` is the data position saved in checkpoints."""
+
+    def __init__(self, tasks: list[Task], seed: int, position: int = 0):
+        self.tasks, self.seed, self.position = tasks, seed, position
+
+    def _order(self, epoch: int) -> list[int]:
+        order = list(range(len(self.tasks)))
+        random.Random(self.seed * 7919 + epoch).shuffle(order)
+        return order
+
+    def take(self, n: int) -> list[Task]:
+        """The next `n` tasks, continuing into the next pass (a new order) when this one runs out."""
+        out = []
+        for _ in range(n):
+            epoch, i = divmod(self.position, len(self.tasks))
+            if i == 0 or not out:
+                order = self._order(epoch)
+            out.append(self.tasks[order[i]])
+            self.position += 1
+        return out
+
+
+class Sharding:
+    """The loop's rank-dependent steps in one place. In one process each is the plain call. With the trainer
+    sharded over ranks (`trainers/fsdp.py`), rank 0 alone samples, evaluates, logs and writes checkpoints: it
+    broadcasts each step's rollouts, every rank trains on its share, and each sync gathers the full weights into
+    rank 0's plain copy (`policy` is None on the other ranks)."""
+
+    def __init__(self, model: torch.nn.Module, policy: Policy | None):
+        self.rank, self.world = data_parallel()
+        self.model, self.policy, self.main = model, policy, self.rank == 0
+        # rank 0's unsharded copy: the sampler's own model when in-process, else one to export from
+        self.plain = ((getattr(policy, "model", None) or AutoModelForCausalLM.from_config(model.config))
+                      if self.world > 1 and self.main else None)
+
+    def from_main(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` run on rank 0, its result on every rank."""
+        return fn() if self.world == 1 else broadcast(fn() if self.main else None)
+
+    def sync(self, version: int) -> None:
+        """The policy's weights, as version `version`, into the engine."""
+        if self.world > 1:
+            gather_into(self.model, self.plain)  # every rank takes part
+        if self.main:
+            asyncio.run(self.policy.sync_weights(self.plain or self.model, version))
+
+    def gathered(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, plain: torch.nn.Module | None
+                 ) -> tuple[torch.nn.Module, dict]:
+        """(model, optimizer state) as a checkpoint saves them: when sharded, gathered into rank 0's `plain` copy
+        (a collective: every rank calls it)."""
+        if self.world == 1:
+            return model, optimizer.state_dict()
+        state = full_optimizer_state(model, optimizer)
+        gather_into(model, plain)
+        return plain, state
+
+    def save_checkpoint(self, out_dir: Path, step: int, tokenizer: Any, optimizer: torch.optim.Optimizer,
+                        state: dict, submodels: dict) -> None:
+        """The policy, its optimizer, `state` and `submodels` as checkpoint `step`, written by rank 0."""
+        model, optimizer_state = self.gathered(self.model, optimizer, self.plain)
+        if self.main:
+            save_checkpoint(out_dir, step, model, tokenizer, state=state, optimizer_state=optimizer_state,
+                            submodels=submodels)
+
+
+def step_seed(cfg: LoopConfig, step: int) -> int:
+    """The rollout seed of `step`: distinct per step, and the same on a resumed run."""
+    return cfg.seed * 100_003 + step
+
+
+def collect(make_env: Callable[[], TextEnv], policy: Policy, renderer: Renderer, stream: TaskStream,
+            cfg: LoopConfig, step: int, keep: Callable[[Group], bool], refills: int = 0
+            ) -> tuple[list[Group], list[Group]]:
+    """(groups to train on, all groups collected) of `step`: `tasks_per_step` tasks, then up to `refills` more
+    rounds for the groups that `keep` dropped, on an engine that lives for the step."""
+    engine = RolloutEngine(make_env, policy, renderer, replace(cfg.rollout, seed=step_seed(cfg, step)))
+    collected, kept = [], []
+    try:
+        for _ in range(1 + refills):
+            groups = asyncio.run(engine.run(stream.take(cfg.tasks_per_step - len(kept))))
+            collected += groups
+            kept += [g for g in groups if keep(g)]
+            if len(kept) >= cfg.tasks_per_step:
+                break
+    finally:
+        engine.close()
+    return kept, collected
+
+
+def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cfg: LoopConfig,
+             generator: torch.Generator, loss_fn: Callable[[Batch, torch.Tensor], tuple[torch.Tensor, dict]],
+             agg: str) -> dict[str, float]:
+    """`cfg.epochs` passes of shuffled minibatches of `cfg.minibatch_size` trajectories, one clipped optimizer step
+    each; `loss_fn(micro_batch, rows)` -> (loss, metrics), `rows` indexing `batch`. Micro-batches (`micro_batch_size`)
+    accumulate gradients weighted so that the step equals the whole minibatch's. Returns each metric's mean.
+
+    Sharded (FSDP, `trainers/fsdp.py`), rank r runs rows[r::world] of each minibatch, weighted by `world` times
+    their share, since FSDP averages the ranks' gradients."""
+    device, totals, counts = next(model.parameters()).device, {}, {}
+    rank, world = data_parallel()
+
+    def add(metrics: dict) -> None:
+        for k, v in metrics.items():
+            totals[k], counts[k] = totals.get(k, 0.0) + float(v), counts.get(k, 0) + 1
+
+    model.train()
+    for _ in range(cfg.epochs):
+        order = torch.randperm(len(batch), generator=generator)
+        for rows in order.split(cfg.minibatch_size):
+            optimizer.zero_grad()
+            # A rank left without rows still runs one, at weight 0: FSDP's collectives need every rank.
+            mine, share = (rows[rank::world], world) if len(rows) > rank else (rows[:1], 0)
+            for micro_rows in mine.split(cfg.micro_batch_size or len(rows)):
+                loss, metrics = loss_fn(batch.select(micro_rows).to(device), micro_rows)
+                (loss * share * micro_batch_weight(batch.mask_BT[micro_rows], batch.mask_BT[rows], agg)).backward()
+                add({**metrics, "loss": loss.item()})
+            add({"grad_norm": torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item()})
+            optimizer.step()
+    model.eval()
+    return {k: totals[k] / counts[k] for k in totals}
+
+
+def update(model: torch.nn.Module, ref: torch.nn.Module | None, optimizer: torch.optim.Optimizer, batch: Batch,
+           cfg: LoopConfig, generator: torch.Generator) -> dict[str, float]:
+    """The policy update: `cfg.loss` on the sampled tokens with the sampler's logprobs as the old ones, plus
+    the KL to `ref` as a loss term when given. Also reports, from the first micro-batch (before any update),
+    how far the trainer's logprobs are from the sampler's: they must agree."""
+    loss_fn, first = POLICY_LOSSES[cfg.loss], {}
+
+    def policy_loss(mb: Batch, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        logp_BT, entropy_BT = token_logprobs(model, mb.ids_BT, mb.attention_BT, True, mb.mask_BT)
+        loss, metrics = loss_fn(logp_BT, mb.old_logp_BT, mb.adv_BT, mb.mask_BT, cfg.policy_loss)
+        if ref is not None:
+            with torch.no_grad():
+                ref_logp_BT, _ = token_logprobs(ref, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
+            kl, kl_metrics = kl_loss(logp_BT, ref_logp_BT, mb.mask_BT, cfg.kl_kind, cfg.policy_loss.agg,
+                                     norm_const=cfg.policy_loss.norm_const)
+            loss = loss + cfg.kl_coef * kl
+            metrics.update(kl_metrics)
+        first.setdefault("sampler_logprob_diff_max",
+                         ((logp_BT.detach() - mb.old_logp_BT).abs() * mb.mask_BT).max().item())
+        metrics["entropy"] = masked_mean(entropy_BT.detach(), mb.mask_BT).item()
+        return loss, metrics
+
+    return {**optimize(model, optimizer, batch, cfg, generator, policy_loss, cfg.policy_loss.agg), **first}
+
+
+def run(cfg: LoopConfig, method: Method, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokenizer: Any,
+        policy: Policy, make_env: Callable[[], TextEnv], tasks: list[Task], out_dir: Path,
+        keep: Callable[[Group], bool], refills: int = 0, on_step: Callable[[int, dict], None] | None = None,
+        periodic_eval: Callable[[int], dict] | None = None) -> list[dict]:
+    """Runs (or resumes, from the latest checkpoint in `out_dir`) `cfg.steps` steps of `method`; returns the metrics
+    of the steps run now. `periodic_eval(step)` runs after each sync; what it returns (held-out metrics, or {}
+    when not due) is logged under `heldout`."""
+    stream, start = TaskStream(tasks, cfg.seed), 0
+    if (checkpoint := latest_checkpoint(out_dir)) is not None:  # weights, optimizer, RNGs, data, the method's
+        resumed = resume(model, optimizer, checkpoint)
+        start, stream.position = resumed["step"], resumed["state"]["data_position"]
+        method.restore(checkpoint, resumed["state"])
+    sharding, renderer, max_reward = Sharding(model, policy), Renderer(tokenizer), make_env().max_reward
+    sharding.sync(start)
+    logger, history = MetricsLogger(out_dir) if sharding.main else None, []
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        kept, collected = sharding.from_main(
+            lambda: collect(make_env, policy, renderer, stream, cfg, step, keep, refills))
+        t1 = time.perf_counter()
+        metrics = {**rollout_metrics(collected, max_reward), **method.train_step(kept, collected, step)}
+        t2 = time.perf_counter()
+        sharding.sync(step + 1)
+        t3 = time.perf_counter()
+        metrics.update(groups_trained=len(kept), tokens_per_s=metrics["sampled_tokens"] / max(t1 - t0, 1e-9),
+                       time={**metrics.get("time", {}), "rollout": t1 - t0, "train": t2 - t1, "sync": t3 - t2})
+        if sharding.main:
+            if periodic_eval is not None and (heldout := periodic_eval(step + 1)):
+                metrics["heldout"] = heldout
+            logger.log(step + 1, metrics)
+            history.append(metrics)
+            if on_step:
+                on_step(step + 1, metrics)
+        if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or step + 1 == cfg.steps:
+            state, submodels = method.checkpoint_state(sharding)
+            sharding.save_checkpoint(out_dir, step + 1, tokenizer, optimizer,
+                                     {"data_position": stream.position, "weight_version": step + 1, **state}, submodels)
+    if logger is not None:
+        logger.close()
+    return history
