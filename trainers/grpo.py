@@ -73,6 +73,7 @@ class GRPO:
                                           or len(set(group_rewards(group, self.cfg.reward))) > 1)
 
     def train_step(self, kept: list[Group], collected: list[Group], step: int) -> dict:
+        """One policy update on the kept groups' advantages; the majority-vote metrics when that source is used."""
         cfg = self.cfg
         metrics = majority_vote_metrics(collected) if "majority_vote" in cfg.reward.terms else {}
         if kept:
@@ -83,10 +84,11 @@ class GRPO:
         return metrics
 
     def checkpoint_state(self, sharding: loop.Sharding) -> tuple[dict, dict]:
+        """Nothing beyond the policy: the reference model is the initial policy, rebuilt on resume."""
         return {}, {}
 
     def restore(self, checkpoint: Path, state: dict) -> None:
-        pass
+        """Nothing to restore (see `checkpoint_state`)."""
 
 
 def train(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy, make_env: Callable[[], TextEnv],

@@ -46,21 +46,21 @@ class LoopConfig:
     """The settings of every RL loop; `GRPOConfig` and `PPOConfig` add their own (and their defaults)."""
 
     section: ClassVar[str] = "rl"  # the recipe table, for error messages
-    steps: int = 20
-    tasks_per_step: int = 8
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    steps: int = 20  # training steps: collect, update, sync
+    tasks_per_step: int = 8  # tasks collected per step, `rollout.group_size` episodes each
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # its seed is derived from `seed`, per step
     reward: RewardConfig = field(default_factory=RewardConfig)  # the training reward: env's, or a mix of sources
     loss: str = "ppo"  # a key of agentrl.trainers.losses.POLICY_LOSSES
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     kl_coef: float = 0.0  # > 0: KL to a frozen copy of the initial policy
     kl_kind: str = "k3"  # one of KL_KINDS
-    lr: float = 1e-5
+    lr: float = 1e-5  # AdamW's learning rate for the policy
     epochs: int = 1  # passes over each step's batch
     minibatch_size: int = 16  # trajectories per optimizer step
     micro_batch_size: int | None = None  # trajectories per forward/backward pass (gradient accumulation)
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = 1.0  # gradients clipped to this global norm
     checkpoint_every: int = 0  # steps; 0 = only at the end
-    seed: int = 0
+    seed: int = 0  # the task order, the rollout seeds, the minibatch shuffles
 
     def __post_init__(self) -> None:
         if self.loss not in POLICY_LOSSES:

@@ -163,6 +163,7 @@ class PPO:
         return len(group.valid) >= 1
 
     def train_step(self, kept: list[Group], collected: list[Group], step: int) -> dict:
+        """GAE advantages from the critic as it was at collection, then the policy's and the critic's epochs."""
         if not kept:
             return {}
         cfg, generator = self.cfg, lambda: torch.Generator().manual_seed(self.cfg.seed + step)
@@ -178,10 +179,12 @@ class PPO:
         return metrics
 
     def checkpoint_state(self, sharding: loop.Sharding) -> tuple[dict, dict]:
+        """The critic and its optimizer state (gathered on rank 0 when sharded: a collective on every rank)."""
         critic, optimizer_state = sharding.gathered(self.critic, self.critic_optimizer, self.plain_critic)
         return ({"critic_optimizer": optimizer_state}, {"critic": critic}) if sharding.main else ({}, {})
 
     def restore(self, checkpoint: Path, state: dict) -> None:
+        """The critic and its optimizer, from the checkpoint's `critic/`."""
         restore(self.critic, self.critic_optimizer, checkpoint / "critic", state["critic_optimizer"],
                 AutoModelForTokenClassification)
 

@@ -237,6 +237,7 @@ class Tango:
         self.problems = {t.id: t.data.get("question", "") for t in tasks}
 
     def train_step(self, kept: list[Group], collected: list[Group], step: int) -> dict:
+        """The verifier's judgements, the generator's update on outcome + process reward, the verifier's update."""
         cfg, grpo, renderer = self.cfg, self.grpo, self.renderer
         t0 = time.perf_counter()
         trajectories = [t for g in kept for t in g.valid]
@@ -265,9 +266,11 @@ class Tango:
                 "time": {"verifier_rollout": judging}}
 
     def checkpoint_state(self, sharding: Sharding) -> tuple[dict, dict]:
+        """The verifier and its optimizer state (tango runs in one process)."""
         return {"verifier_optimizer": self.verifier.optimizer.state_dict()}, {"verifier": self.verifier.model}
 
     def restore(self, checkpoint: Path, state: dict) -> None:
+        """The verifier and its optimizer from the checkpoint's `verifier/`, synced into its policy."""
         restore(self.verifier.model, self.verifier.optimizer, checkpoint / "verifier", state["verifier_optimizer"],
                 AutoModelForCausalLM)
         asyncio.run(self.verifier.policy.sync_weights(self.verifier.model, state["weight_version"]))
