@@ -61,8 +61,9 @@ def test_tango_resumes_mid_run_with_the_same_metrics(tiny_model_dir, tmp_path):
     """Killed after step 1 of 2, the run resumes from that checkpoint (generator, verifier, both optimizers, RNGs,
     data position) and its step 2 is the uninterrupted run's."""
     tango = {"verifier_warmup": 4, "verifier_group_size": 2}
-    run(job(tiny_model_dir, tmp_path / "straight", grpo={**GRPO, "checkpoint_every": 1}, tango=tango), log=print)
-    run(job(tiny_model_dir, tmp_path / "resumed", grpo={**GRPO, "steps": 1}, tango=tango), log=print)  # "killed"
+    quiet = lambda _: None  # noqa: E731
+    run(job(tiny_model_dir, tmp_path / "straight", grpo={**GRPO, "checkpoint_every": 1}, tango=tango), log=quiet)
+    run(job(tiny_model_dir, tmp_path / "resumed", grpo={**GRPO, "steps": 1}, tango=tango), log=quiet)  # "killed"
     resumed_log = []
     run(job(tiny_model_dir, tmp_path / "resumed", grpo=GRPO, tango=tango), log=resumed_log.append)
     assert not any("verifier warm start" in line for line in resumed_log)  # the verifier came from the checkpoint
