@@ -17,7 +17,8 @@ import torch
 from pydantic import with_config
 
 from agentrl.config import STRICT, table_defaults
-from agentrl.rollout.engine import RolloutConfig, check_loop_rollout
+from agentrl.rollout.engine import RolloutConfig
+from agentrl.trainers.loop import check_loop_rollout
 from agentrl.types import Group, Trajectory
 from agentrl.trainers.batch import make_batch
 from agentrl.policy.logprobs import token_logprobs

@@ -30,7 +30,7 @@ from agentrl.env.api import TextEnv
 from agentrl.policy.logprobs import token_logprobs
 from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
-from agentrl.rollout.engine import RolloutConfig, RolloutEngine, check_loop_rollout
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.trainers.batch import Batch
 from agentrl.trainers.checkpoint import latest_checkpoint, resume, save_checkpoint
 from agentrl.trainers.fsdp import broadcast, data_parallel, full_optimizer_state, gather_into
@@ -70,6 +70,14 @@ class LoopConfig:
         if self.micro_batch_size is not None and not 1 <= self.micro_batch_size <= self.minibatch_size:
             raise ValueError(f"micro_batch_size must be in [1, minibatch_size], got {self.micro_batch_size}")
         check_loop_rollout(self.section, self.rollout)
+
+
+def check_loop_rollout(section: str, rollout: RolloutConfig) -> None:
+    """A training loop derives each collection's rollout seed from `section.seed` (distinct per step, the same on a
+    resumed run): a seed set in `[section.rollout]` would be replaced, so it is an error."""
+    if rollout.seed != 0:
+        raise ValueError(f"{section}.rollout.seed is derived from {section}.seed (per step, the same on a resumed "
+                         f"run): set {section}.seed instead")
 
 
 class Method(Protocol):
@@ -145,11 +153,12 @@ class Sharding:
 
     def save_checkpoint(self, out_dir: Path, step: int, tokenizer: Any, optimizer: torch.optim.Optimizer,
                         state: dict, submodels: dict) -> None:
-        """The policy, its optimizer, `state` and `submodels` as checkpoint `step`, written by rank 0."""
-        model, optimizer_state = self.gathered(self.model, optimizer, self.plain)
+        """The policy as the last `sync` left it, its optimizer, `state` and `submodels` as checkpoint `step`,
+        written by rank 0 (the optimizer state gathered first when sharded: a collective)."""
+        optimizer_state = optimizer.state_dict() if self.world == 1 else full_optimizer_state(self.model, optimizer)
         if self.main:
-            save_checkpoint(out_dir, step, model, tokenizer, state=state, optimizer_state=optimizer_state,
-                            submodels=submodels)
+            save_checkpoint(out_dir, step, self.plain or self.model, tokenizer, state=state,
+                            optimizer_state=optimizer_state, submodels=submodels)
 
 
 def step_seed(cfg: LoopConfig, step: int) -> int:

@@ -51,23 +51,11 @@ class RolloutConfig:
                              f"({self.max_total_tokens}), which also holds the prompt")
 
 
-def check_loop_rollout(section: str, rollout: RolloutConfig) -> None:
-    """A training loop derives each collection's rollout seed from `section.seed` (distinct per step, the same on a
-    resumed run): a seed set in `[section.rollout]` would be replaced, so it is an error."""
-    if rollout.seed != 0:
-        raise ValueError(f"{section}.rollout.seed is derived from {section}.seed (per step, the same on a resumed "
-                         f"run): set {section}.seed instead")
-
-
 _plays = itertools.count()  # makes every play's episode key unique, replays included
 
 
 class EnvTimeout(TimeoutError):
     """env.reset or env.step took longer than `step_timeout`."""
-
-
-class _PolicyFailed(Exception):
-    """The policy's `generate` raised (its exception is the cause): the episode stops as `policy_error`."""
 
 
 @dataclass
@@ -92,6 +80,7 @@ class _Episode:
     # the web envs' page screenshots.
     per_turn: dict[str, list[tuple[int, Any]]] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
+    failing_as: StopReason = StopReason.ENV_ERROR  # what an exception now would be: POLICY_ERROR while sampling
 
     def extend(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None = None,
                trainable: Sequence[int] = ()) -> None:
@@ -128,6 +117,8 @@ class RolloutEngine:
                  config: RolloutConfig = RolloutConfig()):
         self.make_env, self.policy, self.renderer, self.config = make_env, policy, renderer, config
         self._pool = ThreadPoolExecutor(config.env_workers, thread_name_prefix="agentrl-env")
+        self._stop_ids = tuple(dict.fromkeys(config.sampling.stop_token_ids + renderer.stop_token_ids)) \
+            if renderer is not None else ()
 
     async def _call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
@@ -154,10 +145,8 @@ class RolloutEngine:
             env = self.make_env()
             stop, reason = await self._play(env, sample_seed, ep)
         except Exception as e:  # the one capture point: any failure becomes an `error` trajectory
-            cause = e.__cause__ if isinstance(e, _PolicyFailed) else e
-            stop = (StopReason.POLICY_ERROR if isinstance(e, _PolicyFailed) else
-                    StopReason.RENDER_ERROR if isinstance(e, RendererError) else StopReason.ENV_ERROR)
-            reason, retryable = f"{type(cause).__name__}: {cause}", getattr(cause, "retryable", False)
+            stop = StopReason.RENDER_ERROR if isinstance(e, RendererError) else ep.failing_as
+            reason, retryable = f"{type(e).__name__}: {e}", getattr(e, "retryable", False)
         finally:
             if env is not None:
                 env.close()
@@ -199,12 +188,10 @@ class RolloutEngine:
         """The policy's next turn, within what is left of the episode's token budget, appended to `ep`."""
         budget = self.config.max_total_tokens - len(ep.ids)
         sampling = replace(self.config.sampling, max_tokens=min(self.config.sampling.max_tokens, budget), seed=seed,
-                           stop_token_ids=tuple(dict.fromkeys(self.config.sampling.stop_token_ids
-                                                              + self.renderer.stop_token_ids)))
-        try:
-            sample = (await self.policy.generate(ep.ids, sampling))[0]
-        except Exception as e:
-            raise _PolicyFailed() from e
+                           stop_token_ids=self._stop_ids)
+        ep.failing_as = StopReason.POLICY_ERROR
+        sample = (await self.policy.generate(ep.ids, sampling))[0]
+        ep.failing_as = StopReason.ENV_ERROR
         ep.extend(sample.token_ids, sampled=True, logprobs=sample.logprobs, trainable=sample.trainable)
         return sample
 
