@@ -24,7 +24,7 @@ from agentrl.envs.web.shop.catalog import Goal, Product, reward
 from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.policy.scripted import ScriptedPolicy
-from agentrl.tools.browser import Browser, BrowserError, PageState, is_local, shared_browser
+from agentrl.tools.browser import ActionError, Browser, BrowserError, PageState, Site, is_local, shared_browser
 from agentrl.tools.browser.runtime import OWNER_FLAG
 from agentrl.types import Status, ToolCall
 
@@ -138,9 +138,9 @@ def test_bad_actions_become_corrective_observations():
         (call(env, "select", id=1, option="Nobody"), "select on [1] failed"),
         (call(env, "press", key="NoSuchKey"), "unknown key"),
         (call(env, "scroll", direction="sideways"), "scroll direction must be one of"),
-        (call(env, "goto", url="https://example.com/"), "is not on this task's site"),
-        (call(env, "goto", url="file:///etc/hostname"), "is not on this task's site"),  # the host's files
-        (call(env, "goto", url="http://127.0.0.1:8000/v1/models"), "is not on this task's site"),  # its services
+        (call(env, "goto", url="https://example.com/"), "this task stays on its own page"),
+        (call(env, "goto", url="file:///etc/hostname"), "this task stays on its own page"),  # the host's files
+        (call(env, "goto", url="http://127.0.0.1:8000/v1/models"), "this task stays on its own page"),  # services
     ]:
         obs, reward, terminated, truncated, _ = env.step(action)
         assert not terminated and reward == 0.0
@@ -150,16 +150,21 @@ def test_bad_actions_become_corrective_observations():
     env.close()
 
 
-def test_same_site():
-    from agentrl.envs.web.env import same_site
-
-    page = "file:///pkg/miniwob/html/click-button.html"
-    assert same_site("file:///pkg/miniwob/html/choose-list.html", page)
-    assert not same_site("file:///pkg/miniwob/html/../../../etc/passwd", page)
-    assert not same_site("file:///etc/passwd", page) and not same_site("http://127.0.0.1/", page)
-    shop = "http://127.0.0.1:5123/s/abc/"
-    assert same_site("http://127.0.0.1:5123/item/7", shop)
-    assert not same_site("http://127.0.0.1:8000/v1/models", shop) and not same_site("file:///etc/passwd", shop)
+def test_a_site_is_an_exact_origin_or_the_real_paths_of_a_folder(tmp_path):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "out").symlink_to(tmp_path)  # a link inside the folder that leads out of it
+    site = Site((tmp_path / "site" / "index.html").as_uri())
+    assert site.allows((tmp_path / "site" / "b.html").as_uri()) and site.root == tmp_path / "site"
+    folder = (tmp_path / "site").as_uri()
+    for url in (f"{folder}/%2e%2e/secret.txt", f"{folder}/..%2fsecret.txt", f"{folder}/out/secret.txt",
+                "file:///etc/passwd", f"file://otherhost{tmp_path}/site/b.html", "http://127.0.0.1/"):
+        assert not site.allows(url), url
+    shop = Site("http://127.0.0.1:5123/s/abc/")
+    assert shop.allows("http://127.0.0.1:5123/item/7") and str(shop) == "http://127.0.0.1:5123"
+    for url in ("http://127.0.0.1:8000/v1/models", "http://localhost:5123/", "https://127.0.0.1:5123/",
+                "http://127.0.0.1/", "file:///etc/passwd", "data:text/html,hi"):
+        assert not shop.allows(url), url
+    assert Site("http://127.0.0.1/").allows("http://127.0.0.1:80/x")  # the scheme's default port
 
 
 @pytest.mark.browser
@@ -330,3 +335,108 @@ def test_no_chromium_is_left_after_an_episode_is_killed(how, tmp_path):
     while chromium_pids(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert chromium_pids(proc.pid) == []
+
+
+# ------------------------------------------------------------------------------------- escapes (#33)
+@pytest.fixture
+def listener():
+    """A loopback HTTP server standing for the machine's other services (vLLM, the retriever): counts its hits."""
+    import http.server
+    import threading
+
+    hits = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            hits.append(self.path)
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"SECRET-SERVICE")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_address[1], hits
+    server.shutdown()
+
+
+@pytest.mark.browser
+def test_a_file_site_cannot_be_left_however_the_url_is_spelled(tmp_path, listener):
+    """Chromium reads `%2e%2e` as `..`; the request route sees its reading, so none of these loads."""
+    port, hits = listener
+    (tmp_path / "secret.txt").write_text("SECRET-FILE")
+    site_dir = tmp_path / "site"
+    site_dir.mkdir()
+    (site_dir / "out").symlink_to(tmp_path)
+    (site_dir / "index.html").write_text(f"<p>home</p><img src='../secret.txt'><iframe src='out/secret.txt'></iframe>"
+                                         f"<script>fetch('http://127.0.0.1:{port}/from-script').catch(() => {{}})"
+                                         f"</script>")
+    (site_dir / "other.html").write_text("<p>other page</p>")
+    folder = site_dir.as_uri()
+    with shared_browser().session() as session:
+        session.restrict(Site(f"{folder}/index.html"))
+        session.goto(f"{folder}/index.html")
+        session.goto(f"{folder}/other.html")  # the site's own pages open
+        assert "other page" in session.observe().lines
+        for url in (f"{folder}/%2e%2e/secret.txt", f"{folder}/%2E%2E/%2e%2e{tmp_path}/secret.txt",
+                    f"{folder}/..%2fsecret.txt", f"{folder}/out/secret.txt", f"file://{tmp_path}/secret.txt",
+                    f"http://127.0.0.1:{port}/", f"http://127.0.0.1:{port}\\@127.0.0.1:1/",
+                    f"http://localhost:{port}/", "data:text/html,<p>SECRET-FILE</p>", "javascript:alert(1)"):
+            with pytest.raises(ActionError, match="not on this task's site|cannot be opened|could not open"):
+                session.goto(url)
+            page = session.observe()
+            assert not any("SECRET" in line for line in page.lines) and page.url.startswith(folder), (url, page)
+        session.goto(f"{folder}/index.html")
+        time.sleep(0.3)
+        assert "home" in session.observe().lines
+    assert hits == []
+
+
+@pytest.mark.browser
+def test_the_shop_reaches_no_other_loopback_port(listener):
+    port, hits = listener
+    env = agentrl.make("web/shop-v0", n_tasks=2)
+    env.reset(seed=0, options={"task": env.tasks[0]})
+    shop = env.server.port
+    for url in (f"http://127.0.0.1:{port}/", f"http://127.0.0.1:{port}\\@127.0.0.1:{shop}/",
+                f"http://127.0.0.1:{shop}@127.0.0.1:{port}/", f"http://localhost:{port}/", f"http://[::1]:{port}/",
+                f"http://0.0.0.0:{port}/", f"http://2130706433:{port}/"):
+        obs, reward, terminated, _, _ = env.step(call(env, "goto", url=url))
+        text = obs[0].content
+        assert not terminated and "Last action failed" in text and "SECRET" not in text, (url, text)
+        assert text.startswith(f"URL: http://127.0.0.1:{shop}/"), text
+    env.close()
+    assert hits == []
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("target", ["click-test.html", "click-checkboxes.html", "../core/core.js", "../core/"])
+def test_a_miniwob_task_is_scored_on_its_own_page_only(target):
+    """Another task's page (click-test is solved by one click), a reload (a new instance) and the package's
+    scripts are refused as observations; the task is still the one scored."""
+    env = agentrl.make("web/miniwob-click-checkboxes-v0", per_type=1)
+    task = env.tasks[0]
+    env.reset(seed=0, options={"task": task})
+    url = f"{env.page_url(task).rsplit('/', 1)[0]}/{target}"
+    obs, reward, terminated, _, _ = env.step(call(env, "goto", url=url))
+    assert not terminated and "this task stays on its own page" in obs[0].content
+    assert env.session.page.url == env.page_url(task)
+    gold = env.gold_actions(task)
+    for action in gold:
+        obs, reward, terminated, truncated, info = env.step(action)
+    assert terminated and reward == 1.0
+    env.close()
+
+
+@pytest.mark.browser
+def test_a_miniwob_page_that_is_left_anyway_scores_zero_not_error():
+    """No tool leaves the page; should something else (a page script), the episode is a failure, not `error`."""
+    env = agentrl.make("web/miniwob-click-test-v0", per_type=1)
+    env.reset(seed=0, options={"task": env.tasks[0]})
+    env.session.site = None  # the test's own way out: the package's script file, where no task globals exist
+    env.session.goto(env.page_url(env.tasks[0]).replace("miniwob/click-test.html", "core/core.js"))
+    obs, reward, terminated, _, info = env.step(call(env, "done"))
+    assert terminated and reward == 0.0 and "no longer the task's" in info["detail"], info
+    env.close()

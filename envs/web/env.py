@@ -1,7 +1,7 @@
 """The base of the web envs: a real Chromium page per episode, read as text and acted on through tools.
 
 Each turn the model calls one tool: `click(id)`, `fill(id, text)`, `select(id, option)`, `press(key)`,
-`scroll(direction)`, `goto(url)` (local pages only), or ends the episode with `answer(text)` / `done()`.
+`scroll(direction)`, `goto(url)` (pages of the task's site only), or ends the episode with `answer(text)` / `done()`.
 The tool's result is the page after the action: its URL, title, and one line per visible element, the ones
 that can be acted on numbered (`[3] button "Submit"`); numbers stay with their element while the page
 lives. A failed action (no element [9], a click that cannot land, a page that is not local) is the first
@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import abc
 import itertools
-import posixpath
 import random
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
-from urllib.parse import urlsplit
 
 from agentrl.env.api import ToolEnv
 from agentrl.tools import PARSERS, ToolSet, tool
-from agentrl.tools.browser import ActionError, PageState, Session, shared_browser
+from agentrl.tools.browser import ActionError, PageState, Session, Site, shared_browser
 from agentrl.types import Message, Task, ToolCall
 
 SYSTEM_PROMPT = (
@@ -36,17 +34,6 @@ SYSTEM_PROMPT = (
     "done (or answer, if the task asks for an answer).\n{fmt}"
 )
 _episodes = itertools.count()
-
-
-def same_site(url: str, site: str) -> bool:
-    """Whether `url` is on `site`'s origin (http, https) or in its page's folder (file)."""
-    a, b = urlsplit(url), urlsplit(site)
-    if a.scheme != b.scheme or a.scheme not in ("http", "https", "file"):
-        return False
-    if a.scheme == "file":
-        folder = posixpath.dirname(b.path) + "/"
-        return posixpath.normpath(a.path).startswith(folder) and not a.netloc
-    return (a.hostname, a.port) == (b.hostname, b.port)
 
 
 class WebEnv(ToolEnv):
@@ -126,9 +113,7 @@ class WebEnv(ToolEnv):
             Args:
                 url: The address to open.
             """
-            if not same_site(url, self._site):  # not the machine's other files or services
-                return self.observation(error=f"{url} is not on this task's site ({self._site})")
-            return action(lambda: self.session.goto(url))
+            return action(lambda: self.session.goto(url))  # the session's site decides what loads
 
         @tool(timeout=1.0)
         def answer(text: str) -> str:
@@ -157,6 +142,11 @@ class WebEnv(ToolEnv):
     def finished(self) -> bool:
         """Whether the page has ended the task (a MiniWoB page reports done, a shop order was placed)."""
 
+    def site(self, task: Task) -> Site:
+        """Where the page may go once the task has started: by default the origin (http) or the folder (file) of
+        the page `start` opened."""
+        return Site(self.session.page.url)
+
     @abc.abstractmethod
     def instruction(self, task: Task) -> str:
         """The task in words, for the first user message (read after `start`: a page may state it)."""
@@ -174,7 +164,7 @@ class WebEnv(ToolEnv):
         self._close_session()
         self._ended_by, self._episode, self._shots = None, next(_episodes), 0
         self.start(task)
-        self._site = self.session.page.url  # where `goto` may go: this origin (http) or this folder (file)
+        self.session.restrict(self.site(task))  # not the machine's other files or services
 
     def first_messages(self, task: Task) -> Sequence[Message]:
         """The system prompt, and the task's instruction with the page as it is after `start`."""

@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Sequence
 from agentrl.env.api import Score
 from agentrl.envs.web.env import WebEnv, find_one
 from agentrl.tools import ParsedAction
-from agentrl.tools.browser import PageState
+from agentrl.tools.browser import PageState, Site
 from agentrl.types import Task, ToolCall
 
 HELDOUT_SEED_OFFSET = 1_000_000
@@ -33,7 +33,9 @@ START_JS = """seed => {
   core.startEpisodeReal();
   return WOB_TASK_READY;
 }"""
-RESULT_JS = "() => ({done: WOB_DONE_GLOBAL, raw: WOB_RAW_REWARD_GLOBAL, reason: WOB_REWARD_REASON})"
+# null on any page but a task's (the model cannot open one, but a page that is not scored must not raise)
+RESULT_JS = ("() => typeof WOB_DONE_GLOBAL === 'undefined' ? null : "
+             "({done: WOB_DONE_GLOBAL, raw: WOB_RAW_REWARD_GLOBAL, reason: WOB_REWARD_REASON})")
 HIDE_CORE_DISPLAY = "#reward-display, #sync-task-cover { display: none !important; }"
 
 
@@ -161,18 +163,31 @@ class MiniWoBEnv(WebEnv):
     def start(self, task: Task) -> None:
         name, seed = task.data["name"], task.data["seed"]
         session = self.session
-        session.goto((pages_dir() / f"{name}.html").as_uri())
+        session.goto(self.page_url(task))
         session.evaluate(f"() => {{ const s = document.createElement('style'); s.textContent = "
                          f"{HIDE_CORE_DISPLAY!r}; document.head.appendChild(s); }}")
         if not session.evaluate(START_JS, f"{name}-{seed}"):
             raise RuntimeError(f"MiniWoB page {name} did not become ready")
 
+    def site(self, task: Task) -> Site:
+        """The task's own page, which loads the package's scripts and styles but never leaves for another page:
+        another task's page (or a reload, which re-rolls this one) would be scored as this task."""
+        return Site(self.page_url(task), folder=str(pages_dir().parent), navigate=False)
+
+    @staticmethod
+    def page_url(task: Task) -> str:
+        """The `file:` URL of the task's page."""
+        return (pages_dir() / f"{task.data['name']}.html").as_uri()
+
     def instruction(self, task: Task) -> str:
         return self.session.evaluate("() => core.getUtterance()").strip()
 
     def result(self) -> dict:
-        """The page's outcome so far: `{"done", "raw", "reason"}` (`raw`: its reward, in [-1, 1])."""
-        return self.session.evaluate(RESULT_JS)
+        """The page's outcome so far: `{"done", "raw", "reason"}` (`raw`: its reward, in [-1, 1]); not done, with
+        the reason, if the page is no longer the task's."""
+        url = self.session.page.url.split("#")[0]
+        result = self.session.evaluate(RESULT_JS) if url == self.page_url(self.task) else None
+        return result or {"done": False, "raw": 0.0, "reason": f"the page is no longer the task's ({url})"}
 
     def finished(self) -> bool:
         return bool(self.result()["done"])
@@ -182,7 +197,8 @@ class MiniWoBEnv(WebEnv):
         raw = float(result["raw"]) if result["done"] else 0.0
         detail = f"page reward {raw:g}" + (f" ({result['reason']})" if result.get("reason") else "")
         return Score({"success": float(raw > 0), "raw_reward": raw}, detail if result["done"] else
-                     "the episode ended before the page reported done")
+                     "the episode ended before the page reported done" + (
+                         f": {result['reason']}" if result.get("reason") else ""))
 
     def solve(self, task: Task) -> Iterator[ToolCall]:
         solver = SOLVERS.get(task.data["name"])

@@ -3,6 +3,7 @@
     browser = shared_browser()              # one Chromium per process, launched on first use
     with browser.session() as page:         # a fresh context (cookies, storage, cache) per episode
         page.goto("file:///.../task.html")  # only file:// and loopback URLs load; the rest is blocked
+        page.restrict(Site(page.url))       # from now on, only this task's site loads
         state = page.observe()              # URL, title, and the page as text with numbered elements
         page.click(3)                       # act on element [3] of the observation
 
@@ -10,6 +11,10 @@ Playwright's sync API belongs to the thread that started it, and the rollout eng
 threads; so the async API runs on one private event-loop thread and every call is submitted to it. At most
 `max_sessions` contexts are open at once; every call has a timeout. The browser closes at exit; if this
 process is killed, Playwright's driver sees its pipe close and takes the browser down with it.
+
+Every request a page makes (navigations, scripts, images, frames, redirects) passes the session's request
+route, which sees the URL as Chromium parsed it (`%2e%2e` resolved, `\\` read as `/`): so a session restricted
+to a `Site` loads nothing else, however the model spells a URL.
 
 Two kinds of failure: `ActionError` is the model's (no element [7], a click that cannot land, a blocked URL):
 the env shows it as the observation's error line. `BrowserError` is the browser's (crashed, hung): the episode
@@ -26,11 +31,13 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib.resources import files
+from pathlib import Path
 from typing import Any, Coroutine, Iterator
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 ALWAYS_ALLOWED_SCHEMES = ("file", "data", "about", "blob")
+DEFAULT_PORTS = {"http": 80, "https": 443}
 # Marks this process's Chromium on its command line, so that tests (and people) can find leftovers.
 OWNER_FLAG = "--agentrl-owner"
 _OBSERVE_JS = files("agentrl.tools.browser").joinpath("observe.js").read_text()
@@ -52,6 +59,43 @@ def is_local(url: str) -> bool:
     if parts.scheme in ALWAYS_ALLOWED_SCHEMES:
         return True
     return parts.scheme in ("http", "https", "ws", "wss") and (parts.hostname or "") in LOCAL_HOSTS
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where an episode's page may go once its task has started.
+
+    An http(s) site is one origin: exactly its scheme, host and port. A file site is the real paths under
+    `folder` (default: the folder of `url`'s file), symlinks resolved. With `navigate=False` the page may load
+    what it needs but never leave its document (a MiniWoB page: another page, or a reload, is another task).
+    """
+
+    url: str
+    folder: str | None = None
+    navigate: bool = True
+
+    def allows(self, url: str) -> bool:
+        """Whether `url` (as Chromium spells it) is on this site."""
+        a, b = urlsplit(url), urlsplit(self.url)
+        if a.scheme != b.scheme:
+            return False
+        if a.scheme == "file":
+            return a.netloc in ("", "localhost") and _real_path(a.path).is_relative_to(self.root)
+        return a.scheme in DEFAULT_PORTS and (a.hostname, a.port or DEFAULT_PORTS[a.scheme]) == \
+            (b.hostname, b.port or DEFAULT_PORTS[b.scheme])
+
+    @property
+    def root(self) -> Path:
+        """A file site's folder, as a real path."""
+        return _real_path(self.folder or os.path.dirname(urlsplit(self.url).path))
+
+    def __str__(self) -> str:
+        parts = urlsplit(self.url)
+        return f"{self.root}/" if parts.scheme == "file" else f"{parts.scheme}://{parts.netloc}"
+
+
+def _real_path(url_path: str) -> Path:
+    return Path(os.path.realpath(unquote(url_path)))
 
 
 def find_chromium() -> str:
@@ -157,7 +201,13 @@ class Browser:
         except BaseException:
             self._slots.release()
             raise
-        return Session(self, context, page)
+        session = Session(self, context, page)
+        try:
+            self.call(context.route("**/*", session._route))
+        except BaseException:
+            session.close()
+            raise
+        return session
 
     async def _take_context(self):
         made = self._warm.pop() if self._warm else await self._new_context()
@@ -179,15 +229,6 @@ class Browser:
         context = await self._browser.new_context(viewport={"width": width, "height": height},
                                                   service_workers="block")
         context.set_default_timeout(self.action_timeout * 1000)
-
-        async def only_local(route):
-            if is_local(route.request.url):
-                await route.continue_()
-            else:
-                self.blocked.append(route.request.url)
-                await route.abort("blockedbyclient")
-
-        await context.route("**/*", only_local)
         return context, await context.new_page()
 
     def close(self) -> None:
@@ -224,7 +265,13 @@ class Session:
 
     def __init__(self, browser: Browser, context, page):
         self.browser, self._context, self.page = browser, context, page
+        self.site: Site | None = None  # None: any local URL loads (the env opening its task)
+        self._refused_navigation = False  # set by the request route when it cancels a navigation
         self.closed = False
+
+    def restrict(self, site: Site) -> None:
+        """From now on, this page loads only what `site` allows; every other request is refused."""
+        self.site = site
 
     # ---- reading ----
     def observe(self, root: str | None = None) -> PageState:
@@ -247,15 +294,24 @@ class Session:
 
     # ---- acting ----
     def goto(self, url: str) -> None:
-        """Opens `url` and waits for its load event; ActionError if it is not local or does not load."""
-        if not is_local(url):
+        """Opens `url` and waits for its load event; ActionError if it is off the site or does not load."""
+        if self.site is None and not is_local(url):
             raise ActionError(f"{url} is not a local page; only file:// and localhost URLs can be opened")
+        if self.site is not None and not self.site.navigate:
+            raise ActionError(f"{url} was not opened: this task stays on its own page")
+        # Only these schemes pass the request route; the others (data:, javascript:) would bypass it.
+        if self.site is not None and urlsplit(url).scheme not in ("http", "https", "file"):
+            raise ActionError(f"{url} cannot be opened; only pages of this task's site ({self.site}) can")
+
         async def goto():
+            self._refused_navigation = False
             try:
                 await self.page.goto(url, wait_until="load")
-            except Exception as e:  # a missing file, a refused port, a slow page
+            except Exception as e:  # a missing file, a refused port, a slow page, a refused request
                 if not self.browser.connected:
                     raise
+                if self._refused_navigation:
+                    raise ActionError(f"{url} is not on this task's site ({self.site})") from e
                 raise ActionError(f"could not open {url}: {str(e).splitlines()[0]}") from e
         self._call(goto())
 
@@ -302,6 +358,24 @@ class Session:
             self.browser._slots.release()
 
     # ---- internals ----
+    async def _route(self, route) -> None:
+        request = route.request
+        leaving = request.is_navigation_request() and request.frame.parent_frame is None  # the page would change
+        if self._allows(request.url, leaving):
+            await route.continue_()
+            return
+        self.browser.blocked.append(request.url)
+        self._refused_navigation |= leaving
+        # A refused navigation is cancelled ("aborted"), not failed: a failed one replaces the page by an error page.
+        await route.abort("aborted" if leaving else "blockedbyclient")
+
+    def _allows(self, url: str, leaving: bool) -> bool:
+        if self.site is None:
+            return is_local(url)
+        if leaving:
+            return self.site.navigate and self.site.allows(url)
+        return self.site.allows(url) or urlsplit(url).scheme in ("data", "blob")
+
     def _call(self, coroutine: Coroutine) -> Any:
         if self.closed:
             coroutine.close()
