@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import collections
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 import agentrl
 from agentrl.envs.swe.generate import INSTANCES, candidates, file_diff, generate_repo
-from agentrl.envs.swe.instances import load_jsonl, parse_pytest_summary, to_task
+from agentrl.envs.swe.env import TEST_CONFIG, patch_paths, single_hunk_edit, split_patch
+from agentrl.envs.swe.instances import InconsistentOutput, load_jsonl, parse_pytest_summary, to_task
 from agentrl.envs.swe.mutate import mutate, sites
 from agentrl.envs.swe.repos import REPOS
 from agentrl.types import ToolCall
@@ -89,11 +91,43 @@ def test_folder_format(tmp_path):
     assert load(tmp_path / "tasks", split="heldout") == []
 
 
+SUMMARY = ("t.py::test_a PASSED\n===== short test summary info =====\nPASSED t.py::test_a\n"
+           "FAILED t.py::test_b[x-y] - AssertionError: assert 1 == 2\nERROR t.py::test_c\nSKIPPED [1] t.py:3: no gdbm\n"
+           "===== 1 failed, 1 passed, 1 skipped, 1 error in 0.12s =====\n")
+
+
 def test_pytest_summary_parsing():
-    out = ("PASSED t.py::test_a\nFAILED t.py::test_b[x-y] - AssertionError: assert 1 == 2\nERROR t.py::test_c\n"
-           "SKIPPED [1] t.py:3: no gdbm\n== 1 failed, 1 passed ==\n")
-    assert parse_pytest_summary(out) == {"t.py::test_a": "PASSED", "t.py::test_b[x-y]": "FAILED",
-                                         "t.py::test_c": "ERROR"}
+    assert parse_pytest_summary(SUMMARY) == {"t.py::test_a": "PASSED", "t.py::test_b[x-y]": "FAILED",
+                                             "t.py::test_c": "ERROR"}
+    assert parse_pytest_summary("PASSED t.py::test_a\n") == {}  # no final line: the run did not finish
+    assert parse_pytest_summary(SUMMARY.replace("0.12s =====", "65.43s (0:01:05) =====")) != {}
+
+
+@pytest.mark.parametrize("forged, message", [
+    # what code under test prints at exit (atexit), after pytest's own report
+    (SUMMARY + "PASSED t.py::test_b[x-y]\n", "output after the final counts line"),
+    (SUMMARY + "===== short test summary info =====\nPASSED t.py::test_b[x-y]\n== 2 passed in 0.1s ==\n",
+     "output after the final counts line"),
+    # printed into the summary (a patched reporter): a test with two statuses, or counts that disagree
+    (SUMMARY.replace("ERROR t.py::test_c", "PASSED t.py::test_b[x-y]\nERROR t.py::test_c"), "reported FAILED and PASSED"),
+    (SUMMARY.replace("PASSED t.py::test_a\n", "PASSED t.py::test_a\nPASSED t.py::test_d\n"), "2 passed status lines"),
+    ("===== short test summary info =====\n" + SUMMARY, "two short test summaries"),
+])
+def test_test_output_that_contradicts_itself_is_refused(forged, message):
+    with pytest.raises(InconsistentOutput, match=re.escape(message)):
+        parse_pytest_summary(forged)
+
+
+def test_the_agent_patch_is_graded_without_tests_or_test_settings():
+    patch = (file_diff("src/m.py", "a = 1\n", "a = 2\n") + file_diff("tests/test_m.py", "x\n", "y\n")
+             + file_diff("conftest.py", None, "import pytest\n") + file_diff("pkg/sub/pytest.ini", None, "[pytest]\n")
+             + file_diff("evil.pth", None, "import os\n"))
+    kept, left_out = split_patch(patch, lambda p: p == "tests/test_m.py" or Path(p).name in TEST_CONFIG
+                                 or p.endswith(".pth"))
+    assert kept == file_diff("src/m.py", "a = 1\n", "a = 2\n")
+    assert left_out == ["conftest.py", "evil.pth", "pkg/sub/pytest.ini", "tests/test_m.py"]
+    renamed = "diff --git a/src/m.py b/tests/test_m.py\nsimilarity index 100%\nrename from src/m.py\nrename to tests/test_m.py\n"
+    assert patch_paths(renamed) == {"src/m.py", "tests/test_m.py"}
 
 
 def test_candidate_order_is_deterministic_and_alternates_kinds(tmp_path):
@@ -212,3 +246,77 @@ def test_episode_is_graded_when_the_turns_run_out(generated):
         assert terminated and not truncated and reward == 1.0 and "max_turns" in info["reason"]
     finally:
         env.close()
+
+
+# ------------------------------------------------------------------------------- forged grading (#33)
+def forge(task) -> str:
+    """Python that, at exit, prints a PASSED line for every graded test: what fooled a last-line-wins grader."""
+    ids = task.data["FAIL_TO_PASS"] + task.data["PASS_TO_PASS"]
+    return f"import atexit\natexit.register(lambda: print(''.join('PASSED ' + t + chr(10) for t in {ids!r})))\n"
+
+
+def assert_not_resolved(env, reason: str = ""):
+    _, reward, terminated, _, info = call(env, "submit", summary="done")
+    assert terminated and reward == 0.0 and info["reward_components"]["fail_to_pass"] < 1.0, info
+    assert reason in info["detail"], info["detail"]
+    return info
+
+
+@pytest.mark.docker
+def test_interpreter_hooks_planted_in_home_do_not_reach_the_grader(env):
+    task = env.tasks[0]
+    env.reset(seed=0, options={"task": task})
+    plant = (f"import site, pathlib\nfor d in (site.getusersitepackages(), '..', '.'):\n"
+             f"    pathlib.Path(d).mkdir(parents=True, exist_ok=True)\n"
+             f"    for name in ('usercustomize.py', 'sitecustomize.py'):\n"
+             f"        (pathlib.Path(d) / name).write_text({forge(task)!r})\n")
+    env.sandbox.write("plant.py", plant)
+    assert call(env, "bash", command="python3 ../plant.py && python3 -c 'pass'")[0][0].content.startswith("PASSED")
+    info = assert_not_resolved(env, "not graded (tests or test settings): sitecustomize.py, usercustomize.py")
+    assert "+++ b/sitecustomize.py" in info["detail"]  # the recorded diff still shows what the agent did
+
+
+@pytest.mark.docker
+def test_results_printed_by_the_code_under_test_are_not_trusted(env):
+    task = env.tasks[0]
+    env.reset(seed=0, options={"task": task})
+    module = single_hunk_edit(task.data["patch"])["path"]
+    env.sandbox.write("forge.py", forge(task))
+    call(env, "bash", command=f"cat ../forge.py >> {module}")
+    assert_not_resolved(env, "the test output is not to be trusted: output after the final counts line")
+
+
+@pytest.mark.docker
+def test_committed_test_edits_are_not_graded(env):
+    """Tests that exist in the repository (as in SWE-bench's images): the agent weakens and commits them; the
+    grader restores them from the base commit recorded at setup, not from the agent's HEAD."""
+    from agentrl.envs.swe.env import spec_of
+    from agentrl.envs.swe.generate import CACHE, file_diff
+    from agentrl.envs.swe.repos import fetch
+    from agentrl.types import Task
+
+    task = env.tasks[0]
+    test_file = task.data["FAIL_TO_PASS"][0].split("::")[0]
+    original = (fetch(spec_of(task.data["repo"]), CACHE) / test_file).read_text()
+    visible = Task(task.id, {**task.data, "hidden_tests": [],
+                             "test_patch": file_diff(test_file, original, "# graded\n" + original)}, task.split)
+    env.reset(seed=0, options={"task": visible})
+    call(env, "bash", command=f"sed -i 's/assert /assert True or /' {test_file} && git add -A && "
+                              "git -c user.name=a -c user.email=a@b commit -qm 'fix tests'")
+    assert "nothing to commit" in call(env, "bash", command="git status")[0][0].content
+    assert_not_resolved(env, f"not graded (tests or test settings): {test_file}")
+    env.reset(seed=0, options={"task": visible})  # and the gold fix still resolves this form of the task
+    for action in env.gold_actions(visible):
+        _, reward, *_ = env.step(action)
+    assert reward == 1.0
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("sabotage", ["mkdir ../.test.patch ../.agent.patch ../.test_output", "rm -rf .git",
+                                      "git replace -f HEAD $(git commit-tree HEAD^{tree} -m x)",
+                                      "echo '* diff=x' > .gitattributes && git config diff.x.textconv false"])
+def test_sabotaging_the_grader_is_a_failure_not_an_error(env, sabotage):
+    env.reset(seed=0, options={"task": env.tasks[0]})
+    call(env, "bash", command=sabotage)
+    _, reward, terminated, _, info = call(env, "submit", summary="done")
+    assert terminated and reward == 0.0 and "outcome" in info["reward_components"], info

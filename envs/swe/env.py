@@ -3,11 +3,15 @@
 Tools, as mini-swe-agent and SWE-agent give them: `bash(command)` (stateless: each command runs in a fresh
 shell in the repository, with a timeout and head/tail output truncation), `view(path, start, end)`,
 `edit(path, old, new)` (replace one exact, unique occurrence), `create(path, content)`, and `submit(summary)`.
-At submit, or when the turns run out, the repository is graded as SWE-bench grades it: the agent's diff is
-recorded, the files of `test_patch` are reset to the base commit and the test patch applied (so deleting or
-editing tests changes nothing), the tests run, and the reward is 1 iff every FAIL_TO_PASS and every
-PASS_TO_PASS test passes; the fraction of each is reported. The hidden tests are never in the workspace
-during the episode.
+At submit, or when the turns run out, the repository is graded as SWE-bench grades it, in a sandbox the agent
+never touched: the agent's diff against the base commit recorded at setup (not `HEAD`, which the agent can
+move) is applied to a fresh copy, without the files of `test_patch` and without what configures the test run
+(`conftest.py`, pytest and packaging settings, `*customize.py`, `.pth`); the test patch is applied (so deleting,
+editing or committing tests changes nothing); the tests run with no user site and a fresh `HOME`; and the
+reward is 1 iff every FAIL_TO_PASS and every PASS_TO_PASS test passes; the fraction of each is reported. Test
+output that contradicts itself (a test with two statuses, status lines that disagree with the final counts, a
+second summary) is a failure, as is a run that never reached its summary. The hidden tests are never in the
+agent's sandbox.
 
 Each episode leases a sandbox of its instance's image from the pool and puts the repository into the
 workspace: generated instances upload the host's snapshot (their images hold no clean copy, which would show
@@ -20,13 +24,13 @@ from __future__ import annotations
 
 import random
 import shlex
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Sequence
 
 from agentrl.env.api import Score, ToolEnv
 from agentrl.envs.swe.generate import CACHE, INSTANCES
 from agentrl.envs.swe.repos import REPOS, fetch, upload
-from agentrl.envs.swe.instances import load, parse_pytest_summary
+from agentrl.envs.swe.instances import InconsistentOutput, load, parse_pytest_summary
 from agentrl.tools import PARSERS, ParsedAction, ToolSet, tool
 from agentrl.tools.sandbox import Limits, Runtime, SandboxError
 from agentrl.tools.sandbox.pool import shared_pool
@@ -34,6 +38,13 @@ from agentrl.types import Message, Task, ToolCall
 
 REPO = "repo"  # the repository's place in the workspace
 GIT = "git -c user.name=agentrl -c user.email=agentrl@localhost"
+# Reading the agent's repository: no replaced objects, hooks, external diff programs or text conversions of its own.
+READ_GIT = "GIT_NO_REPLACE_OBJECTS=1 git -c core.hooksPath=/dev/null"
+# Files that configure the test run rather than the code under test: an agent's change to them is not graded.
+TEST_CONFIG = {"conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "sitecustomize.py",
+               "usercustomize.py"}
+# The tests run with no user site, a fresh HOME and none of the agent's Python settings.
+TEST_ENV = "env -u PYTHONPATH -u PYTHONSTARTUP HOME=/tmp/agentrl-home PYTHONNOUSERSITE=1"
 SYSTEM_PROMPT = (
     "You fix bugs in a Python repository, which is your working directory. Use bash to explore and run "
     "code, view to read files, edit and create to change them; every bash command runs in a fresh shell. "
@@ -65,6 +76,7 @@ class SWEEnv(ToolEnv):
         self.limits = Limits(timeout=timeout, memory_mb=memory_mb, disk_mb=256, pids=128)
         self._sandbox: Runtime | None = None
         self._sandbox_image: str | None = None
+        self._base = ""  # the commit the episode started from, recorded at setup
 
         @tool(timeout=timeout + 30.0)
         def bash(command: str) -> str:
@@ -173,30 +185,16 @@ class SWEEnv(ToolEnv):
         super().on_reset(task)
         self._release()
         self._sandbox_image = task.data["image"]
-        self._sandbox = shared_pool("docker", self.limits, self.pool_size, image=self._sandbox_image).acquire()
-        self._setup(task)
+        self._sandbox = self._pool().acquire()
+        self._base = setup(self.sandbox, task)
 
-    def _setup(self, task: Task) -> None:
-        d = task.data
-        if d["repo_dir"]:  # an instance whose image holds its repository (SWE-bench style)
-            steps = [f"cp -a {shlex.quote(d['repo_dir'])}/. {REPO}", f"cd {REPO}"]
-        else:  # a generated one: the host's snapshot (its image holds no copy the agent could diff against)
-            upload(self.sandbox, fetch(spec_of(d["repo"]), CACHE), REPO)
-            steps = [f"cd {REPO}"]
-        if d.get("setup_patch"):
-            self.sandbox.write(".setup.patch", d["setup_patch"])
-            steps.append("git apply ../.setup.patch && rm ../.setup.patch")
-        steps += [f"rm -rf {shlex.quote(p)}" for p in d.get("hidden_tests", [])]
-        if d.get("hidden_tests") or d.get("setup_patch"):  # a fresh history: `git log` must hold no answer
-            steps.append(f"rm -rf .git && git init -q && git add -A && {GIT} commit -qm base")
-        result = self.sandbox.run(argv=["bash", "-c", " && ".join(steps)], timeout=120)
-        if not result.ok:
-            raise SandboxError(f"could not set up {task.id}: {result.observation()[-500:]}")
+    def _pool(self):
+        return shared_pool("docker", self.limits, self.pool_size, image=self._sandbox_image)
 
     def _release(self) -> None:
         if self._sandbox is not None:
             sandbox, self._sandbox = self._sandbox, None
-            shared_pool("docker", self.limits, self.pool_size, image=self._sandbox_image).release(sandbox)
+            self._pool().release(sandbox)
 
     def close(self) -> None:
         self._release()
@@ -213,29 +211,44 @@ class SWEEnv(ToolEnv):
 
     def score(self, task: Task, answer: str, transcript: Sequence[ParsedAction]) -> Score:
         d = task.data
-        diff = self.sandbox.run(argv=["bash", "-c", f"cd {REPO} && git add -A && git diff --cached HEAD"]).stdout
-        test_files = sorted({line.split(" b/", 1)[1] for line in d["test_patch"].splitlines()
-                             if line.startswith("diff --git a/")})
-        restore = [f"(git cat-file -e HEAD:{shlex.quote(f)} 2>/dev/null && git checkout -q HEAD -- {shlex.quote(f)}"
-                   f" || rm -rf {shlex.quote(f)})" for f in test_files]
-        steps = [f"cd {REPO}", *restore]
-        if d["test_patch"]:
-            self.sandbox.write(".test.patch", d["test_patch"])
-            steps.append("git apply ../.test.patch && rm ../.test.patch")
-        # to a file: the summary of every test is longer than a tool call's output budget
-        steps.append(f"(COLUMNS=250 {d['test_cmd']}) > ../.test_output 2>&1; true")
-        result = self.sandbox.run(argv=["bash", "-c", " && ".join(steps)], timeout=max(self.limits.timeout, 300))
-        try:
-            outcomes = parse_pytest_summary(self.sandbox.read(".test_output"))
-        except OSError:
-            outcomes = {}
+        diff = self._agent_diff()
+        self._release()  # graded elsewhere: nothing the agent left in its sandbox (files, processes) takes part
+        test_files = patch_paths(d["test_patch"])
+        graded, left_out = split_patch(diff, lambda path: path in test_files or PurePosixPath(path).name in TEST_CONFIG
+                                       or path.endswith(".pth"))
+        with self._pool().lease() as grader:
+            setup(grader, task)
+            steps = [f"cd {REPO}"]
+            for name, patch in ((".agent.patch", graded), (".test.patch", d["test_patch"])):
+                if patch:
+                    grader.write(name, patch)
+                    steps.append(f"git apply --binary ../{name}")
+            # to a file: the summary of every test is longer than a tool call's output budget
+            steps.append(f"mkdir -p /tmp/agentrl-home && (COLUMNS=250 {TEST_ENV} {d['test_cmd']}) > ../.test_output "
+                         "2>&1; true")
+            result = grader.run(argv=["bash", "-c", " && ".join(steps)], timeout=max(self.limits.timeout, 300))
+            try:
+                outcomes, problem = parse_pytest_summary(grader.read(".test_output")), ""
+            except InconsistentOutput as e:
+                outcomes, problem = {}, f"the test output is not to be trusted: {e}"
+            except OSError:
+                outcomes, problem = {}, ""
         f2p, p2p = (sum(outcomes.get(t) == "PASSED" for t in tests) / len(tests) if tests else 1.0
                     for tests in (d["FAIL_TO_PASS"], d["PASS_TO_PASS"]))
-        resolved = float(f2p == 1.0 and p2p == 1.0)
+        resolved = float(f2p == 1.0 and p2p == 1.0 and not problem)
         detail = f"FAIL_TO_PASS {f2p:.2f}, PASS_TO_PASS {p2p:.2f}"
-        if not outcomes:
-            detail += f"; the tests did not run: {result.observation()[-300:]}"
+        if problem or not outcomes:
+            detail += f"; {problem or 'the tests did not run: ' + result.observation()[-300:]}"
+        if left_out:
+            detail += f"; not graded (tests or test settings): {', '.join(left_out)}"
         return Score({"outcome": resolved, "fail_to_pass": f2p, "pass_to_pass": p2p}, detail + f"\n--- diff\n{diff}")
+
+    def _agent_diff(self) -> str:
+        """Everything the agent changed since the base commit, new files included, as a binary-safe patch."""
+        write = (f"cd {REPO} && {READ_GIT} add -A && {READ_GIT} diff --cached --binary --no-ext-diff --no-textconv "
+                 f"{self._base} > ../.agent.patch")
+        result = self.sandbox.run(argv=["bash", "-c", write])
+        return self.sandbox.read(".agent.patch") if result.ok else ""
 
     # --- the gold solution ----------------------------------------------------------------------------------
 
@@ -255,6 +268,54 @@ class SWEEnv(ToolEnv):
         if rng.random() < error_rate:
             return [self.parser.format_call(ToolCall("submit", {"summary": "no change needed"}))]
         return self.gold_actions(task)
+
+
+def setup(sandbox: Runtime, task: Task) -> str:
+    """Puts the task's repository, as an episode starts, into `sandbox`'s workspace; returns its base commit."""
+    d = task.data
+    if d["repo_dir"]:  # an instance whose image holds its repository (SWE-bench style)
+        steps = [f"cp -a {shlex.quote(d['repo_dir'])}/. {REPO}", f"cd {REPO}"]
+    else:  # a generated one: the host's snapshot (its image holds no copy the agent could diff against)
+        upload(sandbox, fetch(spec_of(d["repo"]), CACHE), REPO)
+        steps = [f"cd {REPO}"]
+    if d.get("setup_patch"):
+        sandbox.write(".setup.patch", d["setup_patch"])
+        steps.append("git apply ../.setup.patch && rm ../.setup.patch")
+    steps += [f"rm -rf {shlex.quote(p)}" for p in d.get("hidden_tests", [])]
+    if d.get("hidden_tests") or d.get("setup_patch"):  # a fresh history: `git log` must hold no answer
+        steps.append(f"rm -rf .git && git init -q && git add -A && {GIT} commit -qm base")
+    result = sandbox.run(argv=["bash", "-c", " && ".join([*steps, "git rev-parse HEAD"])], timeout=120)
+    if not result.ok:
+        raise SandboxError(f"could not set up {task.id}: {result.observation()[-500:]}")
+    return result.stdout.split()[-1]
+
+
+def patch_paths(patch: str) -> set[str]:
+    """Every path a git patch names (old and new sides, renames and copies)."""
+    paths = set()
+    for line in patch.splitlines():
+        if line.startswith("diff --git "):
+            paths.update(part[2:] for part in line[len("diff --git "):].split(" ") if part[:2] in ("a/", "b/"))
+        elif line.startswith(("--- a/", "+++ b/")):
+            paths.add(line[6:].strip())
+        elif line.startswith(("rename from ", "rename to ", "copy from ", "copy to ")):
+            paths.add(line.split(" ", 2)[2].strip())
+    return paths
+
+
+def split_patch(patch: str, excluded) -> tuple[str, list[str]]:
+    """The patch without the files for which `excluded(path)` holds (any path a file's part names), and the
+    left-out paths."""
+    parts = [part for part in patch.split("\ndiff --git ")]
+    files = [part if i == 0 else "diff --git " + part for i, part in enumerate(parts) if part.strip()]
+    kept, left_out = [], []
+    for part in files:
+        named = patch_paths(part)
+        if any(excluded(p) for p in named):
+            left_out += sorted(named)
+        else:
+            kept.append(part if part.endswith("\n") else part + "\n")
+    return "".join(kept), sorted(set(left_out))
 
 
 def single_hunk_edit(patch: str) -> dict[str, str] | None:

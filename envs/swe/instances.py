@@ -16,7 +16,9 @@ and `test_patch` (the tests, applied only for grading). agentrl adds:
 
 from __future__ import annotations
 
+import collections
 import json
+import re
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -80,12 +82,50 @@ def write_jsonl(instances: Iterable[dict[str, Any]], path: str | Path) -> None:
     tmp.rename(path)
 
 
+class InconsistentOutput(ValueError):
+    """Test output that contradicts itself, as output forged by the code under test would."""
+
+
+STATUSES = {"PASSED": "passed", "FAILED": "failed", "ERROR": "error", "XFAIL": "xfailed", "XPASS": "xpassed"}
+FINAL_LINE = re.compile(r"^=*\s*((?:\d+ \w+(?:, )?)+) in [\d.]+s(?: \([\d:]+\))?\s*=*$")
+
+
 def parse_pytest_summary(output: str) -> dict[str, str]:
-    """Test id → PASSED / FAILED / ERROR / XFAIL / XPASS, from pytest's `-rA` summary lines (a FAILED line
-    is `id - message`: an id that itself holds " - " would be cut there)."""
-    results = {}
+    """Test id → PASSED / FAILED / ERROR / XFAIL / XPASS, from the status lines of pytest's `-rA` short test
+    summary (a FAILED line is `id - message`: an id that itself holds " - " would be cut there).
+
+    The output must end its run the way pytest does: one short test summary, then one final counts line
+    (`2 failed, 3 passed in 0.1s`) with as many status lines of each kind as it counts, no test with two
+    statuses, and nothing but blank lines after it; otherwise InconsistentOutput (the code under test prints
+    into this output and could forge it). No final line: the run did not finish, and no test counts as
+    passed (an empty dict)."""
+    results: dict[str, str] = {}
+    seen: collections.Counter[str] = collections.Counter()
+    summaries, final = 0, None
     for line in output.splitlines():
-        status, _, rest = line.partition(" ")
-        if status in ("PASSED", "FAILED", "ERROR", "XFAIL", "XPASS") and "::" in rest:
-            results[rest.split(" - ")[0].strip()] = status
+        if final is not None:
+            if line.strip():
+                raise InconsistentOutput(f"output after the final counts line: {line.strip()[:200]}")
+            continue
+        if "short test summary info" in line:
+            summaries += 1
+            if summaries > 1:
+                raise InconsistentOutput("two short test summaries")
+        elif match := FINAL_LINE.match(line.strip()):
+            final = match.group(1)
+        elif summaries:
+            status, _, rest = line.partition(" ")
+            if status in STATUSES and rest.strip():
+                seen[STATUSES[status]] += 1
+                test = rest.split(" - ")[0].strip()
+                if "::" in test and results.setdefault(test, status) != status:
+                    raise InconsistentOutput(f"{test} is reported {results[test]} and {status}")
+    if final is None:
+        return {}
+    counts = {word.rstrip("s") if word in ("errors", "warnings") else word: int(n)
+              for n, word in (part.split(" ", 1) for part in final.split(", "))}
+    for kind in STATUSES.values():
+        if seen[kind] != counts.get(kind, 0):
+            raise InconsistentOutput(f"{seen[kind]} {kind} status lines, but the final line says "
+                                     f"{counts.get(kind, 0)} ({final})")
     return results
