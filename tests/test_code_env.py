@@ -37,6 +37,24 @@ def test_split_check_counts_statements_with_asserts():
     assert [is_test for is_test, _ in statements] == [True, False, True, True, True]  # a loop of asserts is one
 
 
+def test_constant_asserts_are_not_tests():
+    """HumanEval's checks hold `assert True, "..."`: counted as tests, a function returning None earned 0.056."""
+    _, statements = split_check("def check(candidate):\n    assert True, 'debug'\n    assert 1 == 1\n"
+                                "    assert candidate(1) == 2\n")
+    assert [is_test for is_test, _ in statements] == [False, False, True]
+
+
+def test_a_solution_that_does_nothing_passes_no_humaneval_test(local):
+    tasks = humaneval("all")
+    # (tasks whose function may rightly return None are left out)
+    with_constants = [t for t in tasks if "assert True" in t.data["test"] and "None" not in t.data["test"]]
+    assert len(with_constants) >= 10
+    for task in with_constants:
+        d = task.data
+        report = run_tests(local, d["prompt"], d["prompt"] + "    return None\n", d["entry_point"], d["test"], 5)
+        assert report.passed == 0, (task.id, report)
+
+
 @pytest.fixture
 def local():
     rt = LocalRuntime(Limits(timeout=3))

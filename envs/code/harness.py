@@ -1,8 +1,9 @@
 """Hidden tests, run in the sandbox: how many of a task's tests a submitted solution passes.
 
 A task's tests are HumanEval's format: a `check(candidate)` function. Each top-level statement of its body
-that contains an `assert` is one test (a loop of asserts is one); the other statements are setup and run in
-order, so one failing assert does not hide the others.
+that contains an `assert` of something that can vary is one test (a loop of asserts is one); the other
+statements, constant asserts like HumanEval's `assert True, "..."` among them, are setup and run in order, so
+one failing assert does not hide the others and a solution that does nothing passes no test.
 
 Two processes, so that the submission cannot forge its grade. The *tester* (`TESTER`, a fixed program; the
 task comes on its stdin, so nothing secret is on disk) runs the prompt's helpers and the tests. The
@@ -33,10 +34,16 @@ def split_check(test_source: str) -> tuple[str, list[tuple[bool, str]]]:
     if check is None:
         raise ValueError("the tests define no `check(candidate)` function")
     prelude = ast.unparse(ast.Module([n for n in module.body if n is not check], type_ignores=[]))
-    statements = [(any(isinstance(n, ast.Assert) for n in ast.walk(s)), ast.unparse(s)) for s in check.body]
+    statements = [(any(isinstance(n, ast.Assert) and varies(n.test) for n in ast.walk(s)), ast.unparse(s))
+                  for s in check.body]
     if not any(is_test for is_test, _ in statements):
         raise ValueError("check(candidate) holds no assert")
     return prelude, statements
+
+
+def varies(expression: ast.expr) -> bool:
+    """Whether an expression reads any name (a variable, a call): `assert True` or `assert 1 == 1` tests nothing."""
+    return any(isinstance(n, ast.Name) for n in ast.walk(expression))
 
 
 # Values cross between the two processes as JSON with type tags (both programs include this).
