@@ -204,7 +204,7 @@ def test_pool_is_bounded_resets_between_leases_and_leaks_nothing(docker_client):
         a.write("state.txt", "from the last episode")
         a.run(code="import os, subprocess; subprocess.Popen(['sleep', '100']); os.makedirs('/tmp/d')\n"
                    "open('/tmp/left.txt', 'w').write('for the next episode')")
-        assert a.run(argv=["ls", "-A", "/tmp"]).stdout.split() == ["agentrl_main.py", "d", "left.txt"]
+        assert a.run(argv=["ls", "-A", "/tmp"]).stdout.split() == ["d", "left.txt"]  # the program is not on disk
         pool.release(a)
         c = pool.acquire()  # a reset sandbox: empty workspace and /tmp, no processes
         assert c.run(argv=["ls", "-A", "/workspace", "/tmp"]).stdout == "/tmp:\n\n/workspace:\n"
@@ -234,3 +234,91 @@ def test_containers_end_with_the_process_that_made_them(docker_client, tmp_path)
     while time.monotonic() < deadline and docker_client.containers.list(all=True, filters={"id": container_id}):
         time.sleep(0.5)
     assert not docker_client.containers.list(all=True, filters={"id": container_id})
+
+
+# --- state across resets, and the runner's own files (#33) ------------------------------------------------
+PLANT_IPC = r"""
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+shm = libc.shmget(0x1234, 8 << 20, 0o1666)
+ctypes.memset(libc.shmat(shm, None, 0), 1, 8 << 20)  # touched: its pages are held
+libc.msgget(0x1235, 0o1666); libc.semget(0x1236, 1, 0o1666)
+os.open("/dev/mqueue/q", os.O_CREAT | os.O_RDWR, 0o600)
+open("/dev/shm/hidden_tests.py", "w").write("the hidden tests")
+print(open("/proc/sysvipc/shm").read().count("\n") - 1, "segment")
+"""
+
+
+def ipc_objects(sandbox) -> list[str]:
+    listing = sandbox.run(argv=["sh", "-c", "tail -qn +2 /proc/sysvipc/shm /proc/sysvipc/msg /proc/sysvipc/sem; "
+                                            "ls -A /dev/shm /dev/mqueue"]).stdout
+    return [line for line in listing.splitlines() if line.strip() and not line.endswith(":")]
+
+
+@docker_only
+def test_a_reset_leaves_no_shared_memory_queues_or_files(sandbox):
+    assert sandbox.run(code=PLANT_IPC).stdout == "1 segment\n"
+    assert len(ipc_objects(sandbox)) == 5  # shm, msg, sem, the queue, the file
+    sandbox.reset()
+    assert ipc_objects(sandbox) == []
+
+
+@docker_only
+def test_memory_pinned_in_shared_memory_is_freed_by_a_reset(docker_client):
+    """A segment that no process holds survives every kill; 440 MB of it made the next lease's allocation die."""
+    from agentrl.tools.sandbox.docker_runtime import DockerRuntime
+
+    rt = DockerRuntime(Limits(timeout=20, memory_mb=512), docker_client=docker_client)
+    rt.start()
+    try:
+        pin = PLANT_IPC.replace("8 << 20", "300 << 20")
+        assert rt.run(code=pin).stdout == "1 segment\n"
+        rt.reset()  # does not raise: the memory came back
+        grown = rt.run(code="x = bytearray(300 << 20); print(len(x) >> 20)")
+        assert grown.stdout == "300\n", grown.observation()
+    finally:
+        rt.close()
+
+
+@docker_only
+def test_only_the_reset_places_are_writable(sandbox):
+    found = sandbox.run(argv=["sh", "-c", "find / \\( -path /proc -o -path /sys \\) -prune -o -writable "
+                                          "\\( -type d -o -type f \\) -print 2>/dev/null; true"], timeout=20).stdout
+    allowed = ("/workspace", "/tmp", "/dev/shm", "/dev/mqueue")
+    assert [p for p in found.split() if not p.startswith(allowed)] == []
+
+
+@docker_only
+@pytest.mark.parametrize("squat", ["os.mkdir('/tmp/agentrl_main.py')", "os.mkfifo('/tmp/agentrl_main.py')",
+                                   "open('/tmp/fill', 'wb').write(bytes(15 << 20))"])
+def test_the_runner_program_path_cannot_be_taken_from_it(sandbox, squat):
+    sandbox.run(code=f"import os\n{squat}")
+    assert sandbox.run(code="print(6 * 7)").stdout == "42\n"
+    failed = sandbox.run(code="def f():\n    raise ValueError('x')\nf()")
+    assert "raise ValueError('x')" in failed.stderr  # tracebacks still show the source
+
+
+@docker_only
+def test_unread_stdin_does_not_hold_the_runner_past_the_deadline(sandbox):
+    start = time.monotonic()
+    result = sandbox.run(argv=["sh", "-c", "echo started; sleep 60"], stdin="x" * (1 << 20), timeout=2)
+    assert result.timed_out and result.stdout == "started\n" and time.monotonic() - start < 6
+    assert sandbox.run(argv=["wc", "-c"], stdin="x" * (1 << 20)).stdout.strip() == str(1 << 20)
+    assert sandbox.run(argv=["true"], stdin="x" * (1 << 20)).ok  # a program that exits without reading
+
+
+@docker_only
+def test_fifos_oversized_arguments_and_inode_floods_are_the_programs_problem(sandbox):
+    sandbox.run(code="import os; os.mkfifo('pipe')")
+    for call in (lambda: sandbox.read("pipe"), lambda: sandbox.write("pipe", "x")):
+        start = time.monotonic()
+        with pytest.raises(OSError, match="not a regular file|No such device"):  # never a hang
+            call()
+        assert time.monotonic() - start < 2
+    long = sandbox.run(argv=["bash", "-c", "echo " + "x" * 200_000])
+    assert long.exit_code == 126 and "Argument list too long" in long.stderr
+    flood = sandbox.run(code="import os\nfor i in range(700_000):\n    open(f'f{i}', 'w').close()", timeout=20)
+    assert "No space left on device" in flood.stderr
+    sandbox.reset()
+    assert sandbox.healthy() and sandbox.run(code="print('alive')").stdout == "alive\n"

@@ -1,10 +1,13 @@
 """The Docker sandbox: one container per sandbox, with a runner process kept alive inside it.
 
 Isolated: no network (`network_mode=none`); memory (no swap), CPU and pids limits; a read-only root
-filesystem; a size-limited tmpfs workspace (`/workspace`) and `/tmp`; an unprivileged user (uid 1000);
+filesystem; size- and inode-limited tmpfs mounts for the workspace (`/workspace`), `/tmp` and `/dev/shm`, the
+only writable places besides POSIX message queues; a private IPC namespace; an unprivileged user (uid 1000);
 every capability dropped and `no-new-privileges`; a wall-clock timeout per run after which the runner kills
 every process in the container (as PID 1 it can, and nothing can kill it: signals without a handler do
-not reach a namespace's init); output cut to a budget.
+not reach a namespace's init); output cut to a budget. A reset empties every writable place and removes every
+System V IPC object (shared memory outlives its processes, with its data); a container that still holds
+over a quarter of its memory after that is replaced.
 Not isolated: the kernel is shared with the host (a kernel exploit escapes; use gVisor or a VM runtime
 through `runtime=` for hostile code), CPU time and memory bandwidth are shared, and the image's own
 files are readable.
@@ -34,6 +37,7 @@ BASE_IMAGE = "agentrl/base:bookworm"
 CONTAINERS = resources.files("agentrl.containers")  # the repository's containers/ folder, shipped as package data
 DOCKERFILE = CONTAINERS / "python" / "Dockerfile"
 START_TIMEOUT = 30.0  # seconds for a new container to answer its first ping
+SCRATCH = "/tmp:/dev/shm:/dev/mqueue"  # emptied by every reset, beside the workspace
 
 
 def client() -> Any:
@@ -124,14 +128,16 @@ class DockerRuntime:
         host_config = c.api.create_host_config(
             auto_remove=True, network_mode="none", mem_limit=f"{lim.memory_mb}m",
             memswap_limit=f"{lim.memory_mb}m", nano_cpus=int(lim.cpus * 1e9), pids_limit=lim.pids,
-            read_only=True, tmpfs={"/workspace": f"size={lim.disk_mb}m,uid=1000,gid=1000,mode=0755",
-                                   "/tmp": "size=16m,mode=1777"},
-            cap_drop=["ALL"], security_opt=["no-new-privileges"], runtime=self.runtime)
+            read_only=True, ipc_mode="private", cap_drop=["ALL"], security_opt=["no-new-privileges"],
+            # inodes bounded too: each costs kernel memory, and 700k empty files took the runner down
+            tmpfs={"/workspace": f"size={lim.disk_mb}m,nr_inodes=65536,uid=1000,gid=1000,mode=0755",
+                   "/tmp": "size=16m,nr_inodes=4096,mode=1777", "/dev/shm": "size=16m,nr_inodes=1024,mode=1777"},
+            runtime=self.runtime)
         # The low-level API with stdin open and not detached sets StdinOnce: stdin closes when we detach,
         # the runner sees EOF and exits, and auto_remove deletes the container.
         created = c.api.create_container(image, labels={LABEL: owner()}, stdin_open=True, tty=False,
                                          user="1000:1000", network_disabled=True, host_config=host_config,
-                                         environment={"AGENTRL_SCRATCH": "/tmp"})  # emptied by reset too
+                                         environment={"AGENTRL_SCRATCH": SCRATCH})
         self.container = c.containers.get(created["Id"])
         self._sock = self.container.attach_socket(params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1})
         self.container.start()
@@ -159,8 +165,12 @@ class DockerRuntime:
         self._request({"op": "write", "path": path, "data": base64.b64encode(data).decode()}, 30.0)
 
     def reset(self) -> None:
-        """Kills every process in the container and empties the workspace."""
-        self._request({"op": "reset"}, 30.0)
+        """Kills every process in the container, empties every writable place and IPC object; SandboxError if
+        the container then still holds over a quarter of its memory (the pool replaces it)."""
+        held = self._request({"op": "reset"}, 30.0).get("memory_bytes")
+        if held is not None and held > (self.limits.memory_mb << 20) // 4:
+            raise SandboxError(f"the sandbox still holds {held >> 20} MB of its {self.limits.memory_mb} MB after a "
+                               "reset")
 
     def healthy(self) -> bool:
         """Whether the runner answers a ping within 5 s (a sandbox that does not is closed)."""

@@ -5,7 +5,8 @@ user. One JSON request per line on stdin, one JSON reply per line on stdout:
 
     {"op": "run", "argv": [...] | "code": "...", "stdin": "", "timeout": 10, "max_output": 16000}
     {"op": "write", "path": "a.py", "data": "<base64>"}     {"op": "read", "path": "a.py", "max_bytes": N}
-    {"op": "reset"}   (kill every process, empty the workspace and $AGENTRL_SCRATCH)      {"op": "ping"}
+    {"op": "reset"}   (kill every process, empty the workspace, $AGENTRL_SCRATCH and System V IPC; reply with the
+                       memory still in use)                                                   {"op": "ping"}
 
 A `docker exec` per call costs 0.1 s; a line over an open pipe costs microseconds. After every run all other
 processes in the container are killed (as PID 1, `kill(-1, SIGKILL)` reaches every process of the
@@ -22,13 +23,18 @@ import os
 import selectors
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
 
 WORKSPACE = os.environ.get("AGENTRL_WORKSPACE", "/workspace")
-# Other folders a reset empties (":"-separated): the container's /tmp, so nothing passes to the next episode.
+# Other folders a reset empties (":"-separated): the container's /tmp, /dev/shm and POSIX message queues, so
+# nothing passes to the next episode.
 SCRATCH = [d for d in os.environ.get("AGENTRL_SCRATCH", "").split(":") if d]
+# The name a Python program runs under, for its tracebacks; the source is never on disk, where the program
+# could have put a directory or a FIFO first.
+PROGRAM = "/tmp/agentrl_main.py"
 
 
 def _child_setup() -> None:
@@ -115,8 +121,11 @@ class Forked:
 def _exec_main(code: str, path: str) -> int:
     """In the forked child: run `code` as the `__main__` script at `path`; its exit status."""
     import io
+    import linecache
     import traceback
     import types
+
+    linecache.cache[path] = (len(code), None, code.splitlines(True), path)  # tracebacks show the source
 
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r"))
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w"), write_through=True)  # unbuffered, as python3 -u
@@ -147,27 +156,31 @@ class HostGone(Exception):
 
 
 def run(argv: list[str] | None, stdin: str, timeout: float, max_output: int, kill_all, cwd: str = WORKSPACE,
-        setup=_child_setup, host=None, script: str | None = None) -> dict:
-    """Runs argv, or the Python file `script` in a fork of this interpreter (single-threaded callers only),
-    in `cwd` with a wall-clock timeout; `kill_all(proc)` ends it and anything it started. `setup` runs in
-    the child first. `host`: a file whose EOF means the host is gone (raises HostGone)."""
+        setup=_child_setup, host=None, code: str | None = None) -> dict:
+    """Runs argv, or Python `code` in a fork of this interpreter (single-threaded callers only), in `cwd` with
+    a wall-clock timeout; `kill_all(proc)` ends it and anything it started. `setup` runs in the child first.
+    `stdin` is fed as the program reads it, under the same deadline. `host`: a file whose EOF means the host
+    is gone (raises HostGone). A program that cannot start (an argument over the kernel's 128 KiB) is a result
+    with exit code 126 and the reason, as a shell reports it."""
     start = time.monotonic()
-    if script is not None:
-        with open(script) as f:
-            proc = Forked(f.read(), script, cwd, setup)
-    else:
-        proc = subprocess.Popen(argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, preexec_fn=setup, start_new_session=True)
     try:
-        proc.stdin.write(stdin.encode())
-        proc.stdin.close()
-    except BrokenPipeError:
-        pass
+        proc = Forked(code, PROGRAM, cwd, setup) if code is not None else subprocess.Popen(
+            argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            preexec_fn=setup, start_new_session=True)
+    except OSError as e:
+        return {"ok": True, "exit_code": 126, "stdout": "", "stderr": f"cannot run {argv[0]}: {e.strerror}",
+                "timed_out": False, "truncated": False, "seconds": round(time.monotonic() - start, 4)}
     streams = {proc.stdout: Capture(max_output // 2), proc.stderr: Capture(max_output // 2)}
     sel = selectors.DefaultSelector()
     for pipe in streams:
         os.set_blocking(pipe.fileno(), False)
         sel.register(pipe, selectors.EVENT_READ)
+    pending = memoryview(stdin.encode())
+    if pending:
+        os.set_blocking(proc.stdin.fileno(), False)
+        sel.register(proc.stdin, selectors.EVENT_WRITE)
+    else:
+        proc.stdin.close()
     if host is not None:
         sel.register(host, selectors.EVENT_READ)
     deadline, exited_at, timed_out = start + timeout, None, False
@@ -182,6 +195,12 @@ def run(argv: list[str] | None, stdin: str, timeout: float, max_output: int, kil
         if exited_at is not None and now - exited_at > 0.2:  # background processes hold the pipes open
             break
         for key, _ in sel.select(timeout=min(0.05, deadline - now)):
+            if key.fileobj is proc.stdin:
+                pending = _feed(proc.stdin, pending)
+                if not pending:
+                    sel.unregister(proc.stdin)
+                    proc.stdin.close()
+                continue
             data = os.read(key.fileobj.fileno(), 65536)
             if key.fileobj is host:  # the host sends nothing during a run: this is its end
                 kill_all(proc)
@@ -198,9 +217,21 @@ def run(argv: list[str] | None, stdin: str, timeout: float, max_output: int, kil
             timed_out = True
     exit_code = None if timed_out else proc.returncode
     kill_all(proc)
+    if not proc.stdin.closed:
+        proc.stdin.close()
     out, err = streams[proc.stdout], streams[proc.stderr]
     return {"ok": True, "exit_code": exit_code, "stdout": out.text(), "stderr": err.text(), "timed_out": timed_out,
             "truncated": out.truncated or err.truncated, "seconds": round(time.monotonic() - start, 4)}
+
+
+def _feed(pipe, data: memoryview) -> memoryview:
+    """Writes what the pipe takes now; the rest. A program that closed its stdin takes nothing more."""
+    try:
+        return data[os.write(pipe.fileno(), data[:65536]):]
+    except BlockingIOError:
+        return data
+    except BrokenPipeError:
+        return data[:0]
 
 
 def kill_everything_else(proc: subprocess.Popen | None = None) -> None:
@@ -226,6 +257,47 @@ def _inside(path: str) -> str:
     return full
 
 
+def _open_file(path: str, flags: int) -> int:
+    """A workspace file's descriptor, opened without blocking (a FIFO would hang the runner); OSError if it is
+    not a regular file."""
+    fd = os.open(_inside(path), flags | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise IsADirectoryError(f"{path} is not a regular file")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def empty_ipc() -> None:
+    """Removes every System V shared memory segment, message queue and semaphore set of the container's IPC
+    namespace: they outlive the processes that made them, with their data and their memory."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    remove = {"shmid": lambda i: libc.shmctl(i, 0, None), "msqid": lambda i: libc.msgctl(i, 0, None),
+              "semid": lambda i: libc.semctl(i, 0, 0)}  # 0: IPC_RMID
+    for kind in ("shm", "msg", "sem"):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                header, *rows = [line.split() for line in f]
+        except OSError:
+            continue
+        column = next(i for i, name in enumerate(header) if name in remove)
+        for row in rows:
+            remove[header[column]](int(row[column]))
+
+
+def memory_in_use() -> int | None:
+    """Bytes of the container's memory held by processes and by memory-backed files (anonymous + shmem), from
+    its cgroup (v2 or v1); None where neither can be read."""
+    for path, anon in (("/sys/fs/cgroup/memory.stat", "anon"), ("/sys/fs/cgroup/memory/memory.stat", "rss")):
+        try:
+            with open(path) as f:
+                stats = dict(line.split() for line in f)
+        except OSError:
+            continue
+        return int(stats.get(anon, 0)) + int(stats.get("shmem", 0))
+    return None
+
+
 def handle(req: dict) -> dict:
     """Carries out one request and returns its reply.
 
@@ -235,21 +307,15 @@ def handle(req: dict) -> dict:
     if op == "ping":
         return {"ok": True}
     if op == "run":
-        script = None
-        if "code" in req:  # also on disk, so that tracebacks show the source lines
-            script = "/tmp/agentrl_main.py"
-            with open(script, "w") as f:
-                f.write(req["code"])
         return run(req.get("argv"), req.get("stdin", ""), float(req.get("timeout", 10)),
-                   int(req.get("max_output", 16000)), kill_everything_else, host=sys.stdin, script=script)
+                   int(req.get("max_output", 16000)), kill_everything_else, host=sys.stdin, code=req.get("code"))
     if op == "write":
-        path = _inside(req["path"])
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
+        os.makedirs(os.path.dirname(_inside(req["path"])), exist_ok=True)
+        with os.fdopen(_open_file(req["path"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
             f.write(base64.b64decode(req["data"]))
         return {"ok": True}
     if op == "read":
-        with open(_inside(req["path"]), "rb") as f:
+        with os.fdopen(_open_file(req["path"], os.O_RDONLY), "rb") as f:
             data = f.read(int(req.get("max_bytes", 1 << 20)))
         return {"ok": True, "data": base64.b64encode(data).decode()}
     if op == "reset":
@@ -258,7 +324,8 @@ def handle(req: dict) -> dict:
             for name in os.listdir(folder):
                 path = os.path.join(folder, name)
                 shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
-        return {"ok": True}
+        empty_ipc()
+        return {"ok": True, "memory_bytes": memory_in_use()}
     return {"ok": False, "error": f"unknown op {op!r}"}
 
 
