@@ -139,8 +139,8 @@ def generate_repo(spec: RepoSpec, cache: Path, per_repo: int, seed: int, split_o
 
 
 def up_to_date(out: Path, per_repo: int, seed: int) -> bool:
-    """Whether `out` was generated with these settings and every image it names exists (same image tags =
-    same repositories, runner and test dependencies)."""
+    """Whether `out` was generated with these settings and names the images the current code builds (same
+    image tags = same repositories, runner and test dependencies: a changed sandbox runner regenerates)."""
     settings = out.with_suffix(".settings.json")
     if not out.exists() or not settings.exists():
         return False
@@ -148,7 +148,7 @@ def up_to_date(out: Path, per_repo: int, seed: int) -> bool:
         return False
     docker_client = client()
     images = {json.loads(line)["image"] for line in out.read_text().splitlines() if line.strip()}
-    return all(docker_client.images.list(name=image) for image in images)
+    return images <= {image(spec, CACHE, docker_client) for spec in REPOS}
 
 
 def generate(out: Path = INSTANCES, cache: Path = CACHE, per_repo: int = 20, seed: int = 0,
