@@ -2,7 +2,8 @@
 
 Tools: `python(code)` runs code in the episode's sandbox and returns its output (stateless: each call is a
 fresh interpreter; files in the workspace persist within the episode), `submit(code)` ends the episode with
-the solution. The hidden tests run in the sandbox after submit; the agent never sees them. Reward
+the solution. The hidden tests run after submit, in a sandbox reset since the episode's last program (no
+file, process or shared memory of the episode is left); the agent never sees them. Reward
 components: `tests_passed` (the fraction of hidden tests passed, the reward by default) and `outcome`
 (1 when all pass). Multi-turn: run, read the error, fix, submit.
 
@@ -101,6 +102,7 @@ class CodeEnv(ToolEnv):
 
     def score(self, task: Task, answer: str, transcript: Sequence[ParsedAction]) -> Score:
         d = task.data
+        self._release()  # graded in a reset sandbox: nothing the episode's programs left behind takes part
         report = run_tests(self.sandbox, d["prompt"], answer, d["entry_point"], d["test"], self.limits.timeout)
         detail = f"{report.passed}/{report.total} hidden tests" + (f"; {report.error}" if report.error else "")
         return Score({"tests_passed": report.fraction, "outcome": float(report.passed == report.total)}, detail)
