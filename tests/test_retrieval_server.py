@@ -14,10 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import uvicorn
+from fastapi.testclient import TestClient
 
 from agentrl.envs.search.bm25 import BM25Index
-from agentrl.envs.search.retriever import RemoteRetriever, RetrieverError, format_passages
-from agentrl.envs.search.server import create_app
+from agentrl.envs.search.retriever import MAX_RESULTS, RemoteRetriever, RetrieverError, format_passages
+from agentrl.envs.search.server import MAX_BODY_BYTES, create_app
 from agentrl.envs.search.world import build_world
 
 
@@ -97,6 +98,45 @@ def test_bad_requests_get_422_and_the_server_keeps_serving(server_url, body, hea
     response = httpx.post(f"{server_url}/retrieve", content=body, headers=headers)
     assert response.status_code == 422, response.text
     assert "detail" in response.json()
+    assert httpx.get(f"{server_url}/health").json()["status"] == "ok"
+
+
+def test_a_request_for_too_many_results_gets_422_saying_how_to_split_it(index, server_url):
+    """queries × topk is bounded (4096 × 1000 would be gigabytes): each alone is allowed, the product is not."""
+    response = httpx.post(f"{server_url}/retrieve", json={"queries": ["capital"] * 4096, "topk": 1000})
+    assert response.status_code == 422
+    assert response.json()["detail"] == (f"4096 queries × topk 1000 = 4,096,000 results; at most {MAX_RESULTS:,} "
+                                         f"per request: send at most {MAX_RESULTS // 1000} queries per request at "
+                                         "topk 1000")
+    split = httpx.post(f"{server_url}/retrieve", json={"queries": ["capital"] * (MAX_RESULTS // 1000), "topk": 1000})
+    assert split.status_code == 200 and len(split.json()["result"]) == MAX_RESULTS // 1000
+    # the server's default topk counts too
+    response = TestClient(create_app(index, default_topk=100)).post("/retrieve", json={"queries": ["a"] * 1000})
+    assert response.status_code == 422 and "1000 queries × topk 100" in response.json()["detail"]
+    with pytest.raises(ValueError, match="default_topk must be between 1 and 1000"):
+        create_app(None, default_topk=5000)
+
+
+def test_the_client_splits_its_batches_to_stay_within_the_limit(index, server_url):
+    queries = [f"capital {i}" for i in range(70)]
+    remote = RemoteRetriever(server_url, retries=0)  # 64 per batch × topk 1000 would pass the limit
+    assert remote.search(queries, 1000) == index.search(queries, 1000)
+
+
+def test_huge_bodies_are_refused_before_they_are_read(server_url):
+    """A request's body is bounded too (huge query strings, or many of them): 413 by its declared length, 411
+    when it declares none; one long query under the limit is still searched."""
+    huge = json.dumps({"queries": ["capital " * (MAX_BODY_BYTES // 8 + 1)]}).encode()
+    response = httpx.post(f"{server_url}/retrieve", content=huge, headers={"content-type": "application/json"})
+    assert response.status_code == 413 and f"at most {MAX_BODY_BYTES:,}" in response.json()["detail"]
+
+    def chunked():
+        yield b'{"queries": ["capital"]}'
+
+    response = httpx.post(f"{server_url}/retrieve", content=chunked(), headers={"content-type": "application/json"})
+    assert response.status_code == 411 and "Content-Length" in response.json()["detail"]
+    long_query = httpx.post(f"{server_url}/retrieve", json={"queries": ["capital of the river " * 100_000]})
+    assert long_query.status_code == 200 and len(long_query.json()["result"][0]) == 3
     assert httpx.get(f"{server_url}/health").json()["status"] == "ok"
 
 

@@ -1,7 +1,8 @@
 """A vLLM OpenAI-compatible server as a child process: start, wait for health, watch, restart, stop.
 
 The server runs `python -m vllm.entrypoints.openai.api_server` from this Python, in its own process
-group (so that stopping it also stops its engine-core child), with its output streamed to a log file.
+group (so that stopping it also stops its engine-core child) that ends with this process even when it is
+SIGKILLed (`agentrl.lifetime.ProcessGroup`), with its output streamed to a log file.
 The flags are the ones the rest of the package relies on (docs/vllm.md has the checked CPU facts):
 
 - `--logprobs-mode raw_logprobs`: returned logprobs are the model's temperature-1 log-softmax, before
@@ -25,7 +26,6 @@ import contextlib
 import importlib.util
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -41,6 +41,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from agentrl.config import STRICT
+from agentrl.lifetime import ProcessGroup
 
 _console = Console(stderr=True)
 
@@ -139,7 +140,8 @@ class VLLMServer:
     """One vLLM server process. `start()` blocks until it answers; `stop()` is idempotent.
 
     The server runs in its own process group, so a Ctrl-C meant for its owner does not reach it (the owner
-    stops it in order); the owner must call `stop()`, or use the server as a context manager.
+    stops it in order, with `stop()` or as a context manager); if the owner dies without stopping it, a
+    watchdog ends the group (SIGTERM, then SIGKILL after 10 s).
     """
 
     def __init__(self, config: ServerConfig):
@@ -147,7 +149,7 @@ class VLLMServer:
         self.port = config.port or free_port(config.host)
         self.log_path = Path(config.log_file) if config.log_file else \
             Path(tempfile.mkdtemp(prefix="agentrl-vllm-")) / "server.log"
-        self.process: subprocess.Popen | None = None
+        self.group: ProcessGroup | None = None
         self.starts = 0  # how many times a process was launched (1 + restarts)
 
     @property
@@ -160,6 +162,11 @@ class VLLMServer:
     def model_name(self) -> str:
         """The name the server serves the model under."""
         return self.config.name
+
+    @property
+    def process(self) -> subprocess.Popen | None:
+        """The API server's process (the leader of the group), or None when stopped."""
+        return self.group.process if self.group else None
 
     def alive(self) -> bool:
         """Whether the server's process is running."""
@@ -174,8 +181,8 @@ class VLLMServer:
         with open(self.log_path, "ab") as log:  # append: a restart keeps the previous run's log
             log.write(f"\n===== agentrl: start {self.starts + 1}: {' '.join(self._command())}\n".encode())
             log.flush()
-            self.process = subprocess.Popen(self._command(), stdout=log, stderr=subprocess.STDOUT,
-                                            env=server_env(self.config), start_new_session=True)
+            self.group = ProcessGroup(self._command(), stdout=log, stderr=subprocess.STDOUT,
+                                      env=server_env(self.config))
         self.starts += 1
         try:
             self._wait_healthy(progress)
@@ -190,19 +197,11 @@ class VLLMServer:
         self.start(progress)
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the server's process group, then SIGKILL what is left after `timeout` seconds."""
-        proc, self.process = self.process, None
-        if proc is None:
-            return
-        _signal_group(proc, signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        # Wait for the whole group: the engine-core children release their shared memory as they exit.
-        while _group_alive(proc) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        # What is left (a hung server, or an engine core orphaned by a SIGKILL of the API server) is killed.
-        _signal_group(proc, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=timeout)
+        """SIGTERM the server's process group, then SIGKILL what is left after `timeout` seconds (a hung server,
+        or an engine core orphaned by a SIGKILL of the API server)."""
+        group, self.group = self.group, None
+        if group is not None:
+            group.stop(timeout)
 
     def log_tail(self, lines: int = 40) -> str:
         """The last `lines` lines of the server's log, or "(no log)" if it cannot be read."""
@@ -239,17 +238,3 @@ class VLLMServer:
                     last = self.log_tail(1)[-100:]
                     status.update(f"starting vLLM ({time.monotonic() - began:.0f} s): {escape(last)}")
                 time.sleep(1.0)
-
-
-def _group_alive(proc: subprocess.Popen) -> bool:
-    proc.poll()  # reap the server itself, or its zombie keeps the group alive
-    try:
-        os.killpg(proc.pid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return True
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, sig)  # the group's id is the server's pid (start_new_session)

@@ -14,6 +14,8 @@ import httpx
 
 from agentrl.envs.search.bm25 import SearchHit
 
+MAX_RESULTS = 65536  # results (queries × topk) in one /retrieve request: our server's limit; the client keeps to it
+
 
 class Retriever(Protocol):
     """What the search tool needs of its passages' source: the in-process index or a server's client."""
@@ -35,8 +37,9 @@ class RetrieverError(RuntimeError):
 class RemoteRetriever:
     """A client of a `/retrieve` server (ours: `agentrl serve retriever`, or Search-R1's).
 
-    Queries go in batches of `batch_size`; connection errors, timeouts and 5xx are retried `retries` times
-    with exponential backoff, then raise `RetrieverError` (the rollout records an `error` trajectory).
+    Queries go in batches of `batch_size` (fewer when `batch_size` × k would pass `MAX_RESULTS`); connection
+    errors, timeouts and 5xx are retried `retries` times with exponential backoff, then raise `RetrieverError`
+    (the rollout records an `error` trajectory).
     A 4xx is our bug or a bad request and raises at once.
     """
 
@@ -49,8 +52,9 @@ class RemoteRetriever:
     def search(self, queries: Sequence[str], k: int = 3) -> list[list[SearchHit]]:
         """The top `k` documents of each query, best first, asked for in batches of `batch_size`."""
         hits: list[list[SearchHit]] = []
-        for start in range(0, len(queries), self.batch_size):
-            batch = list(queries[start : start + self.batch_size])
+        batch_size = max(1, min(self.batch_size, MAX_RESULTS // k))
+        for start in range(0, len(queries), batch_size):
+            batch = list(queries[start : start + batch_size])
             body = self._request("POST", "/retrieve", json={"queries": batch, "topk": k, "return_scores": True})
             hits.extend([_hit(item) for item in result] for result in body["result"])
         return hits

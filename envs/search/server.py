@@ -6,21 +6,25 @@
     GET  /documents/{id} -> {"id", "contents"}      (ours; backs the `open` tool)
     GET  /health         -> {"status": "ok", "documents": N}
 
-Malformed requests get 422 with the reason, never a crash. Search runs in FastAPI's thread pool, so
-concurrent requests are served in parallel (the index is read-only).
+Malformed requests get 422 with the reason, never a crash. One request costs bounded memory: its body is at
+most `MAX_BODY_BYTES` (413 past it; a body of unknown length is refused with 411) and it asks for at most
+`MAX_RESULTS` results, queries × topk (422 past it, naming how to split it). Search runs in FastAPI's thread
+pool, so concurrent requests are served in parallel (the index is read-only).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentrl.envs.search.retriever import Retriever
+from agentrl.envs.search.retriever import MAX_RESULTS, Retriever
 
 MAX_TOPK = 1000
 MAX_QUERIES = 4096
+MAX_BODY_BYTES = 16 << 20  # 4096 queries of 4 KB; the body is read whole before it is validated
 
 
 class RetrieveRequest(BaseModel):
@@ -37,11 +41,30 @@ class RetrieveRequest(BaseModel):
 def create_app(retriever: Retriever, default_topk: int = 3) -> FastAPI:
     """The FastAPI app that serves `retriever` (`/retrieve`, `/documents/{id}`, `/health`); `default_topk` is
     the `topk` of a request that gives none."""
+    if not 1 <= default_topk <= MAX_TOPK:
+        raise ValueError(f"default_topk must be between 1 and {MAX_TOPK}, got {default_topk}")
     app = FastAPI(title="agentrl retriever", description="Search-R1-compatible retrieval API.")
+
+    @app.middleware("http")
+    async def bounded_body(request: Request, call_next):
+        # Checked before the body is read; the HTTP parser holds the client to the length it declared.
+        if request.method in ("POST", "PUT", "PATCH"):
+            length = request.headers.get("content-length", "")
+            if not length.isdigit():
+                return JSONResponse({"detail": "send the body with a Content-Length header (no chunked bodies)"}, 411)
+            if int(length) > MAX_BODY_BYTES:
+                return JSONResponse({"detail": f"the body is {int(length):,} bytes; at most {MAX_BODY_BYTES:,} are "
+                                               "accepted: send fewer or shorter queries per request"}, 413)
+        return await call_next(request)
 
     @app.post("/retrieve")
     def retrieve(request: RetrieveRequest) -> dict[str, Any]:
-        results = retriever.search(request.queries, request.topk or default_topk)
+        n, topk = len(request.queries), request.topk or default_topk
+        if n * topk > MAX_RESULTS:  # the response grows with the product (1M results: ~300 MB, 1.7 GB peak)
+            raise HTTPException(422, f"{n} queries × topk {topk} = {n * topk:,} results; at most {MAX_RESULTS:,} "
+                                     f"per request: send at most {MAX_RESULTS // topk} queries per request at "
+                                     f"topk {topk}")
+        results = retriever.search(request.queries, topk)
         if request.return_scores:
             return {"result": [[hit.to_dict() for hit in hits] for hits in results]}
         return {"result": [[hit.to_dict()["document"] for hit in hits] for hits in results]}

@@ -1,0 +1,97 @@
+"""Processes that end with their owner, however it ends (SIGKILL and the OOM killer included).
+
+    group = ProcessGroup(["vllm", "serve", ...], stdout=log)   # subprocess.Popen's arguments
+    group.process                                             # the Popen of the command
+    group.stop()                                              # SIGTERM the group, SIGKILL what is left
+
+The command leads a new session, so its process group holds everything it starts (vLLM's engine core) and a
+Ctrl-C meant for the owner does not reach it. A watchdog, a few lines of Python in a session of their own,
+polls its parent: when that is no longer the owner (the owner died and the watchdog was re-parented), it
+SIGTERMs the group, waits `grace` seconds, and SIGKILLs what is left. It also exits once the group is gone.
+
+Why not `PR_SET_PDEATHSIG`: the kernel sends it when the *thread* that forked the child exits, and servers are
+restarted from worker threads (`asyncio.to_thread`); it also reaches the group leader only, not its children.
+A pipe the watchdog reads to EOF would stay open in any fork of the owner. The parent pid changes exactly
+when the owner process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+# Run as `python -I -S -c`: no site, no agentrl import, so it starts in milliseconds and holds ~10 MB.
+_WATCHDOG = """
+import os, signal, sys, time
+owner, group, grace = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
+def signal_group(sig):
+    try:
+        os.killpg(group, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+while os.getppid() == owner:
+    if not signal_group(0):
+        sys.exit(0)  # the group ended on its own
+    time.sleep(0.25)
+signal_group(signal.SIGTERM)
+deadline = time.monotonic() + grace
+while signal_group(0) and time.monotonic() < deadline:
+    time.sleep(0.1)
+signal_group(signal.SIGKILL)
+"""
+
+
+class ProcessGroup:
+    """`args` run as the leader of a new process group that ends with this process (see the module's doc).
+
+    `popen` are `subprocess.Popen`'s keyword arguments (`stdout`, `env`, ...); `grace` is how long the group
+    gets between SIGTERM and SIGKILL when its owner has died.
+    """
+
+    def __init__(self, args: Sequence[str], grace: float = 10.0, **popen: Any):
+        self.process = subprocess.Popen(args, start_new_session=True, **popen)
+        try:
+            self._watchdog = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(self.process.pid), str(grace)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True)  # not in the owner's group: a Ctrl-C there must not end the watch
+        except BaseException:
+            self._signal(signal.SIGKILL)
+            self.process.wait()
+            raise
+
+    @property
+    def pid(self) -> int:
+        """The leader's pid, which is also the group's id."""
+        return self.process.pid
+
+    def alive(self) -> bool:
+        """Whether any process of the group is left (the leader's children outlive it when it is killed alone)."""
+        self.process.poll()  # reap the leader, or its zombie keeps the group alive
+        return self._signal(0)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the group, wait up to `timeout` s for all of it to exit, SIGKILL what is left; idempotent."""
+        self._signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while self.alive() and time.monotonic() < deadline:  # children release shared memory as they exit
+            time.sleep(0.2)
+        self._signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=timeout)
+        self._watchdog.kill()  # the group is gone: nothing left to watch
+        self._watchdog.wait()
+
+    def _signal(self, sig: int) -> bool:
+        try:
+            os.killpg(self.process.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
