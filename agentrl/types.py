@@ -36,9 +36,11 @@ class StopReason(str, enum.Enum):
     MAX_TOTAL_TOKENS = "max_total_tokens"
     """The episode's `max_total_tokens` (prompt included) ran out, between turns or mid-turn. Status truncated."""
     ENV_ERROR = "env_error"
-    """The env or one of its tools raised, or a reset / step took longer than `step_timeout`. Status error."""
+    """The env or one of its tools raised, or an env call (make_env, reset, step) took longer than `step_timeout`.
+    Status error."""
     POLICY_ERROR = "policy_error"
-    """The policy's `generate` raised: a crashed or unreachable server, a prompt it refuses. Status error."""
+    """The policy's `generate` raised (a crashed or unreachable server, a prompt it refuses) or took longer than
+    `generate_timeout`. Status error."""
     RENDER_ERROR = "render_error"
     """The chat template cannot express the conversation (`RendererError`). Status error."""
 

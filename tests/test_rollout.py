@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -38,6 +41,16 @@ def hang(reason: str) -> str:
     """
     time.sleep(30)
     return "never"
+
+
+@tool(timeout=30.0)
+def flood(reason: str) -> str:
+    """A tool that returns 21 MB of text.
+
+    Args:
+        reason: Anything.
+    """
+    return "flood " * 3_500_000
 
 
 class ScriptedPolicy:
@@ -196,6 +209,134 @@ def test_policy_and_env_failures_are_data(renderer, tmp_path: Path):
     trajectories = [t for g in broken + stuck for t in g.trajectories]
     write_jsonl(trajectories, path)
     assert read_jsonl(path) == trajectories  # stop reasons included
+
+
+class RaisingEnv(ArithmeticEnv):
+    """Its `step` raises what `raises` holds for the episode's task."""
+
+    def __init__(self, raises: dict[str, BaseException], **kwargs):
+        super().__init__(**kwargs)
+        self.raises = raises
+
+    def step(self, action):
+        if self.task.id in self.raises:
+            raise self.raises[self.task.id]
+        return super().step(action)
+
+
+def test_whatever_env_code_raises_ends_its_episode_not_the_batch(renderer):
+    """Exceptions that are not ordinary ones (they would stop the process) and StopIteration (which cannot cross
+    into the event loop: it used to hang until the step timeout) become env_error at once."""
+    env = ArithmeticEnv(n_tasks=8)
+    tasks = list(env.tasks)
+    raised = [KeyboardInterrupt("the env's own ^C"), SystemExit(3), GeneratorExit("closed"), StopIteration("empty")]
+    make = lambda: RaisingEnv({t.id: e for t, e in zip(tasks, raised)}, n_tasks=8)  # noqa: E731
+    started = time.perf_counter()
+    trajectories = [g.trajectories[0] for g in run(RolloutEngine(
+        make, ScriptedPolicy(renderer, gold_scripts(env)), renderer, RolloutConfig(step_timeout=10.0)), tasks)]
+    assert time.perf_counter() - started < 5
+    for t, e in zip(trajectories, raised):
+        assert (t.status, t.stop) == (Status.ERROR, StopReason.ENV_ERROR)
+        assert t.reason == f"EnvRaised: {type(e).__name__} in step: {e}"
+    assert all(t.status is Status.OK and t.reward == 1.0 for t in trajectories[len(raised):])
+
+    def no_env():
+        raise SystemExit("no env today")
+
+    t = run(RolloutEngine(no_env, ScriptedPolicy(renderer, gold_scripts(env)), renderer), tasks[:1])[0].trajectories[0]
+    assert (t.stop, t.reason) == (StopReason.ENV_ERROR, "EnvRaised: SystemExit in make_env: no env today")
+
+
+def test_a_real_ctrl_c_still_stops_the_batch(renderer):
+    env = ArithmeticEnv(n_tasks=4)
+    engine = RolloutEngine(lambda: StuckEnv(n_tasks=4), ScriptedPolicy(renderer, gold_scripts(env)), renderer)
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # while the 5 s steps run
+    started = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        run(engine, list(env.tasks))
+    assert time.perf_counter() - started < 3  # at once: the episodes were cancelled, their envs closed
+
+
+class ClosingEnv(ArithmeticEnv):
+    """The first task's `close` raises, the second's takes 3 s; the other episodes' steps take 0.3 s, so that
+    they are in flight while those two close."""
+
+    def __init__(self, first: str, second: str, **kwargs):
+        super().__init__(**kwargs)
+        self.first, self.second = first, second
+
+    def step(self, action):
+        if self.task.id not in (self.first, self.second):
+            time.sleep(0.3)
+        return super().step(action)
+
+    def close(self):
+        if self.task.id == self.first:
+            raise SystemExit("close failed")
+        if self.task.id == self.second:
+            time.sleep(3)
+
+
+def test_a_failing_or_slow_close_is_noted_and_holds_up_no_one(renderer):
+    env = ArithmeticEnv(n_tasks=6)
+    tasks = list(env.tasks)
+    engine = RolloutEngine(lambda: ClosingEnv(tasks[0].id, tasks[1].id, n_tasks=6),
+                           ScriptedPolicy(renderer, gold_scripts(env)), renderer, RolloutConfig(step_timeout=1.0))
+    trajectories = [g.trajectories[0] for g in run(engine, tasks)]
+    assert all(t.status is Status.OK and t.reward == 1.0 for t in trajectories), [t.reason for t in trajectories]
+    assert trajectories[0].info["close_error"] == "EnvRaised: SystemExit in close: close failed"
+    assert trajectories[1].info["close_error"] == "EnvTimeout: close took more than 1.0s (rollout.step_timeout)"
+    assert all("close_error" not in t.info for t in trajectories[2:])
+
+
+class HangingPolicy(ScriptedPolicy):
+    """Never answers a prompt about `stuck`."""
+
+    def __init__(self, renderer: Renderer, scripts: dict[str, list[str]], stuck: str):
+        super().__init__(renderer, scripts)
+        self.stuck = stuck
+
+    async def generate(self, prompt_ids, sampling: SamplingParams) -> list[Sample]:
+        if self.stuck in self.r.decode(prompt_ids):
+            await asyncio.sleep(3600)
+        return await super().generate(prompt_ids, sampling)
+
+
+def test_a_hanging_policy_ends_its_episode_at_the_generate_timeout(renderer):
+    env = ArithmeticEnv(n_tasks=4)
+    tasks = list(env.tasks)
+    policy = HangingPolicy(renderer, gold_scripts(env), tasks[0].data["question"])
+    started = time.perf_counter()
+    trajectories = [g.trajectories[0] for g in run(RolloutEngine(
+        lambda: ArithmeticEnv(n_tasks=4), policy, renderer, RolloutConfig(generate_timeout=0.5)), tasks)]
+    assert time.perf_counter() - started < 5
+    assert (trajectories[0].status, trajectories[0].stop) == (Status.ERROR, StopReason.POLICY_ERROR)
+    assert trajectories[0].reason == ("PolicyTimeout: generate took more than 0.5s: raise rollout.generate_timeout "
+                                      "if the backend is slow, not hung")
+    assert all(t.status is Status.OK and t.reward == 1.0 for t in trajectories[1:])
+
+
+def test_a_huge_observation_is_cut_before_it_is_tokenized(renderer):
+    make = lambda: ArithmeticEnv(n_tasks=2, extra_tools=[flood])  # noqa: E731
+    env = make()
+    scripts = gold_scripts(env)
+    for task in env.tasks:
+        scripts[task.data["question"]][0] = env.parser.format_call(ToolCall("flood", {"reason": "21 MB"}))
+    started = time.perf_counter()
+    trajectories = [g.trajectories[0] for g in run(RolloutEngine(
+        make, ScriptedPolicy(renderer, scripts), renderer, RolloutConfig(max_observation_chars=1000)), list(env.tasks))]
+    assert time.perf_counter() - started < 5  # the whole 21 MB took about 30 s to tokenize
+    for t in trajectories:
+        assert t.status is Status.OK and t.reward == 1.0, t.reason
+        content = next(m.content for m in t.messages if m.role == "tool")
+        cut = "\n[... 20999000 characters cut: the rollout keeps 1000 of an observation (max_observation_chars) ...]\n"
+        assert content == "flood " * 83 + "fl" + cut + "d " + "flood " * 83
+
+
+def test_rollout_config_refuses_impossible_limits():
+    for bad in ({"step_timeout": 0.0}, {"generate_timeout": float("nan")}, {"max_observation_chars": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            RolloutConfig(**bad)
 
 
 def test_a_conversation_the_template_cannot_express_is_a_render_error(renderer, monkeypatch):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import threading
 import warnings
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -35,6 +36,9 @@ class EnvSpec:
 
 _specs: dict[str, EnvSpec] = {}
 _plugins_loaded = False
+# envs are made from several threads at once (the rollout engine's, a Ray worker's): the first loads the
+# plugins while the others wait; reentrant, for a plugin that looks up the registry while it loads
+_plugins_lock = threading.RLock()
 
 
 def register(id: str, entry_point: str, **kwargs: Any) -> None:
@@ -95,11 +99,12 @@ def check_instance(env: TextEnv, n_tasks: int = 8) -> list[str]:
 
 def _load_plugins() -> None:
     global _plugins_loaded
-    if _plugins_loaded:
-        return
-    _plugins_loaded = True
-    importlib.import_module("agentrl.envs")  # our own envs
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        obj = ep.load()
-        if callable(obj):
-            obj()
+    with _plugins_lock:
+        if _plugins_loaded:
+            return
+        _plugins_loaded = True
+        importlib.import_module("agentrl.envs")  # our own envs
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            obj = ep.load()
+            if callable(obj):
+                obj()

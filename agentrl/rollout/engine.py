@@ -1,9 +1,10 @@
 """The rollout engine: many episodes at once, each an exact token trajectory.
 
-Episodes run concurrently as asyncio tasks; the policy batches their requests; env calls (which may
-block on tools) run in a thread pool with a timeout. Every episode ends as a `Trajectory` with status
-ok / truncated (with the reason) / error (with the exception): `run_episode` is the one place where
-exceptions become data, so a failing tool or env never stops the batch.
+Episodes run concurrently as asyncio tasks; the policy batches their requests. Every env call (`make_env`,
+`reset`, `step`, `assistant_message`, `close`) runs in a thread pool under `step_timeout`, and each `generate`
+under `generate_timeout`, so that no env or policy can hold the event loop, and with it the other episodes.
+Every episode ends as a `Trajectory` with status ok / truncated (with the reason) / error (with the exception):
+`_captured` is the one place where exceptions become data, so a failing tool or env never stops the batch.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence, TypeVar
 
 from pydantic import with_config
 
 from agentrl.config import STRICT
 from agentrl.env.api import TextEnv
-from agentrl.policy.protocol import Policy, Sample, SamplingParams, current_episode
+from agentrl.policy.protocol import Policy, PolicyError, Sample, SamplingParams, current_episode
 from agentrl.renderer import Renderer, RendererError
 from agentrl.types import Group, Message, StopReason, Task, Trajectory, Turn
 
@@ -31,16 +32,25 @@ class RolloutConfig:
     concurrency: int = 32  # episodes in flight
     max_turns: int = 16  # besides the env's own limit
     max_total_tokens: int = 2048  # prompt + all turns; also capped by the sampler per turn
-    step_timeout: float = 60.0  # seconds for one env.reset / env.step (tools have their own timeouts)
+    step_timeout: float = 60.0  # seconds for one env call: make_env, reset, step, close (tools have their own timeouts)
+    # seconds for one policy.generate, waiting for its batch included: a hung backend ends the episode as
+    # policy_error; above VLLMPolicy's own request timeout (600 s), so that its error comes first
+    generate_timeout: float = 1800.0
+    # characters kept of each observation message (head and tail, the cut stated in it) before it is tokenized:
+    # a tool that returns 100 MB would take minutes to tokenize, and overflow the episode's token budget anyway
+    max_observation_chars: int = 100_000
     env_workers: int = 16  # threads for env calls
     retries: int = 2  # plays again an episode that ended in a retryable error (its Ray env worker died)
     seed: int = 0
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
     def __post_init__(self) -> None:
-        for name in ("group_size", "concurrency", "max_turns", "env_workers"):
+        for name in ("group_size", "concurrency", "max_turns", "env_workers", "max_observation_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("step_timeout", "generate_timeout"):
+            if not getattr(self, name) > 0:  # also refuses NaN
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.sampling.seed is not None:
             raise ValueError("sampling.seed: each turn's sampling seed is derived from the rollout's seed (per task, "
                              "sample and turn); set that seed instead")
@@ -52,10 +62,67 @@ class RolloutConfig:
 
 
 _plays = itertools.count()  # makes every play's episode key unique, replays included
+T = TypeVar("T")
 
 
 class EnvTimeout(TimeoutError):
-    """env.reset or env.step took longer than `step_timeout`."""
+    """An env call (make_env, reset, step, close) took longer than `step_timeout`."""
+
+
+class EnvRaised(RuntimeError):
+    """Env code raised what is not an ordinary exception (KeyboardInterrupt, SystemExit, GeneratorExit, ...)
+    or cannot cross into the event loop (StopIteration); this carries its type and message instead."""
+
+
+class PolicyTimeout(PolicyError):
+    """`policy.generate` took longer than `generate_timeout`."""
+
+
+async def _captured(work: Awaitable[T]) -> tuple[T | None, Exception | None]:
+    """The one capture point: `work`'s result and None, or None and the exception it raised. An episode's play
+    and its env's close pass here, so that any failure becomes data: an `error` trajectory, or a close error in
+    its info. Cancellation (a real Ctrl-C) is no exception here: it still stops the batch."""
+    try:
+        return await work, None
+    except Exception as e:  # env, tool, policy or renderer: whatever failed, the batch goes on
+        return None, e
+
+
+async def _within(seconds: float, work: Awaitable[T], timeout: Exception) -> T:
+    """`work`'s result, or `timeout` raised once it has run `seconds` (a TimeoutError of its own passes as is)."""
+    try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation that races the result
+        async with asyncio.timeout(seconds) as scope:
+            return await work
+    except TimeoutError:
+        if scope.expired():
+            raise timeout from None
+        raise
+
+
+def _in_worker(name: str, fn: Callable[..., T], args: tuple, kwargs: dict) -> T:
+    """`fn(*args, **kwargs)` in an env thread, what it raises turned into something the event loop can take.
+    A KeyboardInterrupt here is the env's own: a real Ctrl-C reaches the main thread only."""
+    try:
+        return fn(*args, **kwargs)
+    except BaseException as e:
+        if isinstance(e, Exception) and not isinstance(e, StopIteration):
+            raise
+        raise EnvRaised(f"{type(e).__name__} in {name}: {e}") from e
+
+
+def _describe(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def _capped(observation: Sequence[Message], limit: int) -> tuple[Message, ...]:
+    """`observation` with each message's content cut to `limit` characters: its head and tail, and a line that
+    says how much was cut (as the sandbox runner cuts program output)."""
+    def cut(text: str) -> str:
+        head = limit // 2
+        return (f"{text[:head]}\n[... {len(text) - limit} characters cut: the rollout keeps {limit} of an "
+                f"observation (max_observation_chars) ...]\n{text[len(text) - (limit - head):]}")
+
+    return tuple(m if len(m.content) <= limit else replace(m, content=cut(m.content)) for m in observation)
 
 
 @dataclass
@@ -81,6 +148,8 @@ class _Episode:
     per_turn: dict[str, list[tuple[int, Any]]] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     failing_as: StopReason = StopReason.ENV_ERROR  # what an exception now would be: POLICY_ERROR while sampling
+    env: TextEnv | None = None  # once `make_env` gave it; `_run_once` closes it
+    close_error: str | None = None  # a failed or timed-out `env.close()`: noted, not the episode's outcome
 
     def extend(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None = None,
                trainable: Sequence[int] = ()) -> None:
@@ -102,7 +171,8 @@ class _Episode:
         untrained = sum(t.end - t.start - sum(self.mask[t.start:t.end]) for t in self.turns)
         info = {"tool_calls": self.tool_calls, "answer": self.answer,
                 "seconds": round(time.perf_counter() - self.started, 3),
-                **({"untrained_tokens": untrained} if untrained else {}), **self.per_turn}
+                **({"untrained_tokens": untrained} if untrained else {}),
+                **({"close_error": self.close_error} if self.close_error else {}), **self.per_turn}
         return Trajectory(
             task_id=self.task.id, token_ids=tuple(self.ids), loss_mask=tuple(self.mask),
             logprobs=tuple(self.logprobs), prompt_len=self.prompt_len, turns=tuple(self.turns), reward=self.reward,
@@ -120,14 +190,12 @@ class RolloutEngine:
         self._stop_ids = tuple(dict.fromkeys(config.sampling.stop_token_ids + renderer.stop_token_ids)) \
             if renderer is not None else ()
 
-    async def _call(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
-        try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation that races the result
-            async with asyncio.timeout(self.config.step_timeout):
-                return await future
-        except TimeoutError:
-            raise EnvTimeout(f"{getattr(fn, '__name__', fn)} took more than {self.config.step_timeout}s") from None
+    async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """An env call, in the env thread pool under `step_timeout` (a call that overruns is abandoned)."""
+        name = "make_env" if fn is self.make_env else getattr(fn, "__name__", repr(fn))
+        future = asyncio.get_running_loop().run_in_executor(self._pool, _in_worker, name, fn, args, kwargs)
+        timeout = self.config.step_timeout
+        return await _within(timeout, future, EnvTimeout(f"{name} took more than {timeout}s (rollout.step_timeout)"))
 
     async def run_episode(self, task: Task, env_seed: int, sample_seed: int, group: int = 0) -> Trajectory:
         """One episode. One that failed in a retryable way (an exception with `retryable = True`, such as a
@@ -139,26 +207,28 @@ class RolloutEngine:
         return replace(trajectory, info={**trajectory.info, "attempts": attempt}) if attempt > 1 else trajectory
 
     async def _run_once(self, task: Task, env_seed: int, sample_seed: int, group: int) -> tuple[Trajectory, bool]:
-        ep, env, retryable = _Episode(task, group, env_seed, self.policy.weight_version), None, False
+        ep = _Episode(task, group, env_seed, self.policy.weight_version)
         current_episode.set(f"{task.id}@{env_seed}/{sample_seed}/{next(_plays)}")
         try:
-            env = self.make_env()
-            stop, reason = await self._play(env, sample_seed, ep)
-        except Exception as e:  # the one capture point: any failure becomes an `error` trajectory
-            stop = StopReason.RENDER_ERROR if isinstance(e, RendererError) else ep.failing_as
-            reason, retryable = f"{type(e).__name__}: {e}", getattr(e, "retryable", False)
-        finally:
-            if env is not None:
-                env.close()
-        return ep.freeze(stop, reason), retryable
+            outcome, error = await _captured(self._play(sample_seed, ep))
+        finally:  # on cancellation too: the env's sandbox or browser goes back
+            if ep.env is not None:
+                _, close_error = await _captured(self._call(ep.env.close))
+                ep.close_error = _describe(close_error) if close_error else None
+        if error is not None:
+            stop = StopReason.RENDER_ERROR if isinstance(error, RendererError) else ep.failing_as
+            outcome = stop, _describe(error)
+        return ep.freeze(*outcome), getattr(error, "retryable", False)
 
-    async def _play(self, env: TextEnv, sample_seed: int, ep: _Episode) -> tuple[StopReason, str]:
-        """Turns until the env ends the episode or a budget runs out; returns why it stopped."""
+    async def _play(self, sample_seed: int, ep: _Episode) -> tuple[StopReason, str]:
+        """Makes the episode's env and plays turns until it ends the episode or a budget runs out; returns why it
+        stopped."""
         cfg, r = self.config, self.renderer
+        env = ep.env = await self._call(self.make_env)
         obs, info = await self._call(env.reset, seed=ep.env_seed, options={"task": ep.task})
         tools = info.get("tools")
-        ep.messages += obs
-        ep.extend(r.prompt_ids(ep.messages, tools), sampled=False)
+        ep.messages += _capped(obs, cfg.max_observation_chars)
+        ep.extend(await asyncio.to_thread(r.prompt_ids, ep.messages, tools), sampled=False)
         ep.prompt_len = len(ep.ids)
         for turn in range(cfg.max_turns):
             if len(ep.ids) >= cfg.max_total_tokens:
@@ -173,10 +243,13 @@ class RolloutEngine:
             ids = sample.token_ids
             text = r.decode(ids[:-1] if ids and ids[-1] in r.stop_token_ids else ids)  # without the turn end
             obs, reward, terminated, truncated, info = await self._call(env.step, text)
+            obs = _capped(obs, cfg.max_observation_chars)
             ep.record(turn, reward, info)
-            assistant = env.assistant_message(text)
+            assistant = await self._call(env.assistant_message, text)
             if not (terminated or truncated or turn + 1 == cfg.max_turns):  # the next turn starts after the obs
-                ep.extend(r.observation_ids(ep.messages, assistant, obs, sample.token_ids, tools), sampled=False)
+                # rendered in a thread: a long conversation takes a while to template and tokenize
+                ep.extend(await asyncio.to_thread(r.observation_ids, ep.messages, assistant, obs, sample.token_ids,
+                                                  tools), sampled=False)
             ep.messages += [assistant, *obs]
             ep.turns.append(Turn(start, end, len(ep.ids), reward))
             if terminated or truncated:
@@ -189,8 +262,9 @@ class RolloutEngine:
         budget = self.config.max_total_tokens - len(ep.ids)
         sampling = replace(self.config.sampling, max_tokens=min(self.config.sampling.max_tokens, budget), seed=seed,
                            stop_token_ids=self._stop_ids)
-        ep.failing_as = StopReason.POLICY_ERROR
-        sample = (await self.policy.generate(ep.ids, sampling))[0]
+        ep.failing_as, timeout = StopReason.POLICY_ERROR, self.config.generate_timeout
+        sample = (await _within(timeout, self.policy.generate(ep.ids, sampling), PolicyTimeout(
+            f"generate took more than {timeout}s: raise rollout.generate_timeout if the backend is slow, not hung")))[0]
         ep.failing_as = StopReason.ENV_ERROR
         ep.extend(sample.token_ids, sampled=True, logprobs=sample.logprobs, trainable=sample.trainable)
         return sample

@@ -130,9 +130,16 @@ class RayEnvPool:
         self._next, self._episodes = itertools.count(), itertools.count()
 
     def make(self, **kwargs: Any) -> "RemoteEnv":
-        """A new env on the next worker, round robin (a restarted worker takes episodes again)."""
-        worker = self.workers[next(self._next) % len(self.workers)]
-        return RemoteEnv(self, worker, next(self._episodes), kwargs)
+        """A new env on the next worker, round robin (a restarted worker takes episodes again). A worker that is
+        down is passed over: the rollout engine makes envs from several threads at once, so one of them can reach
+        a worker between its death and its restart, and an episode that has not started loses nothing by moving."""
+        for _ in range(len(self.workers)):
+            worker = self.workers[next(self._next) % len(self.workers)]
+            try:
+                return RemoteEnv(self, worker, next(self._episodes), kwargs)
+            except WorkerLost as e:
+                lost = e
+        raise lost
 
     def close(self) -> None:
         """Kill the worker actors (their envs go with them)."""
