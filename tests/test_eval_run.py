@@ -62,8 +62,8 @@ def test_interrupted_eval_resumes_to_the_same_results(tmp_path, tiny_model_dir, 
         run_suite(SUITE, policy, renderer, cut, tiny_model_dir, KS, config=CONFIG, on_episode=killed_after_four)
     finished = len(episodes(cut))
     assert 4 <= finished < EPISODES
-    with open(cut / "trajectories.jsonl", "a") as f:
-        f.write('{"task_id": "half a line')  # what a kill during a write leaves
+    with open(cut / "trajectories.jsonl", "ab") as f:
+        f.write('{"task_id": "half a line, cut inside a character: é'.encode()[:-1])  # what a kill mid-write leaves
 
     rerun = []
     resumed = run_suite(SUITE, policy, renderer, cut, tiny_model_dir, KS, config=CONFIG, on_episode=rerun.append)

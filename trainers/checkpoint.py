@@ -2,22 +2,27 @@
 step, data position and weight version.
 
 Each checkpoint is written to a temporary directory and renamed into place, so a run killed while
-saving leaves the previous checkpoint intact.
+saving leaves the previous checkpoint intact. Reading one back names the file that does not read (or holds
+non-finite weights), and `resume` falls back past a damaged checkpoint to the one before.
 """
 
 from __future__ import annotations
 
+import pickle
 import random
 import shutil
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM
 
 from agentrl.trainers.fsdp import data_parallel, load_full_state_dict, load_optimizer_state
-from agentrl.trainers.lora import has_lora, load_adapter, save_adapter
+from agentrl.trainers.lora import ADAPTER_FILE, has_lora, load_adapter, save_adapter
 from agentrl.policy.weights import save_full
 
 
@@ -29,19 +34,28 @@ def save_checkpoint(out_dir: Path, step: int, model: Any, tokenizer: Any, *, sta
     trainer passes its gathered `optimizer_state` instead of the optimizer, and a plain copy as `model`."""
     if (optimizer is None) == (optimizer_state is None):
         raise ValueError("save_checkpoint needs the optimizer, or (sharded) its gathered optimizer_state")
-    final = Path(out_dir) / "checkpoints" / f"step-{step:06d}"
-    tmp = final.with_name(final.name + ".tmp")
+
+    def write(tmp: Path) -> None:
+        save_model(model, tokenizer, tmp)
+        for name, submodel in (submodels or {}).items():
+            save_full(submodel, tmp / name)
+        torch.save({
+            "step": step, "state": state, "optimizer": optimizer_state if optimizer is None else optimizer.state_dict(),
+            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+        }, tmp / "trainer_state.pt")
+
+    return write_folder(Path(out_dir) / "checkpoints" / f"step-{step:06d}", write)
+
+
+def write_folder(path: Path, write: Callable[[Path], None]) -> Path:
+    """`write(folder)` into `path.tmp`, then renamed to `path`: a run killed while writing leaves the folder that
+    was there before (or none), never a partial one."""
+    tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_model(model, tokenizer, tmp)
-    for name, submodel in (submodels or {}).items():
-        save_full(submodel, tmp / name)
-    torch.save({
-        "step": step, "state": state, "optimizer": optimizer_state if optimizer is None else optimizer.state_dict(),
-        "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-    }, tmp / "trainer_state.pt")
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    return final
+    write(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return path
 
 
 def save_model(model: Any, tokenizer: Any, path: Path) -> None:
@@ -53,25 +67,90 @@ def save_model(model: Any, tokenizer: Any, path: Path) -> None:
         save_adapter(model, path)
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file that does not read back (cut by a crash, or damaged), or that holds non-finite weights."""
+
+
+@contextmanager
+def reading(file: Path) -> Iterator[None]:
+    """Errors while reading `file` as a `CheckpointError` naming it: torch's and safetensors' own do not, and an
+    empty file's EOFError would reach the CLI as if Ctrl-D were pressed (typer prints only "Aborted.")."""
+    try:
+        yield
+    except (EOFError, OSError, RuntimeError, pickle.UnpicklingError, SafetensorError) as e:
+        raise CheckpointError(f"{file} does not read back, cut by a crash or damaged ({type(e).__name__}: {e})"
+                              ) from None
+
+
+def require_finite(state: dict[str, torch.Tensor], file: Path) -> None:
+    """Refuse weights with NaN or Inf (a run that had diverged when it saved them), naming `file`."""
+    bad = [name for name, tensor in state.items() if tensor.is_floating_point() and not tensor.isfinite().all()]
+    if bad:
+        raise CheckpointError(f"{file} holds non-finite weights ({', '.join(bad[:3])}"
+                              f"{f' and {len(bad) - 3} more' if len(bad) > 3 else ''})")
+
+
+def read_weights(auto_class: Any, path: Path) -> dict[str, torch.Tensor]:
+    """The finite state dict of the model saved at `path` (loaded with `auto_class`), else a `CheckpointError`."""
+    file = path / "model.safetensors" if (path / "model.safetensors").exists() else path  # else sharded: the folder
+    with reading(file):
+        state = auto_class.from_pretrained(path).state_dict()
+    require_finite(state, file)
+    return state
+
+
 def load_model(model: Any, path: Path) -> None:
     """Restores what `save_model` wrote into the live model: all weights, or a LoRA model's adapters on top
-    of its unchanged base."""
-    if has_lora(model):
+    of its unchanged base; a `CheckpointError` naming the file if they do not read back or are not finite."""
+    if not has_lora(model):
+        model.load_state_dict(read_weights(type(model), path))
+        return
+    with reading(path / ADAPTER_FILE):
         load_adapter(model, path)
-    else:
-        model.load_state_dict(type(model).from_pretrained(path).state_dict())
+    require_finite(model.state_dict(), path / ADAPTER_FILE)
 
 
 def latest_checkpoint(out_dir: Path) -> Path | None:
     """The highest-step finished checkpoint in `out_dir/checkpoints` (one still being written is skipped), or None."""
-    done = sorted(p for p in (Path(out_dir) / "checkpoints").glob("step-*") if not p.name.endswith(".tmp"))
+    done = finished_checkpoints(out_dir)
     return done[-1] if done else None
 
 
-def resume(model: Any, optimizer: torch.optim.Optimizer, checkpoint: Path) -> dict[str, Any]:
-    """Restores the model, optimizer and RNGs from `checkpoint` in place; returns {"step": ..., "state": ...}."""
-    saved = torch.load(Path(checkpoint) / "trainer_state.pt", weights_only=False)
+def finished_checkpoints(out_dir: Path) -> list[Path]:
+    """The checkpoints in `out_dir/checkpoints` that were written to the end (renamed into place), oldest first."""
+    return sorted(p for p in (Path(out_dir) / "checkpoints").glob("step-*") if not p.name.endswith(".tmp"))
+
+
+def resume(model: Any, optimizer: torch.optim.Optimizer, out_dir: Path,
+           restore_more: Callable[[Path, dict[str, Any]], None] = lambda checkpoint, state: None
+           ) -> dict[str, Any] | None:
+    """Restores the model, optimizer and RNGs in place (and, with `restore_more(checkpoint, state)`, what a method
+    saved beyond them) from the latest checkpoint in `out_dir` that reads back whole; returns {"step", "state"},
+    or None when there is no checkpoint. A damaged one is passed over for the one before, with a warning naming
+    both; when every one is damaged, a `CheckpointError`."""
+    damaged: list[str] = []
+    for checkpoint in reversed(finished_checkpoints(out_dir)):
+        try:
+            resumed = resume_from(model, optimizer, checkpoint, restore_more)
+        except CheckpointError as e:
+            damaged.append(str(e))
+            continue
+        for reason in damaged:
+            warnings.warn(f"{reason}; resuming from the previous checkpoint, {checkpoint}", RuntimeWarning)
+        return resumed
+    if damaged:
+        raise CheckpointError("no checkpoint reads back: " + "; ".join(damaged)
+                              + ". Delete the checkpoints folder to start over.")
+    return None
+
+
+def resume_from(model: Any, optimizer: torch.optim.Optimizer, checkpoint: Path,
+                restore_more: Callable[[Path, dict[str, Any]], None]) -> dict[str, Any]:
+    """`resume` from this `checkpoint`."""
+    with reading(checkpoint / "trainer_state.pt"):
+        saved = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
     restore(model, optimizer, checkpoint, saved["optimizer"], AutoModelForCausalLM)
+    restore_more(checkpoint, saved["state"])
     random.setstate(saved["rng"]["python"])
     np.random.set_state(saved["rng"]["numpy"])
     torch.set_rng_state(saved["rng"]["torch"])
@@ -88,5 +167,5 @@ def restore(model: Any, optimizer: torch.optim.Optimizer, path: Path, optimizer_
         load_model(model, path)
         optimizer.load_state_dict(optimizer_state)
         return
-    load_full_state_dict(model, auto_class.from_pretrained(path).state_dict() if rank == 0 else {})
+    load_full_state_dict(model, read_weights(auto_class, path) if rank == 0 else {})
     load_optimizer_state(model, optimizer, optimizer_state if rank == 0 else {})

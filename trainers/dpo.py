@@ -23,6 +23,7 @@ from agentrl.types import Group, Trajectory
 from agentrl.trainers.batch import make_batch
 from agentrl.policy.logprobs import token_logprobs
 from agentrl.trainers.losses import dpo_loss
+from agentrl.trainers.metrics import check_finite
 from agentrl.trainers.rewards import RewardConfig, group_rewards
 
 
@@ -98,6 +99,7 @@ def train_dpo(model: torch.nn.Module, pairs: Sequence[tuple[Trajectory, Trajecto
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             optimizer.step()
             row = {"epoch": epoch, "loss": loss.item(), "grad_norm": grad_norm.item(), **metrics}
+            check_finite(f"DPO step {len(history) + 1}", row)
             history.append(row)
             if on_step:
                 on_step(row)

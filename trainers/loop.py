@@ -32,10 +32,10 @@ from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.trainers.batch import Batch
-from agentrl.trainers.checkpoint import latest_checkpoint, resume, save_checkpoint
+from agentrl.trainers.checkpoint import resume, save_checkpoint
 from agentrl.trainers.fsdp import broadcast, data_parallel, full_optimizer_state, gather_into
 from agentrl.trainers.losses import KL_KINDS, POLICY_LOSSES, PolicyLossConfig, kl_loss, masked_mean, micro_batch_weight
-from agentrl.trainers.metrics import MetricsLogger, rollout_metrics
+from agentrl.trainers.metrics import MetricsLogger, check_finite, rollout_metrics
 from agentrl.trainers.rewards import RewardConfig
 from agentrl.types import Group, Task
 
@@ -251,19 +251,19 @@ def run(cfg: LoopConfig, method: Method, model: torch.nn.Module, optimizer: torc
     of the steps run now. `periodic_eval(step)` runs after each sync; what it returns (held-out metrics, or {}
     when not due) is logged under `heldout`."""
     stream, start = TaskStream(tasks, cfg.seed), 0
-    if (checkpoint := latest_checkpoint(out_dir)) is not None:  # weights, optimizer, RNGs, data, the method's
-        resumed = resume(model, optimizer, checkpoint)
+    resumed = resume(model, optimizer, out_dir, method.restore)  # weights, optimizer, RNGs, the method's state
+    if resumed is not None:
         start, stream.position = resumed["step"], resumed["state"]["data_position"]
-        method.restore(checkpoint, resumed["state"])
     sharding, renderer, max_reward = Sharding(model, policy), Renderer(tokenizer), make_env().max_reward
     sharding.sync(start)
-    logger, history = MetricsLogger(out_dir) if sharding.main else None, []
+    logger, history = MetricsLogger(out_dir, start) if sharding.main else None, []
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         kept, collected = sharding.from_main(
             lambda: collect(make_env, policy, renderer, stream, cfg, step, keep, refills))
         t1 = time.perf_counter()
         metrics = {**rollout_metrics(collected, max_reward), **method.train_step(kept, collected, step)}
+        check_finite(f"step {step + 1}", metrics)
         t2 = time.perf_counter()
         sharding.sync(step + 1)
         t3 = time.perf_counter()

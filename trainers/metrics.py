@@ -2,29 +2,48 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Any, Sequence
 
 from agentrl.eval.metrics import summarize
+from agentrl.rollout.jsonl import JsonlWriter, read_records, write_jsonl
 from agentrl.types import Group
+
+
+class NonFiniteLoss(ArithmeticError):
+    """A loss or gradient norm that is NaN or infinite: training stops there rather than train on garbage."""
+
+
+def check_finite(where: str, metrics: dict[str, Any]) -> None:
+    """Raise `NonFiniteLoss`, naming `where` (the step), if a loss or gradient norm in `metrics` (nested dicts
+    included) is not finite; called before the step is logged or checkpointed, so the last checkpoint is sound."""
+    bad = {k: v for k, v in _flatten(metrics).items()
+           if k.endswith(("loss", "grad_norm")) and isinstance(v, float) and not math.isfinite(v)}
+    if bad:
+        raise NonFiniteLoss(f"{where}: non-finite {bad}; stopped before logging or checkpointing it (the last "
+                            "checkpoint is intact)")
 
 
 class MetricsLogger:
     """Appends one JSON object per step to `metrics.jsonl` and mirrors the numbers to TensorBoard."""
 
-    def __init__(self, out_dir: Path):
+    def __init__(self, out_dir: Path, start: int = 0):
+        """A run resumed at step `start` keeps only the lines of steps up to it: later ones were logged after
+        the checkpoint it resumes from and are about to be redone, and a line cut by a crash is dropped."""
         from torch.utils.tensorboard import SummaryWriter
 
         out_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(out_dir / "metrics.jsonl", "a")
-        self._tb = SummaryWriter(str(out_dir / "tensorboard"))
+        path = out_dir / "metrics.jsonl"
+        rows = read_records(path, repair=True) if path.exists() else []
+        if any(row["step"] > start for row in rows):
+            write_jsonl([row for row in rows if row["step"] <= start], path)
+        self._jsonl = JsonlWriter(path, append=True)
+        self._tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=start + 1)  # forgets them too
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Append `metrics` as the line of `step`; its finite numbers (nested dicts as `a/b` tags) go to TensorBoard."""
-        self._jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-        self._jsonl.flush()
+        self._jsonl.write({"step": step, **metrics})
         for key, value in _flatten(metrics).items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self._tb.add_scalar(key, value, step)

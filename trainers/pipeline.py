@@ -34,11 +34,11 @@ from agentrl.rollout.ray_pool import RayConfig, env_factory
 from agentrl.env.registry import make
 from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
-from agentrl.rollout.jsonl import JsonlWriter, write_jsonl
+from agentrl.rollout.jsonl import JsonlWriter, read_records, write_jsonl
 from agentrl.policy.scripted import ScriptedPolicy, playing
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers import fsdp, tango
-from agentrl.trainers.checkpoint import latest_checkpoint, load_model, save_checkpoint, save_model
+from agentrl.trainers.checkpoint import latest_checkpoint, load_model, save_checkpoint, save_model, write_folder
 from agentrl.trainers.dpo import DPOConfig, preference_pairs, train_dpo
 from agentrl.trainers.grpo import GRPOConfig, train as train_grpo
 from agentrl.trainers.lora import LoraSettings, add_lora
@@ -427,7 +427,7 @@ def plot_reward_curve(metrics_path: Path, png: Path) -> None:
     matplotlib.use("Agg")  # no display here
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines()]
+    rows = read_records(metrics_path)
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([r["step"] for r in rows], [r["mean_reward"] for r in rows], label="mean reward")
     ax.plot([r["step"] for r in rows], [r["success"] for r in rows], label="success")
@@ -456,8 +456,8 @@ def _mean_of_last(history: list[dict], key: str, n: int = 50) -> float:
 
 
 def _save_stage(model, tokenizer, path: Path) -> None:
-    """A finished stage's model; the summary records the stage only after this, so a saved stage is whole."""
-    save_model(model, tokenizer, path)
+    """A finished stage's model, written whole (`write_folder`); the summary records the stage only after this."""
+    write_folder(path, lambda tmp: save_model(model, tokenizer, tmp))
 
 
 def _load_stage(model, policy, path: Path, log: Callable[[str], None], version: int = 0) -> None:

@@ -25,6 +25,7 @@ from pydantic import with_config
 
 from agentrl.config import STRICT
 from agentrl.policy.logprobs import lm_head
+from agentrl.trainers.metrics import check_finite
 
 
 @with_config(STRICT)
@@ -99,6 +100,7 @@ def copy_warmup(model: torch.nn.Module, tokens: list[int], cfg: CopyWarmup,
         optimizer.step()
         row = {"step": step, "loss": loss.item(),
                "copy_accuracy": (logits_BNV.argmax(-1) == ids_BT[:, -n:]).float().mean().item()}
+        check_finite(f"copy warm-up step {step + 1}", row)
         history.append(row)
         if on_step:
             on_step(row)
@@ -149,6 +151,7 @@ def copy_in_context(model: torch.nn.Module, tokens: list[int], texts: Sequence[S
         optimizer.step()
         hits_BT = logits_BTV.argmax(-1) == ids_BT[:, 1:]
         row = {"step": step, "loss": loss.item(), "copy_accuracy": hits_BT[copied_BT].float().mean().item()}
+        check_finite(f"copy-in-context step {step + 1}", row)
         history.append(row)
         if on_step:
             on_step(row)

@@ -14,6 +14,7 @@ from pydantic import with_config
 from agentrl.config import STRICT
 from agentrl.types import Status, Trajectory
 from agentrl.trainers.batch import make_batch
+from agentrl.trainers.metrics import check_finite
 from agentrl.policy.logprobs import token_logprobs
 
 
@@ -68,6 +69,7 @@ def sft(model: torch.nn.Module, trajectories: Sequence[Trajectory], cfg: SFTConf
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
             optimizer.step()
             row = {"epoch": epoch, "loss": loss.item(), "grad_norm": grad_norm.item(), "kept": len(kept)}
+            check_finite(f"SFT step {len(history) + 1}", row)
             history.append(row)
             if on_step:
                 on_step(row)

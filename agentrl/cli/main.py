@@ -214,6 +214,8 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
     """SFT warm start (optional) → held-out eval → RL (GRPO, PPO, tandem, tango or DPO) → held-out eval;
     resumes from the latest checkpoint."""
     from agentrl.config import ConfigError, load_config, merge
+    from agentrl.trainers.checkpoint import CheckpointError
+    from agentrl.trainers.metrics import NonFiniteLoss
     from agentrl.trainers.pipeline import METHODS, TrainJob, run
 
     try:
@@ -225,7 +227,11 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
         console.print(f"[red]{e}[/]")
         raise typer.Exit(2)
     _make_or_exit(job.env, **job.env_kwargs)
-    summary = run(job, log=console.print)
+    try:
+        summary = run(job, log=console.print)
+    except (CheckpointError, NonFiniteLoss) as e:  # what the message says is all there is to know
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(1)
     if "before" in summary and "after" in summary:
         b, a = summary["before"]["success"], summary["after"]["success"]
         console.print(f"[bold]held-out success: {b:.3f} → {a:.3f} ({100 * (a - b):+.1f} points)[/]")

@@ -20,7 +20,7 @@ from urllib.parse import quote
 import jinja2
 
 from agentrl.eval.metrics import diff_interval, summarize_run
-from agentrl.rollout.jsonl import read_jsonl
+from agentrl.rollout.jsonl import read_jsonl, read_records
 from agentrl.types import Trajectory
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -55,7 +55,7 @@ def load_training(train_dir: str | Path) -> dict[str, Any]:
     metrics = train_dir / "metrics.jsonl"
     if not metrics.exists():
         raise FileNotFoundError(f"{train_dir} has no metrics.jsonl: not a training run directory (`agentrl train`)")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = read_records(metrics)
     summary_path = train_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     return {"dir": str(train_dir), "rows": rows, "summary": summary}

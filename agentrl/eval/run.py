@@ -24,6 +24,7 @@ from agentrl.policy.protocol import Policy
 from agentrl.env.registry import make
 from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.rollout.jsonl import JsonlWriter, read_records
 from agentrl.eval.metrics import is_success, summarize
 from agentrl.env.suites import Suite, SuiteEntry
 from agentrl.types import Task, Trajectory
@@ -86,14 +87,13 @@ def run_suite(suite: Suite, policy: Policy, renderer: Renderer, out_dir: str | P
     todo = [ep for ep in _episodes(entries, envs, n_samples, config.seed)
             if (ep.entry.name, ep.task.id, ep.sample) not in done]
     start = time.perf_counter()
-    with open(log_path, "a") as log:
+    with JsonlWriter(log_path, append=True) as log:
         def finished(ep: _Episode, t: Trajectory) -> None:
             env = envs[ep.entry.name]
             t = replace(t, info={**t.info, "entry": ep.entry.name, "env": ep.entry.env, "split": ep.entry.split,
                                  "sample": ep.sample, "success": is_success(t, env.max_reward),
                                  "difficulty": env.difficulty(ep.task)})
-            log.write(json.dumps(t.to_dict(), ensure_ascii=False) + "\n")
-            log.flush()
+            log.write(t)
             done[(ep.entry.name, ep.task.id, ep.sample)] = t
             if on_episode:
                 on_episode(t)
@@ -139,21 +139,9 @@ async def _run_episodes(todo: Sequence[_Episode], entries: Sequence[SuiteEntry],
 
 
 def _read_finished(path: Path) -> dict[tuple[str, str, int], Trajectory]:
-    """The episodes a previous (possibly killed) run finished. A last line cut short by the kill is
-    dropped from the file, so that appending continues on a clean line."""
+    """The episodes a previous (possibly killed) run finished; a last line cut short by the kill is cut off the
+    file, so that appending continues on a clean line."""
     if not path.exists():
         return {}
-    lines = path.read_text().splitlines(keepends=True)
-    finished, kept = {}, []
-    for i, line in enumerate(lines):
-        try:
-            t = Trajectory.from_dict(json.loads(line))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            if i == len(lines) - 1:
-                break
-            raise ValueError(f"{path}:{i + 1} is not a trajectory; the run directory is damaged") from None
-        finished[(t.info["entry"], t.task_id, t.info["sample"])] = t
-        kept.append(line if line.endswith("\n") else line + "\n")
-    if kept != lines:
-        path.write_text("".join(kept))
-    return finished
+    return {(t.info["entry"], t.task_id, t.info["sample"]): t
+            for t in read_records(path, Trajectory.from_dict, repair=True)}
