@@ -318,6 +318,8 @@ def test_fifos_oversized_arguments_and_inode_floods_are_the_programs_problem(san
         assert time.monotonic() - start < 2
     long = sandbox.run(argv=["bash", "-c", "echo " + "x" * 200_000])
     assert long.exit_code == 126 and "Argument list too long" in long.stderr
+    nul = sandbox.run(argv=["bash", "-c", "echo a\x00b"])
+    assert nul.exit_code == 126 and "embedded null byte" in nul.stderr
     flood = sandbox.run(code="import os\nfor i in range(700_000):\n    open(f'f{i}', 'w').close()", timeout=20)
     assert "No space left on device" in flood.stderr
     sandbox.reset()

@@ -204,6 +204,14 @@ def test_check_accepts_valid_calls(tools):
     assert tools.check([]) is None
 
 
+def test_check_refuses_lone_surrogates_from_any_parser(tools):
+    """A ReAct or Search-R1 argument is raw text, not JSON: the same check holds there."""
+    message = tools.check([ToolCall("calculator", {"expression": "1+\ud800"})])
+    assert message == ("Invalid arguments for calculator: the arguments hold \\ud800, half of a surrogate pair, "
+                       "not a character")
+    assert message.encode()  # the observation itself can be tokenized
+
+
 def test_check_counts_calls_per_turn(tools):
     calls = [ToolCall("calculator", {"expression": "1"})] * 3
     assert tools.check(calls) == "Only 1 tool call is allowed per turn; you made 3."

@@ -8,6 +8,7 @@ as JSON does not tell them apart.)
 from __future__ import annotations
 
 import inspect
+import json
 import reprlib
 import typing
 from collections.abc import Callable
@@ -41,6 +42,9 @@ class ArgumentValidator:
         """Returns the validated arguments (only those given; the function's defaults fill the rest)."""
         if not isinstance(arguments, dict):
             raise ToolArgumentError(f"{self.tool_name}: arguments must be a JSON object (got {_describe(arguments)})")
+        if half := lone_surrogate(arguments):
+            raise ToolArgumentError(f"{self.tool_name}: the arguments hold {half}, half of a surrogate pair, not a "
+                                    "character")
         try:
             return dict(self._adapter.validate_python(arguments))
         except pydantic.ValidationError as e:
@@ -55,6 +59,18 @@ class ArgumentValidator:
             expected = ", ".join(self.names) or "none"
             return f"unexpected argument '{path}' (arguments: {expected})"
         return f"argument '{path}' {_readable(err['msg'])} (got {_describe(err['input'])})"
+
+
+def lone_surrogate(value: Any) -> str | None:
+    """The first lone UTF-16 surrogate in `value`'s strings, escaped (`\\ud800`), or None. JSON can write one
+    (`"\\ud800"`); no program, file name or tokenizer takes it."""
+    try:
+        json.dumps(value, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        return e.object[e.start:e.end].encode("unicode_escape").decode()
+    except (TypeError, ValueError):  # not JSON at all: pydantic says what is wrong with it
+        pass
+    return None
 
 
 def _fields_from_signature(tool_name: str, fn: Callable[..., Any]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from agentrl.tools.arguments import lone_surrogate
 from agentrl.types import ToolCall
 
 
@@ -39,11 +40,8 @@ def _load_json_object(text: str, where: str) -> tuple[dict[str, Any] | None, str
         return None, f"Invalid JSON in {where}: {str(e).split(':')[0]}"
     if not isinstance(value, dict):
         return None, f"{where} must hold a JSON object, got {_json_type(value)}"
-    try:  # JSON lets `\ud800` stand alone; no program, file name or tokenizer takes it
-        json.dumps(value, ensure_ascii=False).encode()
-    except UnicodeEncodeError as e:
-        return None, f"Invalid JSON in {where}: {e.object[e.start:e.end].encode('unicode_escape').decode()} is half " \
-                     "of a surrogate pair, not a character"
+    if half := lone_surrogate(value):
+        return None, f"Invalid JSON in {where}: {half} is half of a surrogate pair, not a character"
     return value, None
 
 

@@ -131,9 +131,13 @@ async def _run_episodes(todo: Sequence[_Episode], entries: Sequence[SuiteEntry],
             t = await engines[ep.entry.name].run_episode(ep.task, ep.env_seed, ep.sample_seed, ep.sample)
         finished(ep, t)
 
+    tasks = [asyncio.ensure_future(one(ep)) for ep in todo]
     try:
-        await asyncio.gather(*(one(ep) for ep in todo))
-    finally:
+        await asyncio.gather(*tasks)
+    finally:  # an interruption: nothing may still be in flight (and be recorded as failed) once the engines close
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for engine in engines.values():
             engine.close()
 

@@ -160,15 +160,16 @@ def run(argv: list[str] | None, stdin: str, timeout: float, max_output: int, kil
     """Runs argv, or Python `code` in a fork of this interpreter (single-threaded callers only), in `cwd` with
     a wall-clock timeout; `kill_all(proc)` ends it and anything it started. `setup` runs in the child first.
     `stdin` is fed as the program reads it, under the same deadline. `host`: a file whose EOF means the host
-    is gone (raises HostGone). A program that cannot start (an argument over the kernel's 128 KiB) is a result
-    with exit code 126 and the reason, as a shell reports it."""
+    is gone (raises HostGone). A program that cannot start (an argument over the kernel's 128 KiB, or with a NUL
+    byte) is a result with exit code 126 and the reason, as a shell reports it."""
     start = time.monotonic()
     try:
         proc = Forked(code, PROGRAM, cwd, setup) if code is not None else subprocess.Popen(
             argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             preexec_fn=setup, start_new_session=True)
-    except OSError as e:
-        return {"ok": True, "exit_code": 126, "stdout": "", "stderr": f"cannot run {argv[0]}: {e.strerror}",
+    except (OSError, ValueError) as e:  # E2BIG, ENOENT; a NUL byte in an argument
+        reason = getattr(e, "strerror", None) or str(e)
+        return {"ok": True, "exit_code": 126, "stdout": "", "stderr": f"cannot run {argv[0]!r}: {reason}",
                 "timed_out": False, "truncated": False, "seconds": round(time.monotonic() - start, 4)}
     streams = {proc.stdout: Capture(max_output // 2), proc.stderr: Capture(max_output // 2)}
     sel = selectors.DefaultSelector()
