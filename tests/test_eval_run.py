@@ -95,3 +95,49 @@ def test_eval_command_writes_results_report_and_viewer(tmp_path, tiny_model_dir)
     assert json.loads((out / "results.json").read_text())["all"]["episodes"] == 2
     bad = CliRunner().invoke(app, ["eval", "--suite", "nope/none", "--model", tiny_model_dir])
     assert bad.exit_code == 2 and "No suite 'nope/none'" in bad.output
+
+
+@pytest.mark.slow
+def test_evaluation_killed_at_random_points_resumes_to_the_uninterrupted_run(tmp_path, tiny_model_dir):
+    """`agentrl eval` SIGKILLed mid-run, again and again: every rerun resumes, and the last one's episodes are
+    the uninterrupted run's, each exactly once (a line cut by a kill is repaired, never lost or doubled)."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from agentrl.rollout.jsonl import read_records
+
+    suite = tmp_path / "suite.toml"
+    suite.write_text('name = "test/kill"\n[[entries]]\nenv = "math/arith-v0"\nsplit = "heldout"\nn_tasks = 12\n')
+    command = [sys.executable, "-m", "agentrl.cli.main", "eval", "--suite", str(suite), "--model", str(tiny_model_dir),
+               "--n", "12", "--k", "1,2", "--concurrency", "2", "--max-tokens", "24", "--max-total-tokens", "512"]
+    assert subprocess.run([*command, "--out", str(tmp_path / "straight")], capture_output=True).returncode == 0
+    out, rng, kills = tmp_path / "killed", random.Random(0), 0
+
+    def lines() -> int:
+        path = out / "trajectories.jsonl"
+        return path.read_bytes().count(b"\n") if path.exists() else 0
+
+    for _ in range(5):
+        run, done = subprocess.Popen([*command, "--out", str(out)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL), lines()
+        while run.poll() is None and lines() == done:  # an episode's progress first
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0, 0.5))
+        if run.poll() is not None:
+            break
+        run.send_signal(signal.SIGKILL)
+        run.wait()
+        kills += 1
+    assert subprocess.run([*command, "--out", str(out)], capture_output=True).returncode == 0
+    assert kills >= 2
+
+    def keyed(run_dir):
+        records = read_records(run_dir / "trajectories.jsonl")
+        keys = [(r["info"]["entry"], r["task_id"], r["info"]["sample"]) for r in records]
+        assert len(keys) == len(set(keys)) == 24, run_dir  # every episode, once
+        return {k: r["token_ids"] for k, r in zip(keys, records)}
+
+    assert keyed(out) == keyed(tmp_path / "straight")
