@@ -151,6 +151,7 @@ def test_swe_env_survives_adversarial_outputs():
 
 @pytest.mark.slow
 @pytest.mark.browser
+@pytest.mark.timeout(1800)  # about 11 minutes here: a MiniWoB reset costs 0.5 s (a new renderer per context)
 def test_web_env_survives_adversarial_outputs():
     seen = fuzz(agentrl.make("web/miniwob-v0", per_type=1, max_turns=60, max_invalid=60), 200, 50)
     assert seen["outputs"] >= OUTPUTS
