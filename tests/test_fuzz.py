@@ -42,10 +42,10 @@ EXPRESSIONS = ["9**9**9**9", "1/0", "10**100000", "(" * 500 + "1" + ")" * 500, "
                "2+2", "1e308*10", "-0", "nan", "[1]*10**9", "lambda: 1", "1 if 1 else 2", "'a'*10**9"]
 
 
-def hostile_value(kind: str) -> st.SearchStrategy:
-    """Values a model might put in an argument: of the right kind but hostile, or of the wrong kind."""
+def hostile_value(name: str) -> st.SearchStrategy:
+    """Values a model might put in the argument `name`: of the right kind but hostile, or of the wrong kind."""
     pools = {"path": PATHS, "url": URLS, "command": COMMANDS, "code": CODE, "expression": EXPRESSIONS}
-    right = st.sampled_from(pools[kind]) if kind in pools else st.text(max_size=60)
+    right = st.sampled_from(pools[name]) if name in pools else st.text(max_size=60)
     halves = st.sampled_from(["\ud800", "x\udfff", "\udc80 escape"])  # lone surrogates: JSON can say them
     huge = st.integers(100_000, 300_000).map(lambda n: "x" * n)
     wrong = st.one_of(st.integers(-2**70, 2**70), st.floats(allow_nan=True), st.booleans(), st.none(),
@@ -53,14 +53,11 @@ def hostile_value(kind: str) -> st.SearchStrategy:
     return st.one_of(*[right] * 6, st.text(), huge, halves, wrong, st.integers(-5, 50))
 
 
-ARGUMENT_KINDS = {"path": "path", "url": "url", "command": "command", "code": "code", "expression": "expression"}
-
-
 def calls_of(env) -> st.SearchStrategy:
     """Calls of the env's own tools: each argument hostile, some missing, some extra; unknown tools too."""
     def one(name: str) -> st.SearchStrategy:
         params = env.toolset.get(name).schema["function"]["parameters"]["properties"]
-        args = {p: hostile_value(ARGUMENT_KINDS.get(p, "text")) for p in params}
+        args = {p: hostile_value(p) for p in params}  # an argument named `path` gets paths, and so on
         complete = st.fixed_dictionaries(args)
         partial = st.fixed_dictionaries({}, optional={**args, "extra": st.integers()})
         return st.one_of(*[complete] * 6, partial).map(lambda a: ToolCall(name, a))
