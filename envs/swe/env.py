@@ -306,7 +306,7 @@ def patch_paths(patch: str) -> set[str]:
 def split_patch(patch: str, excluded) -> tuple[str, list[str]]:
     """The patch without the files for which `excluded(path)` holds (any path a file's part names), and the
     left-out paths."""
-    parts = [part for part in patch.split("\ndiff --git ")]
+    parts = patch.split("\ndiff --git ")
     files = [part if i == 0 else "diff --git " + part for i, part in enumerate(parts) if part.strip()]
     kept, left_out = [], []
     for part in files:

@@ -30,6 +30,7 @@ import shutil
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, Coroutine, Iterator
@@ -84,7 +85,7 @@ class Site:
         return a.scheme in DEFAULT_PORTS and (a.hostname, a.port or DEFAULT_PORTS[a.scheme]) == \
             (b.hostname, b.port or DEFAULT_PORTS[b.scheme])
 
-    @property
+    @cached_property  # resolved once, not on every request the page makes
     def root(self) -> Path:
         """A file site's folder, as a real path."""
         return _real_path(self.folder or os.path.dirname(urlsplit(self.url).path))
