@@ -25,7 +25,11 @@ class EngineConfig:
     # GPU almost nothing; e.g. 0.3 for a 0.5 B model beside its trainer). None: 0.9.
     gpu_memory_utilization: float | None = None
     dtype: str | None = None  # vllm: the served weights' dtype [default: float32 on CPU, the model's on GPU]
-    parity_threshold: float = 1e-3  # vllm: max |logp_engine - logp_trainer| in nats after a sync (bf16: ~1e-1)
+    # vllm, after each sync: the largest mean |logp_engine - logp_trainer| in nats. None: by the served dtype
+    # (float32 1e-3; bf16/fp16, and "auto" on GPU, 5e-2)
+    parity_mean_threshold: float | None = None
+    parity_tail_nats: float = 2.0  # vllm: a token this far off (nats) counts as a broken sync, not kernel noise
+    parity_tail_share: float = 0.01  # vllm: the largest share of the tokens over parity_tail_nats
 
     def __post_init__(self) -> None:
         if self.url and self.kind != "vllm":
@@ -40,12 +44,15 @@ def open_policy(model: str, engine: EngineConfig, parity_prompts: Sequence[Seque
         from agentrl.policy.hf import HFPolicy
 
         return HFPolicy.load(model)
-    from agentrl.policy.parity import ParityCheck
+    from agentrl.policy.parity import ParityCheck, mean_threshold_for
     from agentrl.policy.vllm_client import VLLMPolicy
     from agentrl.policy.vllm_server import ServerConfig
 
-    parity = ParityCheck(prompts=tuple(tuple(p) for p in parity_prompts),
-                         threshold=engine.parity_threshold) if parity_prompts else None
+    served = engine.dtype or ("float32" if engine.device == "cpu" else "auto")  # as `server_command` resolves it
+    mean = engine.parity_mean_threshold if engine.parity_mean_threshold is not None else mean_threshold_for(served)
+    parity = ParityCheck(prompts=tuple(tuple(p) for p in parity_prompts), mean_threshold=mean,
+                         tail_nats=engine.parity_tail_nats,
+                         tail_share=engine.parity_tail_share) if parity_prompts else None
     if engine.url:
         return VLLMPolicy.attach(engine.url, parity=parity, weight_transfer=engine.weight_transfer)
     server = ServerConfig(model=model, device=engine.device, max_model_len=engine.max_model_len, dtype=engine.dtype,

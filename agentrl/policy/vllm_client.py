@@ -151,7 +151,7 @@ class VLLMPolicy:
         self._rejected = None
         if self.parity is not None and self.parity.due(self.syncs + 1):
             try:
-                await check_parity(self, model, self.parity)
+                _console.print(f"parity after sync {self.syncs + 1}: {await check_parity(self, model, self.parity)}")
             except ParityError as e:
                 self._rejected = (f"the engine holds weights that failed the parity check ({e}); sync again "
                                   "with weights that pass before sampling")
@@ -160,7 +160,7 @@ class VLLMPolicy:
 
     async def _check_or_roll_back(self, model: Any, previous: Path | None) -> None:
         try:
-            await check_parity(self, model, self.parity)
+            _console.print(f"parity after sync {self.syncs + 1}: {await check_parity(self, model, self.parity)}")
         except ParityError:
             await self._load_checkpoint(previous or await self._served_weights())  # the step is not applied
             raise
