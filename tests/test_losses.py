@@ -24,6 +24,7 @@ from agentrl.trainers import (
     ppo_clip_loss,
     value_loss,
 )
+from agentrl.trainers.losses import CorrectionConfig, mis_keep, mismatch_metrics, rollout_correction, tis_weights
 
 T_ = torch.tensor
 LN2, LN1_5, LN0_7 = math.log(2.0), math.log(1.5), math.log(0.7)
@@ -243,6 +244,86 @@ def test_value_loss_clipping_by_hand():
     assert loss.item() == pytest.approx(0.5 * 1.36 / 3)  # 0.5 * (0 + 0.36 + 1) / 3
 
 
+# --- the sampler/trainer correction: TIS, MIS, mismatch metrics ------------------------------------------
+
+# Two sequences; p_trainer / p_sampler on the masked tokens: 0.6/0.4, 0.3/0.1, 0.1/0.4 | 0.5/0.5, 0.8/0.5,
+# so the importance ratios are 1.5, 3, 0.25 | 1, 1.6 (products per sequence: 1.125 | 1.6). Mask-0: garbage.
+NAN, INF = math.nan, math.inf
+P_TRAINER = T_([[0.6, 0.3, 0.1, NAN], [0.5, 0.8, INF, 0.3]])
+P_SAMPLER = T_([[0.4, 0.1, 0.4, 0.2], [0.5, 0.5, NAN, -INF]])
+MASK_C = T_([[1, 1, 1, 0], [1, 1, 0, 0]])
+TRAINER_LOGP, SAMPLER_LOGP = P_TRAINER.log(), P_SAMPLER.log()
+
+
+def test_tis_token_and_sequence_by_hand():
+    w, m = tis_weights(TRAINER_LOGP.clone().requires_grad_(), SAMPLER_LOGP, MASK_C, cap=2.0, level="token")
+    close(w, [[1.5, 2.0, 0.25, 0.0], [1.0, 1.6, 0.0, 0.0]])  # 3 is capped at 2
+    assert not w.requires_grad  # a constant of the loss
+    assert m["tis_truncated_frac"] == pytest.approx(1 / 5) and m["tis_weight_mean"] == pytest.approx(6.35 / 5)
+    w, m = tis_weights(TRAINER_LOGP, SAMPLER_LOGP, MASK_C, cap=2.0, level="sequence")
+    close(w, [[1.125] * 3 + [0.0], [1.6, 1.6, 0.0, 0.0]])  # exp of the sum over the sequence's masked tokens
+    assert m["tis_truncated_frac"] == 0.0 and m["tis_weight_mean"] == pytest.approx((3 * 1.125 + 2 * 1.6) / 5)
+    w, m = tis_weights(TRAINER_LOGP, SAMPLER_LOGP, MASK_C, cap=1.5, level="sequence")
+    close(w, [[1.125] * 3 + [0.0], [1.5, 1.5, 0.0, 0.0]])  # the second sequence's 1.6 is capped at 1.5
+    assert m["tis_truncated_frac"] == pytest.approx(2 / 5)  # counted in tokens: its 2 of the 5
+
+
+def test_mis_token_and_sequence_by_hand():
+    keep, m = mis_keep(TRAINER_LOGP, SAMPLER_LOGP, MASK_C, threshold=2.0, level="token")
+    close(keep, [[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]])  # 3 > 2 and 0.25 < 1/2 are rejected
+    assert m["mis_masked_frac"] == pytest.approx(2 / 5)
+    keep, m = mis_keep(TRAINER_LOGP, SAMPLER_LOGP, MASK_C, threshold=2.0, level="sequence")
+    close(keep, MASK_C.tolist())  # 1.125 and 1.6 are both in [1/2, 2]
+    assert m["mis_masked_frac"] == 0.0
+    keep, m = mis_keep(TRAINER_LOGP, SAMPLER_LOGP, MASK_C, threshold=1.5, level="sequence")
+    close(keep, [[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 0.0]])  # 1.6 > 1.5: the whole second sequence goes
+    assert m["mis_masked_frac"] == pytest.approx(2 / 5)
+
+
+def test_mismatch_metrics_by_hand():
+    m = mismatch_metrics(TRAINER_LOGP, SAMPLER_LOGP, MASK_C)
+    log_ratios = [math.log(r) for r in (1.5, 3.0, 0.25, 1.0, 1.6)]
+    assert m["mismatch_kl_k1"] == pytest.approx(-math.log(1.8) / 5, abs=1e-6)  # mean(sampler - trainer)
+    assert m["mismatch_kl_k3"] == pytest.approx(sum(math.exp(x) - 1 - x for x in log_ratios) / 5, abs=1e-6)
+    assert m["mismatch_kl_k3"] == pytest.approx((2.35 - math.log(1.8)) / 5, abs=1e-6)
+    assert m["mismatch_abs_dp"] == pytest.approx((0.2 + 0.2 + 0.3 + 0.0 + 0.3) / 5, abs=1e-6)
+
+
+def test_rollout_correction_folds_tis_into_adv_and_mis_into_mask():
+    adv = T_([[1.0, -2.0, 3.0, 9.0], [0.5, 1.0, 9.0, 9.0]])
+    cfg = CorrectionConfig(decoupled=True, tis="token", tis_cap=2.0, mis="token", mis_threshold=2.0)
+    adv_c, mask_c, m = rollout_correction(TRAINER_LOGP, SAMPLER_LOGP, adv, MASK_C, cfg)
+    close(mask_c, [[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    close(adv_c, [[1.5, 0.0, 0.0, 0.0], [0.5, 1.6, 0.0, 0.0]])  # A * w on the kept tokens, 0 elsewhere
+    assert m["tis_truncated_frac"] == pytest.approx(1 / 5) and m["mis_masked_frac"] == pytest.approx(2 / 5)
+    assert m["mismatch_abs_dp"] == pytest.approx(0.2, abs=1e-6)  # over the tokens given, before MIS
+    adv_c, mask_c, m = rollout_correction(TRAINER_LOGP, SAMPLER_LOGP, adv, MASK_C, CorrectionConfig(decoupled=True))
+    close(adv_c, torch.where(MASK_C > 0, adv, 0.0).tolist())  # decoupled alone: only the metrics
+    assert torch.equal(mask_c, MASK_C) and "tis_truncated_frac" not in m
+
+
+def test_folding_the_weight_into_adv_weighs_each_ppo_token_loss():
+    """l_t(wA) = w l_t(A) for the clipped loss, dual clip included. Ratios 1.5, 0.5, 1.1, 4; A = 1, -1, -2, -1;
+    w = 2, 0.25, 1, 0.5; clip 0.2, dual clip 3. Unweighted l_t: max(-1.5, -1.2) = -1.2; max(0.5, 0.8) = 0.8;
+    2.2; min(max(4, 1.2), 3) = 3. Weighted: -2.4, 0.2, 2.2, 1.5, token mean 1.5 / 4. Only token 2 is unclipped:
+    d/dlogp (2 r) / 4 = 2.2 / 4."""
+    logp = logp_of_ratios([1.5, 0.5, 1.1, 4.0])
+    adv, w = T_([[1.0, -1.0, -2.0, -1.0]]), T_([[2.0, 0.25, 1.0, 0.5]])
+    loss, _ = ppo_clip_loss(logp, torch.zeros(1, 4), adv * w, torch.ones(1, 4), PolicyLossConfig(dual_clip=3.0))
+    close(loss, 1.5 / 4)
+    loss.backward()
+    close(logp.grad, [[0.0, 0.0, 0.55, 0.0]])
+
+
+def test_correction_config_is_validated():
+    with pytest.raises(ValueError, match="set decoupled = true"):
+        CorrectionConfig(tis="token")
+    with pytest.raises(ValueError, match="mis_threshold must be > 1"):
+        CorrectionConfig(decoupled=True, mis="token", mis_threshold=1.0)
+    with pytest.raises(ValueError, match="correction level"):
+        tis_weights(TRAINER_LOGP, SAMPLER_LOGP, MASK_C, level="geometric")
+
+
 # --- mask-0 positions contribute nothing -----------------------------------------------------------------
 
 GARBAGE = [1e30, -1e30, math.inf, -math.inf, math.nan, 7.0]
@@ -292,3 +373,14 @@ def test_masked_positions_are_inert_in_kl_loss(kind):
 
 def test_masked_positions_are_inert_in_value_loss():
     _assert_mask_zero_positions_are_inert(lambda v, old, ret, mask: value_loss(v, old, ret, mask)[0])
+
+
+def test_masked_positions_are_inert_under_the_correction():
+    """The sampler's logprobs are old + 0.1 A (garbage where old is), the weights and mask from them."""
+    cfg = CorrectionConfig(decoupled=True, tis="token", mis="token")
+
+    def corrected_loss(lp, old, adv, mask):
+        adv_c, mask_c, _ = rollout_correction(old, old + 0.1 * adv, adv, mask, cfg)
+        return ppo_clip_loss(lp, old, adv_c, mask_c, PolicyLossConfig())[0]
+
+    _assert_mask_zero_positions_are_inert(corrected_loss)

@@ -9,12 +9,16 @@ gradient at those positions is exactly 0.
 Policy losses share one signature and are chosen by name from `POLICY_LOSSES`:
     fn(logp_BT, old_logp_BT, adv_BT, mask_BT, cfg: PolicyLossConfig) -> (loss, metrics)
 `old_logp_BT` and `adv_BT` are treated as constants (detached). Metrics are plain floats over masked tokens.
+
+The sampler/trainer correction (`tis_weights`, `mis_keep`, `mismatch_metrics`, `rollout_correction`) turns the
+sampler's and the trainer's logprobs of the same sampled tokens into constant per-token weights and a mask.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +29,7 @@ from agentrl.config import STRICT
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
+CorrectionLevel = Literal["token", "sequence"]
 
 
 def masked_mean(x_BT: Tensor, mask_BT: Tensor) -> Tensor:
@@ -301,6 +306,121 @@ def kl_in_reward(rewards_BT: Tensor, logp_BT: Tensor, ref_logp_BT: Tensor, mask_
     positions, r_t unchanged elsewhere. The result is a constant (no gradient). Returns rewards_BT."""
     m, logp, ref = _masked(mask_BT, logp_BT.detach(), ref_logp_BT)
     return rewards_BT - torch.where(m, beta * kl_estimate(logp, ref, kind), 0.0)
+
+
+# --- the sampler/trainer correction (verl's rollout correction: TIS and MIS) -------------------------------
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class CorrectionConfig:
+    """The correction for the gap between the sampler's logprobs (a bf16 engine, or older weights) and the
+    trainer's, as verl's `rollout_corr_helper` does it: decoupled PPO, TIS and MIS (`rollout_correction`)."""
+
+    decoupled: bool = False  # recompute old logprobs with the trainer before the epochs: the PPO ratio's anchor
+    tis: CorrectionLevel | None = None  # truncated importance weight per token, or one per sequence
+    tis_cap: float = 2.0  # C of TIS: weights are min(w, C) (verl's rollout_is_threshold)
+    mis: CorrectionLevel | None = None  # mask tokens (or whole sequences) whose weight is outside [1/C, C]
+    mis_threshold: float = 2.0  # C of MIS (verl's rollout_rs_threshold; the lower bound is 1/C)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if (self.tis or self.mis) and not self.decoupled:
+            problems.append("tis and mis weigh the trainer's recomputed logprobs against the sampler's: set "
+                            "decoupled = true (without it both are the sampler's, and every weight is 1)")
+        if self.tis_cap <= 0:
+            problems.append(f"tis_cap must be > 0 (e.g. 2.0), got {self.tis_cap}")
+        if self.mis_threshold <= 1:
+            problems.append(f"mis_threshold must be > 1 (the kept weights are [1/C, C]), got {self.mis_threshold}")
+        if problems:
+            raise ValueError("invalid CorrectionConfig: " + "; ".join(problems))
+
+
+def _log_weight(trainer_logp_BT: Tensor, sampler_logp_BT: Tensor, mask_BT: Tensor,
+                level: str) -> tuple[Tensor, Tensor]:
+    """(m, log_w_BT): log(pi_trainer / pi_sampler) per masked token (0 elsewhere), detached; at level "sequence"
+    each masked token holds its sequence's sum (the log of the product of its tokens' ratios)."""
+    if level not in ("token", "sequence"):
+        raise ValueError(f"correction level must be 'token' or 'sequence', got {level!r}")
+    m, trainer, sampler = _masked(mask_BT, trainer_logp_BT.detach(), sampler_logp_BT)
+    log_w = trainer - sampler
+    if level == "sequence":
+        log_w = torch.where(m, log_w.sum(-1, keepdim=True), 0.0)
+    return m, log_w
+
+
+@torch.no_grad()
+def tis_weights(trainer_logp_BT: Tensor, sampler_logp_BT: Tensor, mask_BT: Tensor, *, cap: float = 2.0,
+                level: str = "token") -> tuple[Tensor, dict[str, float]]:
+    """Truncated importance sampling (TIS): the constant per-token weight
+
+        token:     w_t = min(exp(trainer_t - sampler_t), C)
+        sequence:  w_t = min(exp(sum_s m_s (trainer_s - sampler_s)), C)   on every masked token of the sequence
+
+    that makes a loss on the sampler's tokens estimate the trainer's expectation, with C bounding the variance
+    (verl's `rollout_is`: the upper truncation only). 0 at mask-0 positions; never has a gradient. Metrics:
+    tis_truncated_frac (masked tokens whose weight was capped), tis_weight_mean (after the cap).
+    """
+    m, log_w = _log_weight(trainer_logp_BT, sampler_logp_BT, mask_BT, level)
+    raw = torch.where(m, log_w.exp(), 0.0)
+    weights = raw.clamp(max=cap)
+    metrics = {"tis_truncated_frac": masked_mean((raw > cap).float(), m).item(),
+               "tis_weight_mean": masked_mean(weights, m).item()}
+    return weights, metrics
+
+
+@torch.no_grad()
+def mis_keep(trainer_logp_BT: Tensor, sampler_logp_BT: Tensor, mask_BT: Tensor, *, threshold: float = 2.0,
+             level: str = "token") -> tuple[Tensor, dict[str, float]]:
+    """Masked importance sampling (MIS; verl's rejection sampling `rollout_rs`): keep_BT is 1 on the masked
+    tokens whose importance weight w (per token, or the sequence's product as in `tis_weights`) lies in
+    [1/C, C], 0 elsewhere. The caller multiplies the loss mask by it, so a rejected token leaves the loss and
+    its normalisation, as in verl; the kept ones keep weight 1 (TIS may weigh them too). Metric: mis_masked_frac
+    (masked tokens rejected).
+    """
+    m, log_w = _log_weight(trainer_logp_BT, sampler_logp_BT, mask_BT, level)
+    w = log_w.exp()
+    keep = m & (w >= 1.0 / threshold) & (w <= threshold)
+    return keep.to(mask_BT.dtype), {"mis_masked_frac": masked_mean((m & ~keep).float(), m).item()}
+
+
+@torch.no_grad()
+def mismatch_metrics(trainer_logp_BT: Tensor, sampler_logp_BT: Tensor, mask_BT: Tensor) -> dict[str, float]:
+    """How far the sampler is from the trainer on the sampler's own tokens, over masked tokens:
+
+        mismatch_kl_k1   mean(sampler - trainer)                     KL(sampler || trainer), k1: unbiased, can be < 0
+        mismatch_kl_k3   mean(r - 1 - log r), r = exp(trainer - sampler)     k3: unbiased, >= 0 (`kl_estimate`)
+        mismatch_abs_dp  mean |exp(trainer) - exp(sampler)|          (verl's rollout_probs_diff_mean)
+    """
+    m, trainer, sampler = _masked(mask_BT, trainer_logp_BT.detach(), sampler_logp_BT)
+    return {"mismatch_kl_k1": masked_mean(kl_estimate(sampler, trainer, "k1"), m).item(),
+            "mismatch_kl_k3": masked_mean(kl_estimate(sampler, trainer, "k3"), m).item(),
+            "mismatch_abs_dp": masked_mean((trainer.exp() - sampler.exp()).abs(), m).item()}
+
+
+@torch.no_grad()
+def rollout_correction(trainer_logp_BT: Tensor, sampler_logp_BT: Tensor, adv_BT: Tensor, mask_BT: Tensor,
+                       cfg: CorrectionConfig) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """(adv_BT, mask_BT, metrics) for a policy loss whose old logprobs are the trainer's (`trainer_logp_BT`):
+    the TIS weight folded into the advantage (adv * w), and the MIS rejections taken out of the mask. Both weigh
+    against the mask and advantage given, so TIS and MIS compose as in verl (IS weights on the kept tokens).
+
+    Folding w >= 0 into A is exact for PPO's clipped loss: max(-wA r, -wA clip(r)) = w max(-A r, -A clip(r)),
+    and the dual-clip cap -wAc = w(-Ac) with the same sign condition, so the per-token loss and its gradient are
+    w times the unweighted ones (GSPO's surrogate too). The covariance losses read A itself: see `LoopConfig`.
+    Metrics: `mismatch_metrics` on the tokens given, and those of TIS/MIS when on.
+    """
+    metrics = mismatch_metrics(trainer_logp_BT, sampler_logp_BT, mask_BT)
+    m, adv = _masked(mask_BT, adv_BT)[:2]
+    mask_out = m.to(mask_BT.dtype)
+    if cfg.mis is not None:
+        keep, mis_metrics = mis_keep(trainer_logp_BT, sampler_logp_BT, mask_BT, threshold=cfg.mis_threshold,
+                                     level=cfg.mis)
+        mask_out, metrics = mask_out * keep, {**metrics, **mis_metrics}
+    if cfg.tis is not None:
+        weights, tis_metrics = tis_weights(trainer_logp_BT, sampler_logp_BT, mask_BT, cap=cfg.tis_cap, level=cfg.tis)
+        adv, metrics = adv * weights, {**metrics, **tis_metrics}
+    return torch.where(mask_out > 0, adv, 0.0), mask_out, metrics
 
 
 def value_loss(values_BT: Tensor, old_values_BT: Tensor, returns_BT: Tensor, mask_BT: Tensor, *,
