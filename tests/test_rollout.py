@@ -356,3 +356,25 @@ def test_each_stop_reason_gives_its_status():
     for stop in StopReason:
         expected = Status.OK if stop in ok else Status.ERROR if stop in error else Status.TRUNCATED
         assert stop.status is expected, stop
+
+
+class SlowResetEnv(ArithmeticEnv):
+    def reset(self, *args, **kwargs):
+        time.sleep(0.6)  # most of the step timeout: two in a row on one thread would outlast it
+        return super().reset(*args, **kwargs)
+
+
+def test_the_step_timeout_counts_from_when_a_thread_starts_the_call(renderer):
+    """Four episodes on one env thread queue for it; each call's time, not its wait, meets `step_timeout`.
+    When no thread comes free at all, the wait ends with its own error."""
+    env = ArithmeticEnv(n_tasks=4)
+    config = RolloutConfig(step_timeout=1.0, env_workers=1, concurrency=4)
+    engine = RolloutEngine(lambda: SlowResetEnv(n_tasks=4), ScriptedPolicy(renderer, gold_scripts(env)), renderer,
+                           config)
+    trajectories = [g.trajectories[0] for g in run(engine, list(env.tasks))]
+    assert all(t.status is Status.OK for t in trajectories), [t.reason for t in trajectories]
+
+    stuck = RolloutEngine(lambda: SlowResetEnv(n_tasks=4), ScriptedPolicy(renderer, gold_scripts(env)), renderer,
+                          RolloutConfig(step_timeout=0.05, env_workers=1, concurrency=2))
+    reasons = [g.trajectories[0].reason for g in run(stuck, list(env.tasks)[:2])]
+    assert any("no env thread was free" in r for r in reasons), reasons

@@ -32,8 +32,12 @@ def policy(
     tensor_parallel_size: int = typer.Option(1, help="GPUs to shard the model over."),
     log_file: Optional[Path] = typer.Option(None, help="Server log [default: a file in the temp dir]."),
     startup_timeout: float = typer.Option(600.0, help="Seconds to wait for the server to answer."),
-    weight_transfer: str = typer.Option("checkpoint", help="How trainers sync weights into it: checkpoint, gloo "
-                                        "(CPU broadcast) or nccl (GPU broadcast); attach with the same value."),
+    gpus: Optional[str] = typer.Option(None, help="GPU: the server's CUDA_VISIBLE_DEVICES [default: the shell's]."),
+    weight_transfer: str = typer.Option("gloo", help="How trainers sync weights into it: gloo (through CPU memory, "
+                                        "any device), nccl (GPU to GPU), ipc (the trainer's own GPU) or checkpoint "
+                                        "(untied embeddings only); attach with the same value."),
+    trust_network: bool = typer.Option(False, help="Allow a --host other than loopback: its weight-sync routes "
+                                       "let anyone who reaches the port replace the weights."),
 ) -> None:
     """Start a vLLM server for MODEL, wait until it answers, and keep it running until Ctrl-C."""
     from agentrl.policy.vllm_server import ServerConfig, ServerError, VLLMServer
@@ -42,9 +46,9 @@ def policy(
         config = ServerConfig(model=model, device="gpu" if gpu else "cpu", host=host, port=port, dtype=dtype,
                               max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
                               gpu_memory_utilization=gpu_memory_utilization,
-                              tensor_parallel_size=tensor_parallel_size,
+                              tensor_parallel_size=tensor_parallel_size, gpus=gpus,
                               log_file=str(log_file) if log_file else None, startup_timeout=startup_timeout,
-                              weight_transfer=weight_transfer)
+                              weight_transfer=weight_transfer, trust_network=trust_network)
     except ValueError as e:
         console.print(f"[red]{e}[/]")
         raise typer.Exit(2)

