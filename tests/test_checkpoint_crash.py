@@ -249,3 +249,18 @@ def test_training_killed_at_random_points_resumes_to_the_uninterrupted_run(tiny_
     final = [load_file(d / "checkpoints" / f"step-{KILL_CFG.steps:06d}" / "model.safetensors")
              for d in (tmp_path / "straight", out)]
     assert all(torch.allclose(final[0][k], final[1][k], atol=1e-5) for k in final[0])
+
+
+def test_the_random_state_round_trips_and_gpu_states_need_their_gpus():
+    import numpy as np
+
+    from agentrl.trainers.checkpoint import rng_state, set_rng_state
+
+    saved = rng_state()
+    first = (random.random(), np.random.rand(), torch.rand(3))
+    set_rng_state(saved)
+    again = (random.random(), np.random.rand(), torch.rand(3))
+    assert first[:2] == again[:2] and torch.equal(first[2], again[2])
+    on_gpus = {**saved, "cuda": [torch.zeros(16, dtype=torch.uint8)] * 2}  # as a 2-GPU machine saved it
+    with pytest.raises(CheckpointError, match="random state of 2 GPU"):
+        set_rng_state(on_gpus)

@@ -41,7 +41,7 @@ def save_checkpoint(out_dir: Path, step: int, model: Any, tokenizer: Any, *, sta
             save_full(submodel, tmp / name)
         torch.save({
             "step": step, "state": state, "optimizer": optimizer_state if optimizer is None else optimizer.state_dict(),
-            "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+            "rng": rng_state(),
         }, tmp / "trainer_state.pt")
 
     return write_folder(Path(out_dir) / "checkpoints" / f"step-{step:06d}", write)
@@ -151,10 +151,30 @@ def resume_from(model: Any, optimizer: torch.optim.Optimizer, checkpoint: Path,
         saved = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
     restore(model, optimizer, checkpoint, saved["optimizer"], AutoModelForCausalLM)
     restore_more(checkpoint, saved["state"])
-    random.setstate(saved["rng"]["python"])
-    np.random.set_state(saved["rng"]["numpy"])
-    torch.set_rng_state(saved["rng"]["torch"])
+    set_rng_state(saved["rng"])
     return {"step": saved["step"], "state": saved["state"]}
+
+
+def rng_state() -> dict[str, Any]:
+    """Every generator a resumed run must continue: Python's, NumPy's, torch's CPU one and, where CUDA is in use,
+    each GPU's (dropout and the in-process sampler draw there)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore `rng_state()`. GPU states saved on a machine with CUDA need one here with as many GPUs."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        if not torch.cuda.is_available() or torch.cuda.device_count() < len(state["cuda"]):
+            raise CheckpointError(f"this checkpoint holds the random state of {len(state['cuda'])} GPU(s), but "
+                                  f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} are visible "
+                                  "here: resume on the same GPUs (CUDA_VISIBLE_DEVICES) so that the run continues")
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def restore(model: Any, optimizer: torch.optim.Optimizer, path: Path, optimizer_state: dict[str, Any],
