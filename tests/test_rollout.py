@@ -378,3 +378,23 @@ def test_the_step_timeout_counts_from_when_a_thread_starts_the_call(renderer):
                           RolloutConfig(step_timeout=0.05, env_workers=1, concurrency=2))
     reasons = [g.trajectories[0].reason for g in run(stuck, list(env.tasks)[:2])]
     assert any("no env thread was free" in r for r in reasons), reasons
+
+
+class SeedSpy(ScriptedPolicy):
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.seeds: list[int | None] = []
+
+    async def generate(self, prompt_ids, sampling: SamplingParams) -> list[Sample]:
+        self.seeds.append(sampling.seed)
+        return await super().generate(prompt_ids, sampling)
+
+
+def test_turn_seeds_reach_the_engine_only_when_seeded_sampling_is_on(renderer):
+    env = ArithmeticEnv(n_tasks=3)
+    for seeded in (True, False):
+        spy = SeedSpy(renderer, gold_scripts(env))
+        groups = run(RolloutEngine(lambda: ArithmeticEnv(n_tasks=3), spy, renderer,
+                                   RolloutConfig(seeded_sampling=seeded, seed=5)), list(env.tasks))
+        assert spy.seeds and all((s is not None) == seeded for s in spy.seeds)
+        assert [g.trajectories[0].seed for g in groups] == [5 * 100_003 + i for i in range(3)]  # resets stay seeded

@@ -41,7 +41,10 @@ class RolloutConfig:
     max_observation_chars: int = 100_000
     env_workers: int = 16  # threads for env calls
     retries: int = 2  # plays again an episode that ended in a retryable error (its Ray env worker died)
-    seed: int = 0
+    seed: int = 0  # env resets and (with seeded_sampling) each turn's sampling seed derive from it
+    # send each turn's seed to the engine: the same seed samples the same episode. vLLM samples seeded requests one
+    # by one, so GPU training runs set false (the batch is sampled at once; resets stay seeded)
+    seeded_sampling: bool = True
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
     def __post_init__(self) -> None:
@@ -277,8 +280,8 @@ class RolloutEngine:
     async def _sample_turn(self, ep: _Episode, seed: int) -> Sample:
         """The policy's next turn, within what is left of the episode's token budget, appended to `ep`."""
         budget = self.config.max_total_tokens - len(ep.ids)
-        sampling = replace(self.config.sampling, max_tokens=min(self.config.sampling.max_tokens, budget), seed=seed,
-                           stop_token_ids=self._stop_ids)
+        sampling = replace(self.config.sampling, max_tokens=min(self.config.sampling.max_tokens, budget),
+                           seed=seed if self.config.seeded_sampling else None, stop_token_ids=self._stop_ids)
         ep.failing_as, timeout = StopReason.POLICY_ERROR, self.config.generate_timeout
         sample = (await _within(timeout, self.policy.generate(ep.ids, sampling), PolicyTimeout(
             f"generate took more than {timeout}s: raise rollout.generate_timeout if the backend is slow, not hung")))[0]
