@@ -1,9 +1,22 @@
-"""The trainer's logprobs of given token ids: what losses train on and what parity checks compare with the engine."""
+"""The trainer's logprobs of given token ids: what losses train on and what parity checks compare with the engine.
+
+Memory. The LM head is the trainer's largest tensor: over Qwen's 151,936-token vocabulary, 8k sampled tokens
+make [8192, 151936] float32 logits of 5 GB, and the log-softmax, its backward and an entropy in autograd each
+another. So the head runs `HEAD_CHUNK` sampled tokens at a time (`head_logprobs`), each chunk under
+non-reentrant checkpointing: a chunk's logits live only until its logprobs are gathered, and are recomputed,
+one chunk at a time, in the backward. Only the [N] logprobs (and the [N, hidden] states) outlive a chunk.
+The entropy is a metric: computed without autograd, last in the chunk, so the backward's recompute stops
+before it. The numbers are the unchunked ones up to float rounding (tests/test_logprobs_memory.py);
+`bench/chunked_head.py` measures the peak memory.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+HEAD_CHUNK = 1024  # sampled tokens per LM-head chunk: [1024, 151936] float32 logits are 0.6 GB
 
 
 def _sharded(model: torch.nn.Module) -> bool:
@@ -13,8 +26,8 @@ def _sharded(model: torch.nn.Module) -> bool:
 
 
 def token_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: torch.Tensor,
-                   with_entropy: bool = False, mask_BT: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool = False, mask_BT: torch.Tensor | None = None,
+                   head_chunk: int | None = HEAD_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logp_BT[t] = log p(ids[t] | ids[:t]) under `model` (0 at t = 0), and optionally the entropy of
     the distribution that predicted token t.
 
@@ -28,7 +41,8 @@ def token_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: t
     if mask_BT is None or _sharded(model):  # FSDP gathers parameters in the root's forward: call only that
         logp_BTV = F.log_softmax(model(input_ids=ids_BT, attention_mask=attention_BT).logits[:, :-1].float(), -1)
         logp_BT = F.pad(logp_BTV.gather(-1, ids_BT[:, 1:, None]).squeeze(-1), (1, 0))
-        entropy_BT = F.pad(-(logp_BTV.exp() * logp_BTV).sum(-1), (1, 0)) if with_entropy else None
+        with torch.no_grad():  # a metric: never backpropagated
+            entropy_BT = F.pad(-(logp_BTV.exp() * logp_BTV).sum(-1), (1, 0)) if with_entropy else None
         if mask_BT is not None:  # the same outputs as the masked path: 0 off the mask
             keep_BT = mask_BT > 0
             logp_BT, entropy_BT = logp_BT * keep_BT, entropy_BT * keep_BT if with_entropy else None
@@ -47,15 +61,43 @@ def token_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: t
                                       use_cache=False).last_hidden_state
     # Position t of the hidden states (offset by L) predicts token L + t + 1.
     rows_N, cols_N = (mask_BT[:, L + 1:] > 0).nonzero(as_tuple=True)
-    logits_NV = lm_head(model, hidden_BTH[rows_N, cols_N]).float()
-    logp_NV = F.log_softmax(logits_NV, dim=-1)
     targets_N = cols_N + L + 1
-    logp_BT = torch.zeros(ids_BT.shape, dtype=logp_NV.dtype, device=ids_BT.device)
-    logp_BT = logp_BT.index_put((rows_N, targets_N), logp_NV.gather(-1, ids_BT[rows_N, targets_N, None]).squeeze(-1))
+    logp_N, entropy_N = head_logprobs(model, hidden_BTH[rows_N, cols_N], ids_BT[rows_N, targets_N], with_entropy,
+                                      head_chunk)
+    logp_BT = torch.zeros(ids_BT.shape, dtype=logp_N.dtype, device=ids_BT.device).index_put((rows_N, targets_N), logp_N)
     if not with_entropy:
         return logp_BT, None
-    entropy_BT = torch.zeros_like(logp_BT).index_put((rows_N, targets_N), -(logp_NV.exp() * logp_NV).sum(-1))
-    return logp_BT, entropy_BT
+    return logp_BT, torch.zeros_like(logp_BT).index_put((rows_N, targets_N), entropy_N)
+
+
+def head_logprobs(model: torch.nn.Module, hidden_NH: torch.Tensor, targets_N: torch.Tensor, with_entropy: bool = False,
+                  chunk: int | None = HEAD_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logp_N, entropy_N): log p(targets_N[n]) under the LM head on hidden_NH[n], and the entropy of that
+    distribution (detached; None without `with_entropy`), `chunk` tokens at a time.
+
+    Each chunk runs under non-reentrant checkpointing: its [chunk, vocab] float32 logits are freed as soon as
+    its logprobs are gathered and recomputed in the backward, so no [N, vocab] tensor exists at any time.
+    `chunk=None` computes all N at once without checkpointing (the reference the chunked head is tested with)."""
+    if chunk is None:
+        return _head_chunk(model, hidden_NH, targets_N, with_entropy)
+    parts = [checkpoint(_head_chunk, model, h_CH, t_C, with_entropy, use_reentrant=False) if torch.is_grad_enabled()
+             else _head_chunk(model, h_CH, t_C, with_entropy)  # nothing to recompute without a backward
+             for h_CH, t_C in zip(hidden_NH.split(chunk), targets_N.split(chunk))]
+    logp_N = torch.cat([logp_C for logp_C, _ in parts])
+    return logp_N, torch.cat([entropy_C for _, entropy_C in parts]) if with_entropy else None
+
+
+def _head_chunk(model: torch.nn.Module, hidden_CH: torch.Tensor, targets_C: torch.Tensor, with_entropy: bool
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logp_CV = F.log_softmax(lm_head(model, hidden_CH).float(), dim=-1)
+    logp_C = logp_CV.gather(-1, targets_C[:, None]).squeeze(-1)
+    if not with_entropy:
+        return logp_C, None
+    # Last, and without autograd: entropy is only a metric, and the checkpoint's recompute stops before it
+    # (it has recomputed every tensor the backward needs by then).
+    with torch.no_grad():
+        entropy_C = -logp_CV.exp().mul_(logp_CV).sum(-1)
+    return logp_C, entropy_C
 
 
 def lm_head(model: torch.nn.Module, hidden_NH: torch.Tensor) -> torch.Tensor:
