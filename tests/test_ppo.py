@@ -149,3 +149,29 @@ def test_ppo_config_says_what_is_wrong():
         PPOConfig(lam=1.5)
     with pytest.raises(ValueError, match="micro_batch_size"):
         PPOConfig(minibatch_size=8, micro_batch_size=16)
+
+
+def test_advantages_in_micro_batches_equal_the_whole_batch(tiny_model_dir):
+    """The critic's, the policy's and the reference's passes over the step batch, a micro-batch at a time. In
+    float64, so that what is compared is the batching, not float32's rounding in batches of other shapes."""
+    model, ref = (AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64) for _ in range(2))
+    with torch.no_grad():
+        ref.lm_head.weight.mul_(1.1)  # a KL that is not 0
+    critic = make_critic(model)
+    torch.nn.init.normal_(critic.score.weight, generator=torch.Generator().manual_seed(0))  # values that are not 0
+    g = torch.Generator().manual_seed(2)
+    trajectories = []
+    for n in (8, 12, 5, 10, 7):  # rows of different lengths: each micro-batch is trimmed to its longest
+        ids = tuple(torch.randint(10, 4000, (n,), generator=g).tolist())
+        mask = (0, 0) + (1,) * (n - 2)
+        trajectories.append(Trajectory("t", ids, mask, (-1.0,) * n, 2, (Turn(2, n, n, 1.0),), 1.0))
+    batch, rewards_B = make_batch(trajectories, [0.0] * 5), [1.0, 0.0, 0.5, -1.0, 2.0]
+    results = []
+    for minibatch, micro in ((5, None), (2, None), (4, 3), (4, 1)):
+        cfg = PPOConfig(minibatch_size=minibatch, micro_batch_size=micro, kl_coef=0.1, lam=0.9)
+        out, values_BT, returns_BT, metrics = advantages(batch, trajectories, rewards_B, critic, ref, cfg, policy=model)
+        results.append((out.adv_BT, values_BT, returns_BT, torch.tensor(metrics["kl"])))
+    assert results[0][1].abs().min() == 0 and results[0][1].abs().max() > 0.1 and results[0][3] != 0
+    for got in results[1:]:
+        for a, c in zip(results[0], got):
+            torch.testing.assert_close(c, a, atol=1e-6, rtol=0)

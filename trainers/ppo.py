@@ -107,17 +107,26 @@ def advantages(batch: Batch, trajectories: Sequence[Trajectory], rewards_B: Sequ
     """(batch with GAE advantages, values_BT, returns_BT, metrics) from the critic's values at collection time.
     With `ref`, the KL penalty compares `policy`'s own logprobs (the trainer's numerics, like the reference's)
     with the reference's: an engine's logprobs differ from the trainer's by float noise, which whitening
-    would amplify when the advantages are nearly equal."""
+    would amplify when the advantages are nearly equal.
+
+    Every forward (critic, policy, reference) runs `micro_batch_size` trajectories at a time (`minibatch_size`
+    when unset), as the update does: the batch here is the whole step's, several minibatches."""
+    if ref is not None and policy is None:
+        raise ValueError("the KL penalty needs the policy model, to compare its logprobs with the reference's")
     device = next(critic.parameters()).device
-    ids_BT, attention_BT, mask_BT = (x.to(device) for x in (batch.ids_BT, batch.attention_BT, batch.mask_BT))
-    values_BT = (token_values(critic, ids_BT, attention_BT) * mask_BT).cpu()
-    rewards_BT = token_rewards(trajectories, rewards_B, ids_BT.shape[1])
+    values_BT = torch.zeros(batch.mask_BT.shape)
+    logp_BT, ref_logp_BT = torch.zeros_like(values_BT), torch.zeros_like(values_BT)
+    for rows in torch.arange(len(batch)).split(cfg.micro_batch_size or cfg.minibatch_size):
+        mb = batch.select(rows).to(device)
+        T = mb.ids_BT.shape[1]  # the micro-batch's longest row
+        values_BT[rows, :T] = (token_values(critic, mb.ids_BT, mb.attention_BT) * mb.mask_BT).float().cpu()
+        if ref is not None:
+            for model, out_BT in ((policy, logp_BT), (ref, ref_logp_BT)):
+                mb_logp_BT, _ = token_logprobs(model, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
+                out_BT[rows, :T] = mb_logp_BT.float().cpu()
+    rewards_BT = token_rewards(trajectories, rewards_B, batch.ids_BT.shape[1])
     metrics = {}
     if ref is not None:
-        if policy is None:
-            raise ValueError("the KL penalty needs the policy model, to compare its logprobs with the reference's")
-        logp_BT = token_logprobs(policy, ids_BT, attention_BT, mask_BT=mask_BT)[0].cpu()
-        ref_logp_BT = token_logprobs(ref, ids_BT, attention_BT, mask_BT=mask_BT)[0].cpu()
         rewards_BT = kl_in_reward(rewards_BT, logp_BT, ref_logp_BT, batch.mask_BT, beta=cfg.kl_coef, kind=cfg.kl_kind)
         metrics["kl"] = masked_mean(logp_BT - ref_logp_BT, batch.mask_BT).item()
     adv_BT, returns_BT = gae(rewards_BT, values_BT, batch.mask_BT, gamma=cfg.gamma, lam=cfg.lam)
