@@ -89,6 +89,54 @@ def test_sharded_step_equals_the_single_process_step(tiny_model_dir, tmp_path, a
     torch.testing.assert_close(synced(ids).logits, reference(ids).logits, atol=1e-3, rtol=1e-3)
 
 
+
+def mixed_worker(rank: int, model_dir: str, out: str) -> None:
+    from agentrl.policy.precision import mixed_precision
+    from agentrl.trainers import fsdp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["TEST_FSDP_PORT"], RANK=str(rank),
+                      WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    fsdp.init("gloo")
+    model = fsdp.shard(mixed_precision(AutoModelForCausalLM.from_pretrained(model_dir), torch.bfloat16))
+    shard_dtypes = {p.to_local().dtype for p in model.parameters()}
+    metrics = step(model, "token-mean")
+    state = fsdp.full_state_dict(model)
+    if rank == 0:
+        torch.save({"state": state, "shard_dtypes": shard_dtypes, "grad_norm": metrics["grad_norm"]}, out)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_sharded_mixed_precision_keeps_float32_shards_and_takes_the_mixed_step(tiny_model_dir, tmp_path):
+    """A model marked for bf16 compute shards with FSDP2's MixedPrecisionPolicy: float32 shards (AdamW's
+    masters), bf16 forwards, float32 gradient reduction; the step matches one process's autocast step to bf16's
+    noise, and the gathered weights are float32."""
+    import socket
+
+    from agentrl.policy.precision import mixed_precision
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["TEST_FSDP_PORT"] = str(s.getsockname()[1])
+    out = tmp_path / "rank0.pt"
+    mp.spawn(mixed_worker, args=(str(tiny_model_dir), str(out)), nprocs=2, join=True)
+    saved = torch.load(out)
+    assert saved["shard_dtypes"] == {torch.float32}
+    assert all(t.dtype == torch.float32 for t in saved["state"].values())
+
+    reference = mixed_precision(AutoModelForCausalLM.from_pretrained(tiny_model_dir), torch.bfloat16)
+    before = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    metrics = step(reference, "token-mean")
+    # FSDP casts every parameter (norms and embeddings too) to bf16, autocast only the matmuls' inputs: the two
+    # bf16 forwards round differently, by far less than the step
+    assert saved["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=5e-2)
+    full = dict(reference.named_parameters())
+    moved = max((full[n] - before[n]).abs().max().item() for n in full)
+    error = max((saved["state"][n] - full[n].detach()).abs().max().item() for n in full)
+    assert error < 0.1 * moved, (error, moved)
+
+
 RECIPE = """
 env = "math/arith-v0"
 model = "{model}"

@@ -22,6 +22,7 @@ from agentrl.trainers.loop import check_loop_rollout
 from agentrl.types import Group, Trajectory
 from agentrl.trainers.batch import make_batch
 from agentrl.policy.logprobs import token_logprobs
+from agentrl.policy.precision import autocast
 from agentrl.trainers.losses import dpo_loss
 from agentrl.trainers.metrics import check_finite
 from agentrl.trainers.rewards import RewardConfig, group_rewards
@@ -89,9 +90,10 @@ def train_dpo(model: torch.nn.Module, pairs: Sequence[tuple[Trajectory, Trajecto
             pair_ids = order[start:start + cfg.pairs_per_step]
             row_ids = torch.stack([2 * pair_ids, 2 * pair_ids + 1], dim=1).flatten()  # keep pairs adjacent
             mb = batch.select(row_ids).to(next(model.parameters()).device)
-            logp_BT, _ = token_logprobs(model, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
-            with torch.no_grad():
-                ref_logp_BT, _ = token_logprobs(ref, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
+            with autocast(model):  # the compute dtype, over float32 master weights (if marked); ref: a copy
+                logp_BT, _ = token_logprobs(model, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
+                with torch.no_grad():
+                    ref_logp_BT, _ = token_logprobs(ref, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
             loss, metrics = dpo_loss(logp_BT, ref_logp_BT, mb.mask_BT, beta=cfg.beta,
                                      label_smoothing=cfg.label_smoothing)
             optimizer.zero_grad()

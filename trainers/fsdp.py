@@ -2,7 +2,8 @@
 parameter, gradient and optimizer state, and trains on its share of each minibatch.
 
     rank, world = init()                      # under torchrun (or any launcher that sets RANK/WORLD_SIZE)
-    shard(model)                              # every decoder layer its own unit, the root the rest
+    shard(model)                              # every decoder layer its own unit, the root the rest; a model
+                                              # marked for mixed precision computes in bf16, reduces in fp32
     optimizer = torch.optim.AdamW(model.parameters())   # made after shard(): it holds the shards
     loop.update(model, ...)                   # each rank: rows[rank::world] of every minibatch
     state = full_state_dict(model)            # every rank calls; rank 0 gets full CPU tensors, for the
@@ -22,6 +23,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from agentrl.policy.precision import compute_dtype
 
 
 def data_parallel() -> tuple[int, int]:
@@ -49,9 +52,13 @@ def init(backend: str | None = None) -> tuple[int, int]:
 
 def shard(model: torch.nn.Module, reshard_after_forward: bool = True) -> torch.nn.Module:
     """FSDP2 on a transformers causal LM (or its critic): each decoder layer is one unit, the root holds the
-    embeddings, the final norm and the head (tied embeddings must share a unit, and do)."""
+    embeddings, the final norm and the head (tied embeddings must share a unit, and do).
+
+    A model marked for mixed precision (`agentrl.policy.precision`) keeps its float32 parameters as the shards
+    (AdamW's master weights); each unit's forward gathers them cast to the compute dtype, and gradients are
+    reduce-scattered in float32, as the single-process step sums them."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device, (dist.get_world_size(),))
@@ -59,9 +66,11 @@ def shard(model: torch.nn.Module, reshard_after_forward: bool = True) -> torch.n
     if layers is None:
         raise ValueError(f"shard() needs a model with decoder layers at .{model.base_model_prefix}.layers; "
                          f"{type(model).__name__} has none")
+    dtype = compute_dtype(model)
+    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
     for layer in layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     return model
 
 

@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM
 from agentrl.config import STRICT
 from agentrl.env.api import TextEnv
 from agentrl.policy.logprobs import token_logprobs
+from agentrl.policy.precision import autocast
 from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
@@ -209,7 +210,8 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
             # A rank left without rows still runs one, at weight 0: FSDP's collectives need every rank.
             mine, share = (rows[rank::world], world) if len(rows) > rank else (rows[:1], 0)
             for micro_rows in mine.split(cfg.micro_batch_size or len(rows)):
-                loss, metrics = loss_fn(batch.select(micro_rows).to(device), micro_rows)
+                with autocast(model):  # the compute dtype, over float32 master weights (if marked)
+                    loss, metrics = loss_fn(batch.select(micro_rows).to(device), micro_rows)
                 (loss * share * micro_batch_weight(batch.mask_BT[micro_rows], batch.mask_BT[rows], agg)).backward()
                 add({**metrics, "loss": loss.item()})
             add({"grad_norm": torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm).item()})

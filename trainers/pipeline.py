@@ -29,6 +29,7 @@ from agentrl.config import STRICT, table_defaults
 from agentrl.policy.backends import EngineConfig, open_policy
 from agentrl.eval.run import evaluate
 from agentrl.policy.hf import HFPolicy
+from agentrl.policy.precision import mixed_precision
 from agentrl.policy.protocol import Policy, SamplingParams
 from agentrl.rollout.ray_pool import RayConfig, env_factory
 from agentrl.env.registry import make
@@ -94,7 +95,8 @@ class TrainJob:
     env: str  # env id
     model: str  # model directory or hub name
     device: str = "cpu"  # where the trainer and the in-process sampler run, e.g. "cuda"
-    dtype: str = "float32"  # or "bfloat16"
+    dtype: str = "float32"  # the trainer's (and in-process sampler's) compute dtype; "bfloat16": autocast forwards
+    master_weights: bool = True  # with bfloat16: float32 parameters and AdamW states (false: bf16, lr 1e-6 rounds away)
     lora: LoraSettings | None = None  # train LoRA adapters instead of all weights (engines get them merged)
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, more time
     out_dir: str = "runs/train"
@@ -112,8 +114,14 @@ class TrainJob:
     ray: RayConfig | None = None  # envs in Ray worker actors (a local cluster, or `address`'s)
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype == "float16":
+            raise ValueError("dtype float16 needs loss scaling (a GradScaler), which the trainer does not do: use "
+                             "bfloat16 (the same memory, float32's range)")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if not self.master_weights and self.dtype == "float32":
+            raise ValueError("master_weights = false keeps the parameters in dtype; with dtype float32 there is no "
+                             "other copy to drop: remove master_weights, or set dtype = 'bfloat16'")
         chosen = [name for name in METHODS if name != "grpo" and getattr(self, name) is not None]
         if len(chosen) > 1:
             raise ValueError(f"choose one RL method per recipe, got sections {chosen}")
@@ -157,17 +165,23 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     env = make(job.env, **job.env_kwargs)
     make_env = env_factory(job.env, job.env_kwargs, job.ray)
     tasks = list(env.tasks)[:job.train_tasks]
-    dtype, in_process = getattr(torch, job.dtype), job.engine.kind == "transformers"
+    # fp32 master weights whose forwards compute in dtype under autocast (agentrl/policy/precision.py), unless
+    # master_weights = false keeps the parameters in dtype itself
+    compute, in_process = getattr(torch, job.dtype), job.engine.kind == "transformers"
+    param_dtype = torch.float32 if job.master_weights else compute
+    autocast_dtype = compute if compute != param_dtype else None
     policy = None  # rank 0 samples: in-process, or vLLM with every sync parity-checked on two task prompts
     if rank == 0 and in_process:
-        policy = HFPolicy.load(job.model, device=job.device, dtype=dtype)
+        policy = HFPolicy.load(job.model, device=job.device, dtype=param_dtype)
+        mixed_precision(policy.model, autocast_dtype)  # samples with the trainer's numerics (it may share the model)
     elif rank == 0:
         prompts = [renderer.prompt_ids(env.first_messages(t), env.tool_schemas) for t in tasks[:2]]
         policy = open_policy(job.model, job.engine, parity_prompts=prompts)
     if in_process and world == 1:  # the sampler shares the trainer's model: syncing is free
         model = policy.model
     else:  # the trainer has its own copy (sharded over the ranks under torchrun)
-        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(job.model), dtype=dtype).to(job.device)
+        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(job.model), dtype=param_dtype).to(job.device)
+        mixed_precision(model, autocast_dtype)  # before shard(): FSDP's MixedPrecisionPolicy follows it
         if world > 1:
             fsdp.shard(model)
     if job.lora:  # in place: the in-process sampler holds this very model

@@ -28,6 +28,7 @@ from transformers import AutoModelForTokenClassification
 from agentrl.config import STRICT
 from agentrl.env.api import TextEnv
 from agentrl.policy.logprobs import token_logprobs
+from agentrl.policy.precision import autocast, compute_dtype, mixed_precision
 from agentrl.policy.protocol import Policy
 from agentrl.trainers import loop
 from agentrl.trainers.advantages import gae, masked_whiten, turn_rewards_to_tokens
@@ -61,7 +62,8 @@ class PPOConfig(loop.LoopConfig):
 
 
 def make_critic(model: torch.nn.Module) -> torch.nn.Module:
-    """The policy's transformer with a scalar value head at 0 (no dropout: values must not be noisy). From a
+    """The policy's transformer with a scalar value head at 0 (no dropout: values must not be noisy), in the
+    policy's precision (float32 master weights and its autocast dtype, `agentrl.policy.precision`). From a
     policy sharded with FSDP, the critic is made from the gathered weights and sharded the same way."""
     rank, world = data_parallel()
     config = copy.deepcopy(model.config)
@@ -76,7 +78,7 @@ def make_critic(model: torch.nn.Module) -> torch.nn.Module:
     torch.nn.init.zeros_(head.weight)
     if head.bias is not None:
         torch.nn.init.zeros_(head.bias)
-    critic = critic.to(next(model.parameters()).device)
+    critic = mixed_precision(critic.to(next(model.parameters()).device), compute_dtype(model))
     if world > 1:
         start = critic.state_dict() if rank == 0 else {}
         load_full_state_dict(shard(critic), start)
@@ -119,11 +121,13 @@ def advantages(batch: Batch, trajectories: Sequence[Trajectory], rewards_B: Sequ
     for rows in torch.arange(len(batch)).split(cfg.micro_batch_size or cfg.minibatch_size):
         mb = batch.select(rows).to(device)
         T = mb.ids_BT.shape[1]  # the micro-batch's longest row
-        values_BT[rows, :T] = (token_values(critic, mb.ids_BT, mb.attention_BT) * mb.mask_BT).float().cpu()
+        with autocast(critic):
+            values_BT[rows, :T] = (token_values(critic, mb.ids_BT, mb.attention_BT) * mb.mask_BT).float().cpu()
         if ref is not None:
-            for model, out_BT in ((policy, logp_BT), (ref, ref_logp_BT)):
-                mb_logp_BT, _ = token_logprobs(model, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
-                out_BT[rows, :T] = mb_logp_BT.float().cpu()
+            with autocast(policy):  # the reference is a copy of the policy: the same compute dtype
+                for model, out_BT in ((policy, logp_BT), (ref, ref_logp_BT)):
+                    mb_logp_BT, _ = token_logprobs(model, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
+                    out_BT[rows, :T] = mb_logp_BT.float().cpu()
     rewards_BT = token_rewards(trajectories, rewards_B, batch.ids_BT.shape[1])
     metrics = {}
     if ref is not None:

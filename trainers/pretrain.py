@@ -25,6 +25,7 @@ from pydantic import with_config
 
 from agentrl.config import STRICT
 from agentrl.policy.logprobs import lm_head
+from agentrl.policy.precision import autocast
 from agentrl.trainers.metrics import check_finite
 
 
@@ -92,8 +93,9 @@ def copy_warmup(model: torch.nn.Module, tokens: list[int], cfg: CopyWarmup,
         n = int(torch.randint(cfg.min_len, cfg.max_len + 1, (), generator=generator))
         seq_BN = alphabet_A[torch.randint(len(tokens), (cfg.batch_size, n), generator=generator)]
         ids_BT = torch.cat([seq_BN, seq_BN], dim=1).to(device)
-        hidden_BNH = model.base_model(input_ids=ids_BT).last_hidden_state[:, -n - 1:-1]  # predicts the repeat
-        logits_BNV = lm_head(model, hidden_BNH).float()  # the LM head on those positions only
+        with autocast(model):  # the compute dtype, over float32 master weights (if marked)
+            hidden_BNH = model.base_model(input_ids=ids_BT).last_hidden_state[:, -n - 1:-1]  # predicts the repeat
+            logits_BNV = lm_head(model, hidden_BNH).float()  # the LM head on those positions only
         loss = F.cross_entropy(logits_BNV.flatten(0, 1), ids_BT[:, -n:].flatten())
         optimizer.zero_grad()
         loss.backward()
@@ -144,7 +146,8 @@ def copy_in_context(model: torch.nn.Module, tokens: list[int], texts: Sequence[S
         rows = [context_sequence(generator, tokens, texts, cfg) for _ in range(cfg.context_batch_size)]
         ids_BT = torch.tensor([ids for ids, _ in rows], device=device)
         copied_BT = torch.tensor([copied for _, copied in rows], device=device)[:, 1:]
-        logits_BTV = model(input_ids=ids_BT).logits[:, :-1].float()
+        with autocast(model):
+            logits_BTV = model(input_ids=ids_BT).logits[:, :-1].float()
         loss = F.cross_entropy(logits_BTV.flatten(0, 1), ids_BT[:, 1:].flatten())
         optimizer.zero_grad()
         loss.backward()

@@ -16,6 +16,7 @@ from agentrl.types import Status, Trajectory
 from agentrl.trainers.batch import make_batch
 from agentrl.trainers.metrics import check_finite
 from agentrl.policy.logprobs import token_logprobs
+from agentrl.policy.precision import autocast
 
 
 @with_config(STRICT)
@@ -62,7 +63,8 @@ def sft(model: torch.nn.Module, trajectories: Sequence[Trajectory], cfg: SFTConf
         order = torch.randperm(len(batch), generator=generator)
         for start in range(0, len(batch), cfg.batch_size):
             mb = batch.select(order[start:start + cfg.batch_size]).to(next(model.parameters()).device)
-            logp_BT, _ = token_logprobs(model, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
+            with autocast(model):  # the compute dtype, over float32 master weights (if marked)
+                logp_BT, _ = token_logprobs(model, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
             loss = -(logp_BT * mb.mask_BT).sum() / mb.mask_BT.sum()  # token-mean NLL of assistant tokens
             optimizer.zero_grad()
             loss.backward()

@@ -6,7 +6,8 @@ the event loop stays free for environments. Rows that arrive during a round wait
 
 Each row samples with its own `torch.Generator` seeded from `sampling.seed + sample index`, so a seeded
 request gives the same tokens whatever else shares its batch. Logprobs are the raw (temperature 1, unfiltered)
-log-softmax at the sampled token: what the trainer's forward pass computes.
+log-softmax at the sampled token: what the trainer's forward pass computes (under the trainer's autocast when
+the model is marked for mixed precision, `agentrl.policy.precision`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from agentrl.policy.protocol import FinishReason, PolicyError, Sample, SamplingParams
 from agentrl.models.tokenizer import load_tokenizer
+from agentrl.policy.precision import autocast
 from agentrl.policy.weights import export_state_dict
 
 
@@ -145,7 +147,13 @@ class HFPolicy:
 
     @torch.inference_mode()
     def _decode(self, rows: list[_Row]) -> list[Sample]:
-        """One batched decode of all `rows` until each has stopped. Runs in a worker thread."""
+        """One batched decode of all `rows` until each has stopped. Runs in a worker thread. A model marked for
+        mixed precision (the trainer's, shared) decodes under the same autocast as the trainer's forward, so
+        the sampler's logprobs come from the trainer's numerics."""
+        with autocast(self.model):  # autocast's state is per thread: entered here, in the worker thread
+            return self._decode_rows(rows)
+
+    def _decode_rows(self, rows: list[_Row]) -> list[Sample]:
         from transformers import DynamicCache
 
         device, B = self.model.device, len(rows)

@@ -3,7 +3,12 @@
 A model trained with LoRA (`agentrl.trainers.lora`) carries peft's layers: base weights under
 `.base_layer.` and the adapters' `lora_A` / `lora_B`. Engines (vLLM's reload, another in-process copy) and
 `from_pretrained` expect the plain architecture, so the export folds each adapter's delta into its base
-weight, W + (alpha / r) B A, without touching the live model.
+weight, W + (alpha / r) B A, without touching the live model. The sum is taken in float32 and rounded once
+to the export dtype: a bf16 W plus a bf16-rounded delta would round the early, small deltas away.
+
+With mixed precision (`agentrl.policy.precision`) the parameters are float32 master weights; checkpoints keep
+them so, and an engine that serves bf16 gets them cast once (`dtype`), the rounding its trainer's autocast
+forward sees too.
 """
 
 from __future__ import annotations
@@ -24,19 +29,22 @@ def lora_layers(model: torch.nn.Module) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def export_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict in its plain architecture's keys, LoRA deltas merged."""
+def export_state_dict(model: torch.nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The model's state dict in its plain architecture's keys, LoRA deltas merged in float32, and its floating
+    tensors cast to `dtype` (an engine's, e.g. bfloat16; None: the dtype the model holds each one in)."""
     state = model.state_dict()
     layers = lora_layers(model)
-    if not layers:
-        return state
-    out = {k.replace(".base_layer.", "."): v for k, v in state.items() if ".lora_" not in k}
+    out = {k.replace(".base_layer.", "."): v for k, v in state.items() if ".lora_" not in k} if layers else state
     for name, layer in layers.items():
-        delta = sum(layer.get_delta_weight(adapter) for adapter in layer.active_adapters)
-        out[f"{name}.weight"] = out[f"{name}.weight"] + delta.to(out[f"{name}.weight"].dtype)
+        weight = out[f"{name}.weight"]
+        delta = sum(layer.get_delta_weight(adapter).float() for adapter in layer.active_adapters)
+        out[f"{name}.weight"] = (weight.float() + delta).to(dtype or weight.dtype)
+    if dtype is not None:  # cast once, here: a tensor already in `dtype` is passed as it is
+        out = {k: v.to(dtype) if v.is_floating_point() else v for k, v in out.items()}
     return out
 
 
-def save_full(model: Any, path: Path) -> None:
-    """`save_pretrained` of the exported weights: loads with `from_pretrained`, LoRA or not."""
-    model.save_pretrained(path, state_dict=export_state_dict(model), safe_serialization=True)
+def save_full(model: Any, path: Path, dtype: torch.dtype | None = None) -> None:
+    """`save_pretrained` of the exported weights (in `dtype`, see `export_state_dict`): loads with
+    `from_pretrained`, LoRA or not."""
+    model.save_pretrained(path, state_dict=export_state_dict(model, dtype), safe_serialization=True)
