@@ -35,7 +35,8 @@ from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.trainers.batch import Batch
 from agentrl.trainers.checkpoint import resume, save_checkpoint
 from agentrl.trainers.fsdp import broadcast, data_parallel, full_optimizer_state, gather_into
-from agentrl.trainers.losses import KL_KINDS, POLICY_LOSSES, PolicyLossConfig, kl_loss, masked_mean, micro_batch_weight
+from agentrl.trainers.losses import (KL_KINDS, POLICY_LOSSES, CorrectionConfig, PolicyLossConfig, kl_loss, masked_mean,
+                                     micro_batch_weight, rollout_correction)
 from agentrl.trainers.metrics import MetricsLogger, check_finite, rollout_metrics
 from agentrl.trainers.rewards import RewardConfig
 from agentrl.types import Group, Task
@@ -53,6 +54,8 @@ class LoopConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)  # the training reward: env's, or a mix of sources
     loss: str = "ppo"  # a key of agentrl.trainers.losses.POLICY_LOSSES
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    # the sampler/trainer correction: decoupled PPO, TIS, MIS (off: the sampler's logprobs are PPO's old ones)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     kl_coef: float = 0.0  # > 0: KL to a frozen copy of the initial policy
     kl_kind: str = "k3"  # one of KL_KINDS
     lr: float = 1e-5  # AdamW's learning rate for the policy
@@ -70,6 +73,10 @@ class LoopConfig:
             raise ValueError(f"kl_kind must be one of {KL_KINDS}, got {self.kl_kind!r}")
         if self.micro_batch_size is not None and not 1 <= self.micro_batch_size <= self.minibatch_size:
             raise ValueError(f"micro_batch_size must be in [1, minibatch_size], got {self.micro_batch_size}")
+        if self.correction.tis is not None and self.loss not in ("ppo", "gspo"):
+            raise ValueError(f"{self.section}.correction.tis folds the weight into the advantage, which is exact for "
+                             f"the ppo and gspo losses only ({self.loss!r} reads the advantage itself): use "
+                             "correction.mis, or loss = 'ppo'")
         check_loop_rollout(self.section, self.rollout)
 
 
@@ -220,12 +227,36 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
     return {k: totals[k] / counts[k] for k in totals}
 
 
+@torch.no_grad()
+def _trainer_logprobs(model: torch.nn.Module, batch: Batch, rows_per_pass: int) -> torch.Tensor:
+    """The trainer's logprobs of `batch`'s sampled tokens (0 elsewhere), `rows_per_pass` trajectories per forward,
+    in eval mode (dropout off, like the sampler) and the loss's compute dtype (so that PPO's ratio starts at 1).
+    Sharded, every rank runs every row: the forwards stay matched."""
+    device, logp_BT = next(model.parameters()).device, torch.zeros_like(batch.old_logp_BT)
+    model.eval()
+    for rows in torch.arange(len(batch)).split(rows_per_pass):
+        mb = batch.select(rows).to(device)
+        with autocast(model):
+            mb_logp_BT, _ = token_logprobs(model, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
+        logp_BT[rows, :mb_logp_BT.shape[1]] = mb_logp_BT.float().cpu()
+    return logp_BT
+
+
 def update(model: torch.nn.Module, ref: torch.nn.Module | None, optimizer: torch.optim.Optimizer, batch: Batch,
            cfg: LoopConfig, generator: torch.Generator) -> dict[str, float]:
-    """The policy update: `cfg.loss` on the sampled tokens with the sampler's logprobs as the old ones, plus
-    the KL to `ref` as a loss term when given. Also reports, from the first micro-batch (before any update),
-    how far the trainer's logprobs are from the sampler's: they must agree."""
+    """The policy update: `cfg.loss` on the sampled tokens, plus the KL to `ref` as a loss term when given.
+
+    PPO's old logprobs are the sampler's; with `cfg.correction.decoupled`, the trainer's own, recomputed before
+    the epochs (decoupled PPO), and the sampler's enter only through the TIS weight and the MIS mask
+    (`rollout_correction`); the step then logs their mismatch over the whole batch. Either way it reports
+    `sampler_logprob_diff_max`, the largest |trainer - sampler| before any update: they must nearly agree."""
     loss_fn, first = POLICY_LOSSES[cfg.loss], {}
+    if cfg.correction.decoupled:
+        rows_per_pass = cfg.micro_batch_size or cfg.minibatch_size
+        sampler_BT, trainer_BT = batch.old_logp_BT, _trainer_logprobs(model, batch, rows_per_pass)
+        adv_BT, mask_BT, first = rollout_correction(trainer_BT, sampler_BT, batch.adv_BT, batch.mask_BT, cfg.correction)
+        first["sampler_logprob_diff_max"] = ((trainer_BT - sampler_BT).abs() * batch.mask_BT).max().item()
+        batch = replace(batch, mask_BT=mask_BT, old_logp_BT=trainer_BT, adv_BT=adv_BT)
 
     def policy_loss(mb: Batch, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
         logp_BT, entropy_BT = token_logprobs(model, mb.ids_BT, mb.attention_BT, True, mb.mask_BT)
