@@ -32,6 +32,7 @@ from agentrl.cli.serve import serve_app  # noqa: E402
 from agentrl.models.tokenizer import load_tokenizer  # noqa: E402
 from agentrl.types import Status  # noqa: E402
 from agentrl.policy import vllm_client  # noqa: E402
+from agentrl.policy.backends import EngineConfig, open_policy  # noqa: E402
 from agentrl.policy.vllm_client import VLLMPolicy  # noqa: E402
 from agentrl.policy.vllm_server import ServerConfig, VLLMServer, server_command, server_env  # noqa: E402
 
@@ -259,9 +260,11 @@ async def test_tied_embeddings_are_refused(policy: VLLMPolicy) -> None:
     assert policy.weight_version == 0
 
 
-async def test_tied_embeddings_sync_by_broadcast(tiny_model_dir: Path, tmp_path: Path, prompts) -> None:
-    """A broadcast loads each tensor in place, so a tied model stays tied in the engine: parity holds after
-    a sync that changes the shared embedding (the checkpoint reload is 5 nats off here, hence refused)."""
+async def test_tied_embeddings_sync_by_the_default_path(tiny_model_dir: Path, tmp_path: Path, prompts,
+                                                        monkeypatch) -> None:
+    """A recipe's default sync (auto: a gloo transfer) loads each tensor in place, so a tied model stays tied in
+    the engine: parity holds after a sync that changes the shared embedding. The checkpoint reload, refused for
+    tied models, leaves the output projection on the old weights: forced anyway, the parity gate catches it."""
     tied = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     tied.config.tie_word_embeddings = True
     tied.lm_head.weight = tied.model.embed_tokens.weight
@@ -269,13 +272,22 @@ async def test_tied_embeddings_sync_by_broadcast(tiny_model_dir: Path, tmp_path:
     load_tokenizer(tiny_model_dir).save_pretrained(tmp_path / "tied")
     config = ServerConfig(model=str(tmp_path / "tied"), weight_transfer="gloo", log_file=str(tmp_path / "log"))
     with VLLMServer(config) as server:
-        policy = VLLMPolicy.attach(server.url, weight_transfer="gloo", parity=ParityCheck(prompts=prompts[:2]))
+        policy = open_policy(str(tmp_path / "tied"), EngineConfig(kind="vllm", url=server.url), prompts[:2])
+        assert policy.weight_transfer == "gloo" and policy.parity.mean_threshold == 1e-3  # float32 engine
+        await policy.prepare_sync(tied, context=2048)
         with torch.no_grad():
             tied.model.embed_tokens.weight.add_(0.05 * torch.randn_like(tied.model.embed_tokens.weight))
-        await policy.sync_weights(tied, version=1)  # parity-checked: raises above 1e-3 nats
+        await policy.sync_weights(tied, version=1)  # parity-checked
         assert policy.weight_version == 1
+        checkpointed = VLLMPolicy.attach(server.url, parity=ParityCheck(prompts=prompts[:2]))
         with pytest.raises(PolicyError, match="tie_word_embeddings"):
-            await VLLMPolicy.attach(server.url).sync_weights(tied, version=2)
+            await checkpointed.sync_weights(tied, version=2)
+        monkeypatch.setattr(vllm_client, "refuse_tied_embeddings", lambda model: None)
+        with torch.no_grad():
+            tied.model.embed_tokens.weight.add_(0.05 * torch.randn_like(tied.model.embed_tokens.weight))
+        with pytest.raises(ParityError, match="of tokens over 2 nats"):
+            await checkpointed.sync_weights(tied, version=2)  # the half reload, rolled back
+        await checkpointed.close()
         await policy.close()
 
 
@@ -291,7 +303,6 @@ def test_serve_cli_validates_options() -> None:
     assert command[command.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
     assert "--weight-transfer-config" not in server_command(ServerConfig(model="m", weight_transfer="checkpoint"),
                                                             port=1)
-    assert server_command(ServerConfig(model="m"), port=1)[1:5] == ["-m", "vllm.entrypoints.cli.main", "serve", "m"]
     exposed = runner.invoke(serve_app, ["policy", "--model", "m", "--host", "0.0.0.0"])
     assert exposed.exit_code == 2 and "--trust-network" in exposed.output
     ipc = ServerConfig(model="m", device="gpu", weight_transfer="ipc", gpus="3", gpu_memory_utilization=0.3)

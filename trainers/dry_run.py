@@ -1,0 +1,200 @@
+"""`agentrl train RECIPE --dry-run`: validate a recipe, place its engine and trainer on the devices, estimate the
+memory of each, and refuse what cannot work, with the reason and the fix. Nothing is loaded or run: the model
+is built on the meta device from its config, which gives the exact parameter count (tied embeddings once).
+
+The estimate per trainer device (`estimate`), in bytes:
+- weights, gradients and AdamW's two moments, in the parameters' dtype (float32 master weights, or the compute
+  dtype without them), sharded over the ranks under torchrun; gradients and moments of the trainable ones only
+  (LoRA: the adapters);
+- a frozen reference model (`kl_coef > 0`) and PPO's critic with its own gradients and moments;
+- activations of one micro-batch of the longest episodes: `ACTIVATION_ELEMENTS` per token and layer without
+  gradient checkpointing, one hidden state per token and layer with it (plus one layer's worth, recomputed);
+- the LM head's chunk (`HEAD_CHUNK` tokens of float32 logits, their log-softmax and their gradient);
+- the sampler: vLLM's share of the GPU when its server sits on the trainer's GPU, or, in-process, the KV cache of
+  every episode in flight at the longest length.
+`tests/test_dry_run.py` checks the activation and state terms against peak memory measured on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from agentrl.policy.logprobs import HEAD_CHUNK
+from agentrl.trainers.pipeline import TrainJob, check_shardable
+
+GIB = 2 ** 30
+# Tensors a decoder layer keeps for its backward, per token, in elements of the compute dtype: the attention
+# block's inputs, norms, queries, keys and values (repeated to every head), rotary outputs and attention output
+# (about 12 hidden widths), and the MLP's gate, up, activation and product (about 5 intermediate widths).
+ACTIVATION_ELEMENTS = (12, 5)  # (per hidden unit, per intermediate unit)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The devices a job will see: how many GPUs (0: CPU only) and the memory of each."""
+
+    gpus: int = 1
+    memory_gib: float = 80.0
+
+
+@dataclass
+class Plan:
+    """Where each part runs, the memory it takes on the busiest trainer device, and what cannot work."""
+
+    hardware: Hardware
+    placement: dict[str, str]  # part -> devices, in words
+    memory: dict[str, float]  # part -> bytes on the busiest trainer device
+    problems: list[str] = field(default_factory=list)  # each with its fix; empty: the job can run
+
+    @property
+    def total(self) -> float:
+        """Bytes on the busiest trainer device."""
+        return sum(self.memory.values())
+
+
+def meta_model(model: str) -> torch.nn.Module:
+    """The model's architecture with no weights (the meta device): exact shapes, no memory, no download beyond its
+    config."""
+    config = AutoConfig.from_pretrained(os.path.expanduser(model))
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def estimate(job: TrainJob, model: torch.nn.Module, world: int = 1, engine_share_bytes: float = 0.0
+             ) -> dict[str, float]:
+    """The bytes each part of `job`'s training takes on one trainer device (see the module docstring)."""
+    config = model.config.get_text_config()
+    params = sum(p.numel() for p in model.parameters())
+    trainable = params
+    if job.lora:
+        from agentrl.trainers.lora import add_lora
+
+        add_lora(model, job.lora)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    compute = 2 if job.dtype == "bfloat16" else 4
+    stored = 4 if job.master_weights else compute
+    rl = job.rl
+    memory = {"weights": params * stored / world, "gradients": trainable * stored / world,
+              "optimizer": 2 * trainable * stored / world}
+    if rl.kl_coef > 0:
+        memory["reference"] = params * stored
+    if job.ppo:  # the critic: the policy's transformer and a scalar head, trained with its own AdamW
+        memory["critic"] = 4 * (params - config.vocab_size * config.hidden_size) * stored / world
+    tokens = (rl.micro_batch_size or rl.minibatch_size) * rl.rollout.max_total_tokens
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    per_layer = ACTIVATION_ELEMENTS[0] * hidden + ACTIVATION_ELEMENTS[1] * config.intermediate_size
+    if job.gradient_checkpointing:
+        memory["activations"] = compute * tokens * (layers * hidden + per_layer)
+    else:
+        memory["activations"] = compute * tokens * layers * per_layer
+    memory["head chunk"] = 3 * 4 * min(HEAD_CHUNK, tokens) * config.vocab_size
+    if job.engine.kind == "transformers":
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        kv = 2 * layers * getattr(config, "num_key_value_heads", heads) * head_dim * compute
+        memory["sampler KV cache"] = rl.rollout.concurrency * rl.rollout.max_total_tokens * kv
+    elif engine_share_bytes:
+        memory["vLLM (its share)"] = engine_share_bytes
+    return memory
+
+
+def plan(job: TrainJob, hardware: Hardware, world: int = 1, model_config: str | None = None) -> Plan:
+    """Place `job` on `hardware` (`world` trainer ranks under torchrun), estimate its memory, list what cannot
+    work. `model_config`: where the model's config.json is, if not at `job.model` (offline, a saved copy)."""
+    problems: list[str] = []
+    if world > 1:
+        try:
+            check_shardable(job)
+        except ValueError as e:
+            problems.append(str(e))
+    model = meta_model(model_config or job.model)
+    engine, cuda = job.engine, job.device.startswith("cuda")
+    placement = {"trainer": f"{job.device}" + (f" × {world} ranks (FSDP2)" if world > 1 else "")}
+    capacity = hardware.memory_gib * GIB
+    share = 0.0
+    if cuda and hardware.gpus < world:
+        problems.append(f"{world} trainer ranks need {world} GPUs; {hardware.gpus} are visible")
+    if engine.kind == "transformers":
+        placement["sampler"] = f"in-process on {job.device}, the trainer's model"
+    elif engine.url:
+        placement["sampler"] = f"vLLM at {engine.url} (attached: its memory is its own)"
+    else:
+        own = engine.gpus is not None
+        placement["sampler"] = (f"vLLM on GPU(s) {engine.gpus}" if own else f"vLLM on the trainer's {job.device}") + \
+            f", tensor parallel {engine.tensor_parallel_size}"
+        if engine.device == "gpu" and not own and cuda:
+            share = (engine.gpu_memory_utilization or 0.9) * capacity
+        if engine.device == "gpu":
+            problems += _engine_problems(job, model, hardware, own, capacity)
+    tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
+    if engine.kind == "vllm" and engine.transfer == "checkpoint" and tied:
+        problems.append(f"{job.model} ties its embeddings, which a checkpoint sync leaves half-updated: set "
+                        "engine.weight_transfer = 'auto' (gloo) or a transfer backend")
+    if job.dtype == "bfloat16" and not job.master_weights and job.rl.lr < 1e-4:
+        problems.append(f"bfloat16 parameters without master weights round an AdamW step of lr {job.rl.lr:g} away "
+                        "(most weights never change): remove master_weights = false")
+    memory = estimate(job, model, world, share)
+    total = sum(memory.values())
+    if cuda and total > capacity:
+        big = max(memory, key=memory.get)
+        problems.append(f"the trainer's GPU needs about {total / GIB:.1f} GiB of its {hardware.memory_gib:g} "
+                        f"(largest: {big}, {memory[big] / GIB:.1f} GiB): {_fixes(job, big)}")
+    return Plan(hardware, placement, memory, problems)
+
+
+def _engine_problems(job: TrainJob, model: torch.nn.Module, hardware: Hardware, own: bool, capacity: float
+                     ) -> list[str]:
+    """What a job-started GPU vLLM server cannot do on `hardware`."""
+    engine, problems = job.engine, []
+    if engine.transfer == "nccl" and not own:
+        problems.append("weight_transfer 'nccl' needs the server on GPUs of its own (NCCL refuses two ranks on one "
+                        "device): set engine.gpus, or use 'ipc' on the shared GPU")
+    if engine.transfer == "ipc" and own:
+        problems.append("weight_transfer 'ipc' needs the server on the trainer's GPU: remove engine.gpus, or use "
+                        "'nccl' between GPUs")
+    if own and len(engine.gpus.split(",")) < engine.tensor_parallel_size:
+        problems.append(f"engine.tensor_parallel_size {engine.tensor_parallel_size} needs as many GPUs in "
+                        f"engine.gpus ({engine.gpus!r})")
+    weights = 2 * sum(p.numel() for p in model.parameters()) / engine.tensor_parallel_size
+    budget = (engine.gpu_memory_utilization or 0.9) * capacity
+    if weights > 0.8 * budget:
+        problems.append(f"vLLM's share ({budget / GIB:.1f} GiB per GPU) barely holds the weights "
+                        f"({weights / GIB:.1f} GiB in 16 bits), leaving no KV cache: raise "
+                        "engine.gpu_memory_utilization or tensor_parallel_size")
+    return problems
+
+
+def _fixes(job: TrainJob, largest: str) -> str:
+    return {
+        "activations": "set grpo.micro_batch_size lower, or gradient_checkpointing = true",
+        "vLLM (its share)": "lower engine.gpu_memory_utilization, or give the server its own GPUs (engine.gpus)",
+        "sampler KV cache": "lower rollout.concurrency or max_total_tokens, or sample with vLLM",
+        "reference": "set kl_coef = 0, or train LoRA adapters ([lora])",
+    }.get(largest, "train LoRA adapters ([lora]), or shard the trainer over more GPUs (torchrun)")
+
+
+def describe(plan: Plan) -> list[tuple[str, str]]:
+    """(part, value) rows for a table: the placement, then the memory per part and the total."""
+    rows = [(part, where) for part, where in plan.placement.items()]
+    rows += [(f"memory: {part}", f"{n / GIB:.2f} GiB") for part, n in plan.memory.items()]  # worst case: every
+    # episode at max_total_tokens
+    rows.append(("memory: total per trainer device", f"{plan.total / GIB:.2f} GiB of "
+                                                         f"{plan.hardware.memory_gib:.1f}"))
+    return rows
+
+
+def hardware_here() -> Hardware:
+    """The visible GPUs and the memory of the first; 0 GPUs and the machine's memory on CPU."""
+    if torch.cuda.is_available():
+        return Hardware(torch.cuda.device_count(), torch.cuda.get_device_properties(0).total_memory / GIB)
+    return Hardware(0, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB)
+
+
+def plan_for(job: TrainJob, hardware: Hardware | None = None, model_config: str | None = None) -> Plan:
+    """`plan` on the given hardware (default: this machine's) with torchrun's world size (WORLD_SIZE)."""
+    return plan(job, hardware or hardware_here(), int(os.environ.get("WORLD_SIZE", "1")), model_config)
+
