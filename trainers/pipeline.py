@@ -31,6 +31,7 @@ from agentrl.eval.run import evaluate
 from agentrl.policy.hf import HFPolicy
 from agentrl.policy.precision import mixed_precision
 from agentrl.policy.protocol import Policy, SamplingParams
+from agentrl.policy.vllm_client import VLLMPolicy
 from agentrl.rollout.ray_pool import RayConfig, env_factory
 from agentrl.env.registry import make
 from agentrl.renderer import Renderer
@@ -132,6 +133,15 @@ class TrainJob:
                              "remove engine.url to let the job start both servers")
         if self.tango is not None and self.engine.kind != "transformers":
             raise ValueError("[tango] trains the verifier in-process: set engine.kind = 'transformers'")
+        engine = self.engine
+        if engine.kind == "vllm" and not engine.url and engine.max_model_len < self.context:
+            raise ValueError(f"engine.max_model_len ({engine.max_model_len}) is below the rollouts' max_total_tokens "
+                             f"({self.context}): episodes would fail at the server's context; raise it")
+        if (engine.kind == "vllm" and engine.device == "gpu" and not engine.url and engine.gpus is None
+                and engine.gpu_memory_utilization is None and self.device.startswith("cuda")):
+            raise ValueError("the vLLM server would share the trainer's GPU and take 90% of its memory: set "
+                             "engine.gpu_memory_utilization (e.g. 0.3 for a 0.5 B model beside its trainer), or give "
+                             "the server GPUs of its own with engine.gpus (e.g. \"1\")")
 
     @property
     def sft_stages(self) -> list[DemoSFT]:
@@ -142,6 +152,13 @@ class TrainJob:
     def method(self) -> str:
         """The RL method: the one of `METHODS` whose table the recipe has, else GRPO."""
         return next((name for name in METHODS if name != "grpo" and getattr(self, name) is not None), "grpo")
+
+    @property
+    def context(self) -> int:
+        """The longest episode, prompt included, of any rollout of the job: what the engine's context must hold."""
+        rollouts = [self.rl.rollout] + ([self.eval.rollout] if self.eval else []) + \
+                   ([self.dpo.rollout] if self.dpo else [])
+        return max(r.max_total_tokens for r in rollouts)
 
     @property
     def rl(self) -> GRPOConfig | PPOConfig:
@@ -189,6 +206,8 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     if job.gradient_checkpointing:  # non-reentrant: works when the embeddings are frozen (LoRA)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
+    if isinstance(policy, VLLMPolicy):  # a sync that cannot work fails now, not after the baseline evaluation
+        asyncio.run(policy.prepare_sync(model, job.context))
     save = lambda: summary_path.write_text(json.dumps(summary, indent=2))  # noqa: E731
     warm_start(job, model, tokenizer, policy, renderer, make_env, tasks, summary, save, log)
     handoff = Handoff(job, policy, tokenizer, model) if job.tandem else None
@@ -247,6 +266,9 @@ def check_shardable(job: TrainJob) -> None:
                          "starts in one process first and set model to their output (e.g. runs/X/sft_model).")
     if job.rl.kl_coef > 0:
         raise ValueError(f"a sharded job has no reference model yet: set {'ppo' if job.ppo else 'grpo'}.kl_coef = 0")
+    if job.engine.kind == "vllm" and job.engine.transfer in ("nccl", "ipc"):
+        raise ValueError(f"a sharded job syncs from rank 0's gathered CPU copy, which weight_transfer "
+                         f"{job.engine.transfer!r} cannot send: use 'gloo' (tied embeddings too) or 'checkpoint'")
 
 
 def warm_start(job: TrainJob, model, tokenizer, policy, renderer, make_env, tasks, summary: dict,
