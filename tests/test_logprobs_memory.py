@@ -103,3 +103,22 @@ def test_no_sampled_tokens_and_no_grad(tiny_model_dir):
     lp0, e0 = token_logprobs(model, b.ids_BT, b.attention_BT, True, b.mask_BT, head_chunk=None)
     torch.testing.assert_close(lp, lp0.detach(), atol=1e-6, rtol=0)
     torch.testing.assert_close(e, e0, atol=0, rtol=1e-6)
+
+
+def test_full_position_path_chunks_its_log_softmax(tiny_model_dir):
+    """Without a mask (and under FSDP) the head runs in the model's forward; its log-softmax goes by rows."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
+    b = episodes(0)
+    results = []
+    for chunk in (None, 10, 60, 1024):  # rows of 25 predicted positions: 1, 2 and all 3 rows per chunk
+        model.zero_grad()
+        logp_BT, entropy_BT = token_logprobs(model, b.ids_BT, b.attention_BT, True, head_chunk=chunk)
+        assert logp_BT.shape == entropy_BT.shape == b.ids_BT.shape
+        (logp_BT * b.adv_BT).sum().backward()
+        results.append((logp_BT.detach(), entropy_BT, [p.grad.clone() for p in model.parameters()]))
+    (lp0, e0, g0), chunked = results[0], results[1:]
+    for lp, e, g in chunked:
+        torch.testing.assert_close(lp, lp0, atol=1e-6, rtol=0)
+        torch.testing.assert_close(e, e0, atol=0, rtol=1e-6)
+        for a, c in zip(g0, g):
+            torch.testing.assert_close(c, a, atol=1e-6, rtol=0)
