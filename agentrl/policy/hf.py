@@ -4,8 +4,9 @@ Every sample (one of a request's `n`) is a row. Rows wait in a queue; one worker
 (up to `max_batch_size` rows) and decodes it as one left-padded batch with a KV cache, in a thread so that
 the event loop stays free for environments. Rows that arrive during a round wait for the next one.
 
-Each row samples with its own `torch.Generator` seeded from `sampling.seed + sample index`, so a seeded
-request gives the same tokens whatever else shares its batch. Logprobs are the raw (temperature 1, unfiltered)
+Each row samples with its own `torch.Generator` seeded from `sampling.seed + sample index`, on the model's
+device (a decode step draws no noise on the CPU to copy over), so a seeded request gives the same tokens whatever
+else shares its batch (on one device type: CUDA's generator draws other numbers than the CPU's). Logprobs are the raw (temperature 1, unfiltered)
 log-softmax at the sampled token: what the trainer's forward pass computes (under the trainer's autocast when
 the model is marked for mixed precision, `agentrl.policy.precision`).
 """
@@ -177,7 +178,7 @@ class HFPolicy:
         top_p_B = torch.tensor([r.sampling.top_p for r in rows], device=device)
         top_k_B = torch.tensor([r.sampling.top_k for r in rows], device=device)
         budgets = [min(r.sampling.max_tokens, self.max_len - len(r.prompt_ids)) for r in rows]
-        gens = [torch.Generator().manual_seed(r.seed) for r in rows]
+        gens = [torch.Generator(device=device).manual_seed(r.seed) for r in rows]  # noise drawn where the logits are
         out_ids: list[list[int]] = [[] for _ in rows]
         out_logps: list[list[float]] = [[] for _ in rows]
         finish: list[FinishReason] = ["length"] * B
@@ -242,7 +243,7 @@ def _sample(logits_BV: torch.Tensor, temp_B: torch.Tensor, top_p_B: torch.Tensor
     # Exponential race (= Gumbel-max, as vLLM samples): argmax p_i / E_i is distributed as p. Each row draws
     # its noise from its own generator, and the winner's margin dwarfs float noise from batching, so a seeded
     # row picks the same token whatever its batch (inverse-CDF sampling flips on ~1e-6 logit differences).
-    noise_BV = torch.stack([torch.empty(V).exponential_(generator=g) for g in gens]).to(logits_BV.device)
+    noise_BV = torch.stack([torch.empty(V, device=logits_BV.device).exponential_(generator=g) for g in gens])
     tokens_B = (probs_BV / noise_BV).argmax(-1)
     tokens_B = torch.where(temp_B == 0, logits_BV.argmax(-1), tokens_B)
     return tokens_B, logp_BV.gather(1, tokens_B[:, None]).squeeze(1)
