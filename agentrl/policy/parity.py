@@ -24,6 +24,7 @@ from pydantic import with_config
 from agentrl.config import STRICT
 from agentrl.policy.protocol import Policy, Sample, SamplingParams
 from agentrl.policy.logprobs import token_logprobs
+from agentrl.policy.precision import autocast
 
 # The mean |Δlogp| (nats) a sync may show, by the served dtype: float32 engines match an fp32 trainer to ~1e-5;
 # half-precision kernels (vLLM's "auto" on GPU serves fp16/bf16) differ by ~1e-2 on average.
@@ -106,7 +107,8 @@ def trainer_logprobs(model: Any, prompt_ids: Sequence[int], sampled_ids: Sequenc
     was_training = model.training
     model.eval()  # dropout off: the engine has none
     try:
-        logp_BT, _ = token_logprobs(model, ids_BT, torch.ones_like(ids_BT))
+        with autocast(model):  # the numerics the loss sees (mixed precision: bf16 matmuls over float32 weights)
+            logp_BT, _ = token_logprobs(model, ids_BT, torch.ones_like(ids_BT))
     finally:
         model.train(was_training)
     return logp_BT[0, len(prompt_ids):].float().cpu()
