@@ -10,8 +10,9 @@ The estimate per trainer device (`estimate`), in bytes:
 - activations of one micro-batch of the longest episodes: `ACTIVATION_ELEMENTS` per token and layer without
   gradient checkpointing, one hidden state per token and layer with it (plus one layer's worth, recomputed);
 - the LM head's chunk (`HEAD_CHUNK` tokens of float32 logits, their log-softmax and their gradient);
-- the sampler: vLLM's share of the GPU when its server sits on the trainer's GPU, or, in-process, the KV cache of
-  every episode in flight at the longest length.
+- the sampler: vLLM's share of the GPU when its server sits on the trainer's GPU (in sleep mode it is free while the
+  trainer steps, and the share must fit beside the trainer's weights and optimizer while it samples), or,
+  in-process, the KV cache of every episode in flight at the longest length.
 `tests/test_dry_run.py` checks the activation and state terms against peak memory measured on CPU.
 """
 
@@ -137,7 +138,14 @@ def plan(job: TrainJob, hardware: Hardware, world: int = 1, model_config: str | 
     if job.dtype == "bfloat16" and not job.master_weights and job.rl.lr < 1e-4:
         problems.append(f"bfloat16 parameters without master weights round an AdamW step of lr {job.rl.lr:g} away "
                         "(most weights never change): remove master_weights = false")
-    memory = estimate(job, model, world, share)
+    memory = estimate(job, model, world, 0.0 if engine.sleep_mode else share)
+    if engine.sleep_mode and share:  # asleep while the trainer steps; while it samples, the trainer's states stay
+        placement["sampler"] += ", asleep while the trainer steps"
+        states = sum(memory.get(k, 0.0) for k in ("weights", "optimizer", "reference", "critic"))
+        if states + share > capacity:
+            problems.append(f"while vLLM samples, its share ({share / GIB:.1f} GiB) and the trainer's weights and "
+                            f"optimizer ({states / GIB:.1f} GiB) exceed the GPU's {hardware.memory_gib:g} GiB: lower "
+                            "engine.gpu_memory_utilization")
     total = sum(memory.values())
     if cuda and total > capacity:
         big = max(memory, key=memory.get)

@@ -2,6 +2,7 @@
 
     for step in range(start, cfg.steps):
         kept, collected = collect(...)             # groups of episodes from the rollout engine
+        sharding.release_engine()                  # an engine in sleep mode frees its GPU memory meanwhile
         metrics = method.train_step(kept, collected, step)
         sharding.sync(step + 1)                    # the new weights, version step + 1, into the engine
         log(metrics)                               # rollout, training, timing, held-out
@@ -141,6 +142,12 @@ class Sharding:
     def from_main(self, fn: Callable[[], Any]) -> Any:
         """`fn()` run on rank 0, its result on every rank."""
         return fn() if self.world == 1 else broadcast(fn() if self.main else None)
+
+    def release_engine(self) -> None:
+        """The rollouts are in and the trainer steps next: an engine in sleep mode frees its memory meanwhile
+        (`VLLMPolicy.release_memory`; the next sync wakes it)."""
+        if self.main and (release := getattr(self.policy, "release_memory", None)) is not None:
+            asyncio.run(release())
 
     def sync(self, version: int) -> None:
         """The policy's weights, as version `version`, into the engine."""
@@ -295,6 +302,7 @@ def run(cfg: LoopConfig, method: Method, model: torch.nn.Module, optimizer: torc
         kept, collected = sharding.from_main(
             lambda: collect(make_env, policy, renderer, stream, cfg, step, keep, refills))
         t1 = time.perf_counter()
+        sharding.release_engine()
         metrics = {**rollout_metrics(collected, max_reward), **method.train_step(kept, collected, step)}
         check_finite(f"step {step + 1}", metrics)
         t2 = time.perf_counter()

@@ -38,6 +38,8 @@ def policy(
                                         "(untied embeddings only); attach with the same value."),
     trust_network: bool = typer.Option(False, help="Allow a --host other than loopback: its weight-sync routes "
                                        "let anyone who reaches the port replace the weights."),
+    sleep_mode: bool = typer.Option(False, help="GPU: vLLM's sleep mode, for a trainer on the same GPU "
+                                    "(`[engine] sleep_mode = true` when attaching)."),
 ) -> None:
     """Start a vLLM server for MODEL, wait until it answers, and keep it running until Ctrl-C."""
     from agentrl.policy.vllm_server import ServerConfig, ServerError, VLLMServer
@@ -48,7 +50,7 @@ def policy(
                               gpu_memory_utilization=gpu_memory_utilization,
                               tensor_parallel_size=tensor_parallel_size, gpus=gpus,
                               log_file=str(log_file) if log_file else None, startup_timeout=startup_timeout,
-                              weight_transfer=weight_transfer, trust_network=trust_network)
+                              weight_transfer=weight_transfer, trust_network=trust_network, sleep_mode=sleep_mode)
     except ValueError as e:
         console.print(f"[red]{e}[/]")
         raise typer.Exit(2)

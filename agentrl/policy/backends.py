@@ -25,6 +25,9 @@ class EngineConfig:
     weight_transfer: WeightTransfer | Literal["auto"] = "auto"
     gpus: str | None = None  # vllm on GPU: the started server's CUDA_VISIBLE_DEVICES, e.g. "1" [default: the job's]
     tensor_parallel_size: int = 1  # vllm on GPU: the GPUs the started server shards the model over
+    # vllm on GPU: the server sleeps while the trainer steps (its weights to CPU memory, its KV cache freed) and
+    # wakes for the next sync: for a server on the trainer's GPU. An attached one needs `--sleep-mode`.
+    sleep_mode: bool = False
     # vllm on GPU: the server's share of each GPU's memory (vLLM's default 0.9 leaves a trainer on the same
     # GPU almost nothing; e.g. 0.3 for a 0.5 B model beside its trainer). None: 0.9.
     gpu_memory_utilization: float | None = None
@@ -38,6 +41,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.url and self.kind != "vllm":
             raise ValueError("engine.url attaches to a vLLM server: set engine.kind = 'vllm'")
+        if self.sleep_mode and (self.kind != "vllm" or self.device != "gpu"):
+            raise ValueError("engine.sleep_mode is vLLM's on GPU (kind = 'vllm', device = 'gpu'): remove it")
         started = {"gpus": self.gpus, "tensor_parallel_size": self.tensor_parallel_size != 1,
                    "gpu_memory_utilization": self.gpu_memory_utilization}
         if self.url and any(v for v in started.values()):
@@ -68,8 +73,10 @@ def open_policy(model: str, engine: EngineConfig, parity_prompts: Sequence[Seque
                          tail_nats=engine.parity_tail_nats,
                          tail_share=engine.parity_tail_share) if parity_prompts else None
     if engine.url:
-        return VLLMPolicy.attach(engine.url, parity=parity, weight_transfer=engine.transfer)
+        return VLLMPolicy.attach(engine.url, parity=parity, weight_transfer=engine.transfer,
+                                 sleep_mode=engine.sleep_mode)
     server = ServerConfig(model=model, device=engine.device, max_model_len=engine.max_model_len, dtype=engine.dtype,
                           gpu_memory_utilization=engine.gpu_memory_utilization, weight_transfer=engine.transfer,
-                          gpus=engine.gpus, tensor_parallel_size=engine.tensor_parallel_size)
+                          gpus=engine.gpus, tensor_parallel_size=engine.tensor_parallel_size,
+                          sleep_mode=engine.sleep_mode)
     return VLLMPolicy.start(server, progress=True, parity=parity)

@@ -53,13 +53,15 @@ class VLLMPolicy:
     when it dies. `timeout`: seconds per request. `parity`: check engine/trainer logprob parity after syncs.
     `weight_transfer`: how syncs reach the engine (default: the server's setting, else checkpoint); it must
     match the server's `--weight-transfer-config`. `transfer_host`: the address at which the engine's workers
-    reach this process for a gloo/nccl transfer.
+    reach this process for a gloo/nccl transfer. `sleep_mode`: `release_memory` puts the engine to sleep (default:
+    the server's setting, else off; the server must have been started with it).
     """
 
     def __init__(self, base_url: str, model_name: str, *, server: VLLMServer | None = None, timeout: float = 600.0,
                  retries: int = 3, backoff: float = 0.5, max_restarts: int = 3, max_connections: int = 256,
                  checkpoint_dir: str | Path | None = None, parity: ParityCheck | None = None,
-                 weight_transfer: WeightTransfer | None = None, transfer_host: str = "127.0.0.1"):
+                 weight_transfer: WeightTransfer | None = None, transfer_host: str = "127.0.0.1",
+                 sleep_mode: bool | None = None):
         self.base_url, self.model_name, self.server = base_url.rstrip("/"), model_name, server
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.max_restarts, self.max_connections, self.parity = max_restarts, max_connections, parity
@@ -79,6 +81,8 @@ class VLLMPolicy:
         self._transfer = None  # vLLM's trainer-side transfer engine, opened at the first gloo/nccl sync
         self._synced_model: Any = None  # what a restarted server is re-sent (transfer syncs keep no checkpoint)
         self._rejected: str | None = None  # why the engine's weights must not be sampled (a failed parity check)
+        self.sleep_mode = sleep_mode if sleep_mode is not None else bool(server and server.config.sleep_mode)
+        self._asleep = False  # put to sleep by `release_memory`, woken by the next call
 
     @classmethod
     def start(cls, config: ServerConfig, progress: bool = False, **kwargs: Any) -> VLLMPolicy:
@@ -108,6 +112,7 @@ class VLLMPolicy:
         that fills the server's context, and when the server rejects the request or keeps failing."""
         if self._rejected:
             raise PolicyError(self._rejected)
+        await self._awake()
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise PolicyError("empty prompt: the policy needs at least one token to continue")
@@ -128,6 +133,7 @@ class VLLMPolicy:
         """Load `model`'s weights into the engine as `version`; with `parity`, check them (and roll back).
 
         Requests in flight finish on the old weights first; new ones wait until the new weights are in."""
+        await self._awake()
         if self.weight_transfer != "checkpoint":  # in-place loads keep tied embeddings tied (tested)
             await self._sync_by_transfer(model, version)
             return
@@ -146,6 +152,20 @@ class VLLMPolicy:
         self._checkpoint, self.weight_version, self.syncs = path, version, self.syncs + 1
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
+
+    async def release_memory(self) -> None:
+        """With `sleep_mode`, the trainer is about to step: put the engine to sleep (vLLM's level 1: its weights
+        offloaded to CPU memory, its KV cache freed), so that a trainer on the same GPU has that memory. The next
+        sync or request wakes it first. Without sleep mode, nothing happens."""
+        if self.sleep_mode and not self._asleep:
+            await self._post("/sleep", params={"level": 1, "mode": "wait"})  # requests in flight finish first
+            self._asleep = True
+
+    async def _awake(self) -> None:
+        # The synchronous loop syncs (and so wakes the engine) before it samples again, so no request races this.
+        if self._asleep:
+            await self._post("/wake_up")
+            self._asleep = False
 
     async def prepare_sync(self, model: Any, context: int = 0) -> None:
         """Check at start-up, before any expensive work, that `model` can be synced into this engine and that the
@@ -273,6 +293,7 @@ class VLLMPolicy:
             await self._client.aclose()
             self._client = None
         # The new process loaded the served model: put the synced weights back.
+        self._asleep = False  # a new process is awake
         self._drop_transfer()  # its group died with the old process
         if self._checkpoint is not None:
             await self._load_checkpoint(self._checkpoint)

@@ -79,6 +79,9 @@ class ServerConfig:
     # The weight-sync routes (/collective_rpc, /update_weights) let whoever reaches the port replace the weights:
     # a host other than loopback needs this set, for a network that only the job's machines reach.
     trust_network: bool = False
+    # GPU only: vLLM's sleep mode, so that a trainer on the same GPU can have the server's memory while it steps
+    # (`VLLMPolicy.release_memory`, then the next sync wakes it)
+    sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         # Options the chosen device ignores are errors, not silent no-ops.
@@ -92,6 +95,9 @@ class ServerConfig:
             raise ValueError(f"weight_transfer={self.weight_transfer!r} needs GPUs; on CPU use 'gloo' or 'checkpoint'")
         if self.device == "cpu" and self.gpus is not None:
             raise ValueError("gpus is a GPU option: leave it unset on CPU")
+        if self.device == "cpu" and self.sleep_mode:
+            raise ValueError("sleep_mode needs CUDA (vLLM offloads the GPU's weights and frees its KV cache): on CPU "
+                             "leave it off")
         if self.weight_transfer == "ipc" and self.tensor_parallel_size != 1:
             raise ValueError("weight_transfer='ipc' hands the trainer's GPU memory to one engine worker on the same "
                              "GPU: use tensor_parallel_size = 1, or 'nccl' for a sharded engine on other GPUs")
@@ -133,6 +139,8 @@ def server_command(config: ServerConfig, port: int) -> list[str]:
         cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(config.max_model_len, 4096))]
     if config.weight_transfer != "checkpoint":
         cmd += ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer})]
+    if config.sleep_mode:
+        cmd += ["--enable-sleep-mode"]
     return cmd + list(config.extra_args)
 
 

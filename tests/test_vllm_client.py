@@ -1,0 +1,66 @@
+"""VLLMPolicy's own protocol with the server, on a mock HTTP transport (no vLLM needed): sleep mode frees the
+engine while the trainer steps, and the next sync wakes it before loading the weights."""
+
+import asyncio
+
+import httpx
+from transformers import AutoModelForCausalLM
+
+from agentrl.policy.vllm_client import VLLMPolicy
+from agentrl.trainers.loop import Sharding
+
+
+def recording(calls: list) -> httpx.MockTransport:
+    def handle(request: httpx.Request) -> httpx.Response:
+        calls.append((request.url.path, dict(request.url.params)))
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m", "max_model_len": 2048, "root": "m"}]})
+        return httpx.Response(200, json={})
+
+    return httpx.MockTransport(handle)
+
+
+def policy_on(transport: httpx.MockTransport, **kwargs) -> VLLMPolicy:
+    policy = VLLMPolicy("http://engine", "m", weight_transfer="checkpoint", **kwargs)
+    policy._client = httpx.AsyncClient(transport=transport, base_url="http://engine")
+    policy._client_loop = asyncio.get_running_loop()
+    return policy
+
+
+async def test_sleep_mode_frees_the_engine_while_the_trainer_steps_and_the_next_sync_wakes_it(tiny_model_dir, tmp_path):
+    calls: list = []
+    policy = policy_on(recording(calls), sleep_mode=True, checkpoint_dir=tmp_path)
+    await policy.release_memory()
+    await policy.release_memory()  # asleep already: nothing more
+    assert calls == [("/sleep", {"level": "1", "mode": "wait"})]
+    await policy.sync_weights(AutoModelForCausalLM.from_pretrained(tiny_model_dir), version=1)
+    assert [path for path, _ in calls[1:]] == ["/wake_up", "/pause", "/collective_rpc", "/reset_prefix_cache",
+                                                "/resume"]
+    calls.clear()
+    await policy_on(recording(calls)).release_memory()  # without sleep mode: nothing is sent
+    assert calls == []
+
+
+def test_the_loop_releases_the_engine_after_its_rollouts_when_the_policy_can():
+    released = []
+
+    class Sleepy:
+        async def release_memory(self) -> None:
+            released.append(True)
+
+    Sharding(None, Sleepy()).release_engine()
+    Sharding(None, object()).release_engine()  # a policy without it (in-process): nothing to do
+    assert released == [True]
+
+
+def test_sleep_mode_is_a_gpu_option():
+    import pytest
+
+    from agentrl.policy.backends import EngineConfig
+    from agentrl.policy.vllm_server import ServerConfig, server_command
+
+    with pytest.raises(ValueError, match="sleep_mode needs CUDA"):
+        ServerConfig(model="m", sleep_mode=True)
+    assert "--enable-sleep-mode" in server_command(ServerConfig(model="m", device="gpu", sleep_mode=True), port=1)
+    with pytest.raises(ValueError, match="vLLM's on GPU"):
+        EngineConfig(sleep_mode=True)
