@@ -89,3 +89,18 @@ def test_strict_types_still_take_toml_arrays_for_tuples_and_integers_for_floats(
     sampling = {"stop": ["</answer>"], "top_p": 1}
     job = load_config(RolloutJob, {"env": "e", "model": "m", "rollout": {"sampling": sampling}})
     assert job.rollout.sampling.stop == ("</answer>",) and job.rollout.sampling.top_p == 1.0
+
+
+def test_eval_job_is_typed_and_refuses_what_cannot_work(tmp_path):
+    from agentrl.cli.jobs import EvalJob
+
+    recipe = tmp_path / "eval.toml"
+    recipe.write_text('suite = "math/demo-heldout"\nmodel = "m"\nk = [1, 4]\n[rollout.sampling]\ntemperature = 0.7\n')
+    job = load_config(EvalJob, recipe, {"n": 5})
+    assert job.k == [1, 4] and job.n == 5 and job.rollout.sampling.temperature == 0.7
+    assert job.rollout.sampling.max_tokens == 256  # the rest of the table keeps its defaults
+    assert load_config(EvalJob, {"suite": "s", "model": "m"}).rollout.sampling.temperature == 0.0  # greedy
+    for data, message in [({"k": [1, 8]}, "pass@8 over greedy samples"), ({"k": [0]}, "positive integers"),
+                          ({"rollout": {"group_size": 4}}, "set k instead"), ({"n": "20"}, "valid integer")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(EvalJob, {"suite": "s", "model": "m", **data})

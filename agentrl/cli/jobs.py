@@ -1,14 +1,15 @@
-"""The typed configs of the CLI's jobs that are not training runs (`agentrl rollout`)."""
+"""The typed configs of the CLI's jobs that are not training runs (`agentrl rollout`, `agentrl eval`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import with_config
 
-from agentrl.config import STRICT
+from agentrl.config import STRICT, table_defaults
 from agentrl.policy.backends import EngineConfig
+from agentrl.policy.protocol import SamplingParams
 from agentrl.rollout.engine import RolloutConfig
 from agentrl.rollout.ray_pool import RayConfig
 
@@ -27,3 +28,29 @@ class RolloutJob:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)  # transformers in-process, or vLLM
     ray: RayConfig | None = None  # envs in Ray worker actors (a local cluster, or `address`'s)
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class EvalJob:
+    """`agentrl eval`: which suite and model, how many samples per task, where the run directory is."""
+
+    suite: str  # a registered suite (`agentrl suites`) or a suite TOML file
+    model: str  # model directory or hub name (or, with engine.url, the model the server serves)
+    k: list[int] = field(default_factory=lambda: [1])  # pass@k for these k; each task is sampled max(k) times
+    n: int | None = None  # at most this many tasks per suite entry (None: all)
+    out: str | None = None  # the run directory [default: runs/eval/SUITE]; the same job run again resumes it
+    tokenizer: str | None = None  # tokenizer directory or hub name [default: the model's]
+    engine: EngineConfig = field(default_factory=EngineConfig)  # transformers in-process, or vLLM
+    # greedy unless set: sample i of a task gets its own seed, so pass@k with k > 1 needs a temperature
+    rollout: Annotated[RolloutConfig, table_defaults(sampling={"temperature": 0.0})] = field(
+        default_factory=lambda: RolloutConfig(sampling=SamplingParams(temperature=0.0)))
+
+    def __post_init__(self) -> None:
+        if not self.k or min(self.k) < 1:
+            raise ValueError(f"k takes positive integers, e.g. [1, 8]; got {self.k}")
+        if max(self.k) > 1 and self.rollout.sampling.temperature == 0:
+            raise ValueError(f"pass@{max(self.k)} over greedy samples would count one answer {max(self.k)} times: set "
+                             "rollout.sampling.temperature (e.g. 1.0; `--temperature`)")
+        if self.rollout.group_size != 1:
+            raise ValueError("rollout.group_size: the eval samples each task max(k) times itself; set k instead")

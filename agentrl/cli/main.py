@@ -295,58 +295,67 @@ def parse_sets(assignments: list[str]) -> dict:
 
 @app.command("eval")
 def eval_suite(
-    suite: str = typer.Option(..., help="A registered suite (`agentrl suites`) or a suite TOML file."),
-    model: str = typer.Option(..., help="Model directory or hub name, or the URL of a vLLM server."),
-    k: str = typer.Option("1", help="pass@k for these k, e.g. 1,8; each task is sampled max(k) times."),
+    suite: Optional[str] = typer.Option(None, help="A registered suite (`agentrl suites`) or a suite TOML file."),
+    model: Optional[str] = typer.Option(None, help="Model directory or hub name, or the URL of a vLLM server."),
+    config: Optional[Path] = typer.Option(None, help="TOML file of an EvalJob; the options below override it."),
+    k: Optional[str] = typer.Option(None, help="pass@k for these k, e.g. 1,8; each task is sampled max(k) times "
+                                               "[default: 1]."),
     n: Optional[int] = typer.Option(None, help="At most N tasks per suite entry."),
     out: Optional[Path] = typer.Option(None, help="Run directory [default: runs/eval/SUITE]. Rerun to resume."),
-    engine: str = typer.Option("transformers", help="transformers (in-process) or vllm (started for the eval)."),
+    engine: Optional[str] = typer.Option(None, help="transformers (in-process, default) or vllm (started for the "
+                                                    "eval)."),
     tokenizer: Optional[str] = typer.Option(None, help="Tokenizer dir/name [default: the model's]."),
     temperature: Optional[float] = typer.Option(None, help="[default: 0 when max k is 1, else 1.0]"),
-    max_tokens: int = typer.Option(256, help="Max sampled tokens per turn."),
-    max_total_tokens: int = typer.Option(2048, help="Max tokens per episode, prompt included."),
-    concurrency: int = typer.Option(32, help="Episodes in flight."),
-    seed: int = typer.Option(0, help="Seeds env resets and sampling; same seed, same episodes."),
+    max_tokens: Optional[int] = typer.Option(None, help="Max sampled tokens per turn [default: 256]."),
+    max_total_tokens: Optional[int] = typer.Option(None, help="Max tokens per episode, prompt included "
+                                                              "[default: 2048]."),
+    concurrency: Optional[int] = typer.Option(None, help="Episodes in flight [default: 32]."),
+    seed: Optional[int] = typer.Option(None, help="Seeds env resets and sampling; same seed, same episodes "
+                                                  "[default: 0]."),
 ) -> None:
     """Evaluate a model on a suite: success with 95% CIs, pass@k, maj@k, errors; a Markdown and an HTML
     report and a trajectory viewer in the run directory. Interrupted, the same command resumes."""
-    from agentrl.config import ConfigError
-    from agentrl.policy.backends import EngineConfig, open_policy
-    from agentrl.eval.run import EvalRunMismatch, run_suite
-    from agentrl.policy.protocol import SamplingParams
-    from agentrl.renderer import Renderer
-    from agentrl.eval.report import write_report
-    from agentrl.rollout.engine import RolloutConfig
+    from agentrl.cli.jobs import EvalJob
+    from agentrl.config import ConfigError, load_config
     from agentrl.env.suites import get_suite
-    from agentrl.models.tokenizer import load_tokenizer
+    from agentrl.eval.report import write_report
+    from agentrl.eval.run import EvalRunMismatch, run_suite
     from agentrl.eval.viewer import write_viewer
+    from agentrl.models.tokenizer import load_tokenizer
+    from agentrl.policy.backends import open_policy
+    from agentrl.renderer import Renderer
 
     try:
-        ks = sorted({int(x) for x in k.split(",")})
-        if ks[0] < 1:
-            raise ValueError
+        ks = sorted({int(x) for x in k.split(",")}) if k is not None else None
     except ValueError:
         console.print(f"[red]--k takes positive integers separated by commas, e.g. 1,8; got {k!r}[/]")
         raise typer.Exit(2)
+    remote = model is not None and model.startswith(("http://", "https://"))
+    if temperature is None and ks and ks[-1] > 1:
+        temperature = 1.0  # pass@k samples; the job's own default is greedy
+    overrides = _given(suite=suite, model=model, k=ks, n=n, out=str(out) if out else None, tokenizer=tokenizer,
+                       engine=_given(kind="vllm" if remote else engine, url=model if remote else None,
+                                     max_model_len=max_total_tokens),
+                       rollout=_given(concurrency=concurrency, max_total_tokens=max_total_tokens, seed=seed,
+                                      sampling=_given(max_tokens=max_tokens, temperature=temperature)))
     try:
-        the_suite = get_suite(suite)
-    except (KeyError, ConfigError) as e:
+        job = load_config(EvalJob, config, overrides)
+        the_suite = get_suite(job.suite)
+    except ConfigError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(2)
+    except KeyError as e:
         console.print(f"[red]{e.args[0]}[/]")
         raise typer.Exit(2)
-    remote = model.startswith(("http://", "https://"))
-    policy = open_policy(model, EngineConfig(kind="vllm" if remote or engine == "vllm" else "transformers",
-                                             url=model if remote else None, max_model_len=max_total_tokens))
-    tok = load_tokenizer(tokenizer or getattr(policy, "model_name", model))
-    config = RolloutConfig(concurrency=concurrency, max_total_tokens=max_total_tokens, seed=seed,
-                           sampling=SamplingParams(max_tokens=max_tokens, temperature=(
-                               temperature if temperature is not None else (0.0 if ks[-1] == 1 else 1.0))))
-    run_dir = out or Path("runs/eval") / the_suite.name.replace("/", "-")
-    total = sum(min(e.n_tasks, n or e.n_tasks) for e in the_suite.entries) * ks[-1]
+    policy = open_policy(job.model, job.engine)
+    tok = load_tokenizer(job.tokenizer or getattr(policy, "model_name", job.model))
+    run_dir = Path(job.out) if job.out else Path("runs/eval") / the_suite.name.replace("/", "-")
+    total = sum(min(e.n_tasks, job.n or e.n_tasks) for e in the_suite.entries) * max(job.k)
     with Progress(TextColumn(f"eval {the_suite.name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as bar:
         progress = bar.add_task("episodes", total=total)
         try:
-            run_suite(the_suite, policy, Renderer(tok), run_dir, model, ks, n, config,
+            run_suite(the_suite, policy, Renderer(tok), run_dir, job.model, job.k, job.n, job.rollout,
                       on_episode=lambda t: bar.advance(progress))
         except EvalRunMismatch as e:
             console.print(f"[red]{e}[/]")
