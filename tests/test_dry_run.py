@@ -56,7 +56,7 @@ def test_the_reviews_broken_combinations_are_refused_with_the_fix():
         "gpu_search_r1_train", {"engine": {"weight_transfer": "ipc"}}, gpus=2)
     assert "ties its embeddings" in problems("gpu_search_r1_train", {"engine": {"weight_transfer": "checkpoint"}})
     assert "round an AdamW step of lr 1e-06 away" in problems("gpu_search_r1_train", {"master_weights": False})
-    assert "has no reference model" in problems("gpu_search_r1_train", {}, gpus=8, world=7)
+    assert "remove ['lora']" in problems("gpu_search_r1_train", {"lora": {}}, gpus=8, world=7)  # not under torchrun
     asleep = {"gradient_checkpointing": True, "engine": {"gpus": None, "gpu_memory_utilization": 0.35, "sleep_mode": True}}
     assert problems("gpu_search_r1_train", asleep) == ""  # 0.35 beside the training peak would not fit: it sleeps
     assert "while vLLM samples" in problems("gpu_search_r1_train", {**asleep, "engine": {

@@ -90,6 +90,55 @@ def test_sharded_step_equals_the_single_process_step(tiny_model_dir, tmp_path, a
 
 
 
+def kl_worker(rank: int, model_dir: str, out: str) -> None:
+    from agentrl.trainers import fsdp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["TEST_FSDP_PORT"], RANK=str(rank),
+                      WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    fsdp.init("gloo")
+    model = fsdp.shard(AutoModelForCausalLM.from_pretrained(model_dir))
+    ref = fsdp.frozen_copy(model)
+    local = {n: tuple(p.to_local().shape) for n, p in ref.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = GRPOConfig(minibatch_size=3, epochs=2, max_grad_norm=1e9, kl_coef=0.5)
+    metrics = update(model, ref, optimizer, batch(), cfg, torch.Generator().manual_seed(0))
+    state, ref_state = fsdp.full_state_dict(model), fsdp.full_state_dict(ref)
+    if rank == 0:
+        torch.save({"state": state, "ref": ref_state, "local": local, "kl": metrics["kl"]}, out)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_sharded_reference_model_gives_the_single_process_kl_step(tiny_model_dir, tmp_path):
+    """FSDP2 modules cannot be deep-copied: `frozen_copy` builds the reference on the meta device, shards it like
+    the policy and copies each rank's shards. Two steps with a KL term then equal the single process's, whose
+    reference is a deep copy, and the reference stays the initial policy."""
+    import copy
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["TEST_FSDP_PORT"] = str(s.getsockname()[1])
+    out = tmp_path / "rank0.pt"
+    mp.spawn(kl_worker, args=(str(tiny_model_dir), str(out)), nprocs=2, join=True)
+    saved = torch.load(out)
+    single = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    start = {n: p.detach().clone() for n, p in single.named_parameters()}
+    ref = copy.deepcopy(single).eval().requires_grad_(False)
+    cfg = GRPOConfig(minibatch_size=3, epochs=2, max_grad_norm=1e9, kl_coef=0.5)
+    metrics = update(single, ref, torch.optim.SGD(single.parameters(), lr=0.1), batch(), cfg,
+                     torch.Generator().manual_seed(0))
+    full = dict(single.named_parameters())
+    embed = next(n for n in full if "embed_tokens" in n)
+    assert saved["local"][embed][0] == full[embed].shape[0] // 2  # the reference is sharded too
+    assert all(torch.equal(saved["ref"][n], start[n]) for n in full)  # and still the initial weights
+    assert saved["kl"] > 0 and metrics["kl"] > 0  # the KL term acted (rank 0 logs its own share's)
+    moved = max((full[n] - start[n]).abs().max().item() for n in full)
+    error = max((saved["state"][n] - full[n].detach()).abs().max().item() for n in full)
+    assert error < 1e-3 * moved, (error, moved)
+
+
 def mixed_worker(rank: int, model_dir: str, out: str) -> None:
     from agentrl.policy.precision import mixed_precision
     from agentrl.trainers import fsdp

@@ -82,7 +82,7 @@ def estimate(job: TrainJob, model: torch.nn.Module, world: int = 1, engine_share
     memory = {"weights": params * stored / world, "gradients": trainable * stored / world,
               "optimizer": 2 * trainable * stored / world}
     if rl.kl_coef > 0:
-        memory["reference"] = params * stored
+        memory["reference"] = params * stored / world  # sharded like the policy (`fsdp.frozen_copy`)
     if job.ppo:  # the critic: the policy's transformer and a scalar head, trained with its own AdamW
         memory["critic"] = 4 * (params - config.vocab_size * config.hidden_size) * stored / world
     tokens = (rl.micro_batch_size or rl.minibatch_size) * rl.rollout.max_total_tokens

@@ -17,6 +17,7 @@ loss aggregation. Gloo on CPU (tests), NCCL on GPUs.
 
 from __future__ import annotations
 
+import copy
 import os
 from datetime import timedelta
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agentrl.policy.precision import compute_dtype
+from agentrl.policy.precision import compute_dtype, mixed_precision
 
 
 def data_parallel() -> tuple[int, int]:
@@ -72,6 +73,28 @@ def shard(model: torch.nn.Module, reshard_after_forward: bool = True) -> torch.n
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     return model
+
+
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy of `model` (a reference policy), in eval mode. A sharded model cannot be deep-copied, so its copy
+    is built on the meta device, sharded the same way, and each rank copies its own shards and buffers: no rank
+    ever holds the full weights."""
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import AutoModelForCausalLM
+
+    if not isinstance(model, FSDPModule):
+        return copy.deepcopy(model).eval().requires_grad_(False)
+    with torch.device("meta"):
+        ref = AutoModelForCausalLM.from_config(model.config, dtype=next(model.parameters()).dtype)
+    shard(mixed_precision(ref, compute_dtype(model)))
+    ref.to_empty(device=next(model.parameters()).device)
+    with torch.no_grad():
+        params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+        for name, p in ref.named_parameters():
+            p.to_local().copy_(params[name].to_local())
+        for name, b in ref.named_buffers():  # e.g. rotary frequencies, which `to_empty` left uninitialized
+            b.copy_(buffers[name])
+    return ref.eval().requires_grad_(False)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

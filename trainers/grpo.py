@@ -10,7 +10,6 @@ trajectory's loss mask.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Callable, ClassVar
@@ -22,7 +21,7 @@ from agentrl.config import STRICT, table_defaults
 from agentrl.env.api import TextEnv
 from agentrl.policy.protocol import Policy
 from agentrl.rollout.engine import RolloutConfig
-from agentrl.trainers import loop
+from agentrl.trainers import fsdp, loop
 from agentrl.trainers.advantages import ADVANTAGES
 from agentrl.trainers.batch import Batch, make_batch
 from agentrl.trainers.rewards import group_rewards, majority_vote_metrics
@@ -65,7 +64,7 @@ class GRPO:
 
     def __init__(self, cfg: GRPOConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.cfg, self.model, self.optimizer = cfg, model, optimizer
-        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+        self.ref = fsdp.frozen_copy(model) if cfg.kl_coef > 0 else None
 
     def keep(self, group: Group) -> bool:
         """A group with a baseline (two valid episodes) and, with dynamic sampling, rewards that vary."""
@@ -84,7 +83,8 @@ class GRPO:
         return metrics
 
     def checkpoint_state(self, sharding: loop.Sharding) -> tuple[dict, dict]:
-        """Nothing beyond the policy: the reference model is the initial policy, rebuilt on resume."""
+        """Nothing beyond the policy: the reference model is the initial policy, rebuilt on resume (it is copied
+        before the loop restores the checkpoint)."""
         return {}, {}
 
     def restore(self, checkpoint: Path, state: dict) -> None:

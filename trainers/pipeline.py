@@ -264,8 +264,6 @@ def check_shardable(job: TrainJob) -> None:
     if unsupported:
         raise ValueError(f"a sharded (torchrun) job runs the GRPO or PPO loop only; remove {unsupported}. Run warm "
                          "starts in one process first and set model to their output (e.g. runs/X/sft_model).")
-    if job.rl.kl_coef > 0:
-        raise ValueError(f"a sharded job has no reference model yet: set {'ppo' if job.ppo else 'grpo'}.kl_coef = 0")
     if job.engine.kind == "vllm" and job.engine.transfer in ("nccl", "ipc"):
         raise ValueError(f"a sharded job syncs from rank 0's gathered CPU copy, which weight_transfer "
                          f"{job.engine.transfer!r} cannot send: use 'gloo' (tied embeddings too) or 'checkpoint'")

@@ -34,7 +34,7 @@ from agentrl.trainers import loop
 from agentrl.trainers.advantages import gae, masked_whiten, turn_rewards_to_tokens
 from agentrl.trainers.batch import Batch, make_batch
 from agentrl.trainers.checkpoint import restore
-from agentrl.trainers.fsdp import data_parallel, full_state_dict, load_full_state_dict, shard
+from agentrl.trainers.fsdp import data_parallel, frozen_copy, full_state_dict, load_full_state_dict, shard
 from agentrl.trainers.losses import kl_in_reward, masked_mean, value_loss
 from agentrl.trainers.rewards import group_rewards
 from agentrl.types import Group, Task, Trajectory
@@ -164,7 +164,7 @@ class PPO:
     def __init__(self, cfg: PPOConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.cfg, self.model, self.optimizer = cfg, model, optimizer
         self.critic = make_critic(model)
-        self.ref = copy.deepcopy(model).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+        self.ref = frozen_copy(model) if cfg.kl_coef > 0 else None
         self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr)
         rank, world = data_parallel()  # rank 0's unsharded critic, which checkpoints save
         self.plain_critic = AutoModelForTokenClassification.from_config(
