@@ -4,11 +4,14 @@ Everything a loss needs is derived here by pure functions: the ids are the traje
 right-padded; `mask_BT` is their loss mask (0 on padding); `old_logp_BT` the sampler's logprobs.
 Position t of `logp_BT` is log p(ids[t] | ids[:t]), so it lines up with the mask and the sampler's
 logprobs token for token (position 0 is never sampled and stays 0).
+
+`token_micro_batches` cuts a minibatch into micro-batches by a token budget rather than a number of rows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import ceil
 from typing import Sequence
 
 import torch
@@ -53,3 +56,24 @@ def make_batch(trajectories: Sequence[Trajectory], advantages: Sequence[float | 
         old_logp[b, :n] = torch.tensor(t.logprobs)
         adv[b, :n] = torch.as_tensor(a, dtype=torch.float) * mask[b, :n]
     return Batch(ids, attention, mask, old_logp, adv)
+
+
+def token_micro_batches(rows: torch.Tensor, lengths_R: torch.Tensor, budget: int, world: int = 1) -> list[torch.Tensor]:
+    """`rows` (lengths `lengths_R`), longest first, cut into micro-batches whose padded size (rows x the longest)
+    is at most `budget` tokens, so that similar lengths go together and little is padding. A row longer than
+    `budget` goes alone.
+
+    Sharded over `world` ranks, each micro-batch is the rows of one pass of every rank (rank r takes
+    micro[r::world]): every rank's share stays within `budget`, a micro-batch has `world` rows whenever that
+    many are left, and all ranks get the same number of passes, as FSDP's collectives need."""
+    lengths = lengths_R.tolist()
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties keep the minibatch's order
+    groups: list[list[int]] = []
+    for i in order:
+        g = groups[-1] if groups else None
+        # the group's first row is its longest; a rank's share of n rows is ceil(n / world) of them
+        if g is None or (len(g) >= world and ceil((len(g) + 1) / world) * lengths[g[0]] > budget):
+            groups.append([i])
+        else:
+            g.append(i)
+    return [rows[torch.tensor(g)] for g in groups]

@@ -33,7 +33,7 @@ from agentrl.policy.precision import autocast
 from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
-from agentrl.trainers.batch import Batch
+from agentrl.trainers.batch import Batch, token_micro_batches
 from agentrl.trainers.checkpoint import resume, save_checkpoint
 from agentrl.trainers.fsdp import broadcast, data_parallel, full_optimizer_state, gather_into
 from agentrl.trainers.losses import (KL_KINDS, POLICY_LOSSES, CorrectionConfig, PolicyLossConfig, kl_loss, masked_mean,
@@ -63,6 +63,8 @@ class LoopConfig:
     epochs: int = 1  # passes over each step's batch
     minibatch_size: int = 16  # trajectories per optimizer step
     micro_batch_size: int | None = None  # trajectories per forward/backward pass (gradient accumulation)
+    # or instead: tokens per pass (rows x the longest, rows sorted by length; a longer row goes alone)
+    micro_batch_tokens: int | None = None
     max_grad_norm: float = 1.0  # gradients clipped to this global norm
     checkpoint_every: int = 0  # steps; 0 = only at the end
     seed: int = 0  # the task order, the rollout seeds, the minibatch shuffles
@@ -74,6 +76,9 @@ class LoopConfig:
             raise ValueError(f"kl_kind must be one of {KL_KINDS}, got {self.kl_kind!r}")
         if self.micro_batch_size is not None and not 1 <= self.micro_batch_size <= self.minibatch_size:
             raise ValueError(f"micro_batch_size must be in [1, minibatch_size], got {self.micro_batch_size}")
+        if self.micro_batch_tokens is not None and (self.micro_batch_tokens < 1 or self.micro_batch_size is not None):
+            raise ValueError(f"{self.section}.micro_batch_tokens must be >= 1, and replaces micro_batch_size (set one "
+                             f"of them), got {self.micro_batch_tokens} with micro_batch_size = {self.micro_batch_size}")
         if self.correction.tis is not None and self.loss not in ("ppo", "gspo"):
             raise ValueError(f"{self.section}.correction.tis folds the weight into the advantage, which is exact for "
                              f"the ppo and gspo losses only ({self.loss!r} reads the advantage itself): use "
@@ -204,11 +209,12 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
              generator: torch.Generator, loss_fn: Callable[[Batch, torch.Tensor], tuple[torch.Tensor, dict]],
              agg: str) -> dict[str, float]:
     """`cfg.epochs` passes of shuffled minibatches of `cfg.minibatch_size` trajectories, one clipped optimizer step
-    each; `loss_fn(micro_batch, rows)` -> (loss, metrics), `rows` indexing `batch`. Micro-batches (`micro_batch_size`)
-    accumulate gradients weighted so that the step equals the whole minibatch's. Returns each metric's mean.
+    each; `loss_fn(micro_batch, rows)` -> (loss, metrics), `rows` indexing `batch`. Micro-batches (`micro_batch_size`
+    rows, or `micro_batch_tokens` by `token_micro_batches`) accumulate gradients weighted so that the step equals the
+    whole minibatch's. Returns each metric's mean.
 
-    Sharded (FSDP, `trainers/fsdp.py`), rank r runs rows[r::world] of each minibatch, weighted by `world` times
-    their share, since FSDP averages the ranks' gradients."""
+    Sharded (FSDP, `trainers/fsdp.py`), the minibatch is cut into passes of `world` micro-batches; rank r runs
+    rows[r::world] of each, weighted by `world` times their share, since FSDP averages the ranks' gradients."""
     device, totals, counts = next(model.parameters()).device, {}, {}
     rank, world = data_parallel()
 
@@ -221,9 +227,14 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
         order = torch.randperm(len(batch), generator=generator)
         for rows in order.split(cfg.minibatch_size):
             optimizer.zero_grad()
-            # A rank left without rows still runs one, at weight 0: FSDP's collectives need every rank.
-            mine, share = (rows[rank::world], world) if len(rows) > rank else (rows[:1], 0)
-            for micro_rows in mine.split(cfg.micro_batch_size or len(rows)):
+            if cfg.micro_batch_tokens is None:
+                passes = rows.split(world * cfg.micro_batch_size) if cfg.micro_batch_size else [rows]
+            else:
+                passes = token_micro_batches(rows, batch.attention_BT[rows].sum(-1), cfg.micro_batch_tokens, world)
+            for ranks_rows in passes:  # the same number on every rank
+                # A rank left without rows still runs one, at weight 0: FSDP's collectives need every rank.
+                micro_rows, share = ((ranks_rows[rank::world], world) if len(ranks_rows) > rank
+                                     else (ranks_rows[:1], 0))
                 with autocast(model):  # the compute dtype, over float32 master weights (if marked)
                     loss, metrics = loss_fn(batch.select(micro_rows).to(device), micro_rows)
                 (loss * share * micro_batch_weight(batch.mask_BT[micro_rows], batch.mask_BT[rows], agg)).backward()

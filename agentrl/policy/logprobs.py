@@ -12,9 +12,21 @@ and backward with the entropy): 2,484 MiB at its peak in chunks of 1024, against
 about 1.1 GB of the chunked peak is the weight's gradient and one chunk's share of it.
 Without a mask, and under FSDP (whose root forward must be the one called), the head runs inside the model's
 forward over every position; only its log-softmax, gather and entropy then go in chunks of rows.
+
+Packing. Agent episodes differ in length (a two-turn episode beside a ten-turn one), and padded rows spend the
+decoder's time on padding. With a mask, rows are packed instead (`pack_plan`): each row's tokens up to its last
+masked one (causal attention: later tokens change no masked logprob) go into bins of at most the longest row's
+length, first-fit by decreasing length, and the decoder runs [bins, width] with position_ids restarting at 0 for
+each row and no attention mask, from which transformers builds a block-diagonal causal mask (sdpa, eager; flash
+attention runs varlen): no row sees another. A bin's attention costs at most what one padded row's does. The
+hidden states at the masked positions then go to the chunked head as before. Packing and prefix sharing do not
+combine (transformers detects packed rows only without a KV cache): of the two, the one that runs fewer tokens
+is taken, and the padded pass if neither saves `PACK_MIN_SAVING`. Rows without a masked token are left out.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +43,8 @@ def _sharded(model: torch.nn.Module) -> bool:
 
 def token_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: torch.Tensor,
                    with_entropy: bool = False, mask_BT: torch.Tensor | None = None,
-                   head_chunk: int | None = HEAD_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   head_chunk: int | None = HEAD_CHUNK, pack: bool | None = None, pack_tokens: int | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logp_BT[t] = log p(ids[t] | ids[:t]) under `model` (0 at t = 0), and optionally the entropy of
     the distribution that predicted token t.
 
@@ -41,7 +54,11 @@ def token_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: t
       tokens are prompt and observations, and the [B, T, vocab] logits would dominate time and memory;
     - rows that start with the same prompt (a group, a shared system prompt) run that prefix once: its
       keys and values are computed for one row and repeated, gradients included. Only positions before
-      every row's first masked token are shared, so every trained logprob comes from the per-row pass."""
+      every row's first masked token are shared, so every trained logprob comes from the per-row pass;
+    - rows of unequal length run packed (`pack_plan`): their tokens up to the last masked one, concatenated
+      into bins of at most `pack_tokens` tokens (default: the longest row's). `pack=None` packs when that runs
+      fewer tokens than the padded rows or the shared prefix would (by `PACK_MIN_SAVING`); True always packs,
+      False never does. The logprobs are the same up to float rounding (tests/test_packing.py)."""
     if mask_BT is None or _sharded(model):  # FSDP gathers parameters in the root's forward: call only that
         logits_BTV = model(input_ids=ids_BT, attention_mask=attention_BT).logits[:, :-1]
         # The head ran in the forward, over every position; its float32 log-softmax still goes in chunks of rows.
@@ -52,23 +69,34 @@ def token_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: t
             keep_BT = mask_BT > 0
             logp_BT, entropy_BT = logp_BT * keep_BT, entropy_BT * keep_BT if with_entropy else None
         return logp_BT, entropy_BT
+    B, T = ids_BT.shape
     # Gradient checkpointing turns the KV cache off in training, and with it the prefix sharing.
     checkpointing = model.training and getattr(model, "is_gradient_checkpointing", False)
     L = 0 if checkpointing else _shared_prefix_len(ids_BT, mask_BT)
-    if L:
+    if pack and not packs(model):
+        raise ValueError(f"pack=True needs an attention implementation that keeps packed rows apart, one of "
+                         f"{PACKED_ATTENTION}; this model has {getattr(model.config, '_attn_implementation', None)!r}")
+    plan = pack_plan(mask_BT, pack_tokens) if pack is not False and packs(model) else None
+    unpacked_tokens = L + B * (T - L)  # what the padded pass runs, after the shared prefix if any
+    rows_N, targets_N = (mask_BT[:, 1:] > 0).nonzero(as_tuple=True)
+    targets_N = targets_N + 1  # the token predicted, by the hidden state at targets_N - 1
+    if plan is not None and (pack or plan.tokens <= (1 - PACK_MIN_SAVING) * unpacked_tokens):
+        hidden_KWH = model.base_model(input_ids=plan.gather(ids_BT), position_ids=plan.positions_KW.to(ids_BT.device),
+                                      attention_mask=None, use_cache=False).last_hidden_state
+        bin_B, offset_B = plan.bin_B.to(ids_BT.device), plan.offset_B.to(ids_BT.device)
+        hidden_NH = hidden_KWH[bin_B[rows_N], offset_B[rows_N] + targets_N - 1]
+    elif L:
         cache = model.base_model(input_ids=ids_BT[:1, :L], use_cache=True).past_key_values
-        cache.batch_repeat_interleave(ids_BT.shape[0])
-        positions_BT = torch.arange(L, ids_BT.shape[1], device=ids_BT.device).expand(ids_BT.shape[0], -1)
+        cache.batch_repeat_interleave(B)
+        positions_BT = torch.arange(L, T, device=ids_BT.device).expand(B, -1)
         hidden_BTH = model.base_model(input_ids=ids_BT[:, L:], attention_mask=attention_BT,
                                       position_ids=positions_BT, past_key_values=cache).last_hidden_state
+        hidden_NH = hidden_BTH[rows_N, targets_N - 1 - L]  # position t of the suffix pass is L + t
     else:
         hidden_BTH = model.base_model(input_ids=ids_BT, attention_mask=attention_BT,
                                       use_cache=False).last_hidden_state
-    # Position t of the hidden states (offset by L) predicts token L + t + 1.
-    rows_N, cols_N = (mask_BT[:, L + 1:] > 0).nonzero(as_tuple=True)
-    targets_N = cols_N + L + 1
-    logp_N, entropy_N = head_logprobs(model, hidden_BTH[rows_N, cols_N], ids_BT[rows_N, targets_N], with_entropy,
-                                      head_chunk)
+        hidden_NH = hidden_BTH[rows_N, targets_N - 1]
+    logp_N, entropy_N = head_logprobs(model, hidden_NH, ids_BT[rows_N, targets_N], with_entropy, head_chunk)
     logp_BT = torch.zeros(ids_BT.shape, dtype=logp_N.dtype, device=ids_BT.device).index_put((rows_N, targets_N), logp_N)
     if not with_entropy:
         return logp_BT, None
@@ -129,6 +157,84 @@ def _shared_prefix_len(ids_BT: torch.Tensor, mask_BT: torch.Tensor) -> int:
         return 0
     differs_T = (ids_BT != ids_BT[:1]).any(0)
     common = int(differs_T.int().argmax()) if differs_T.any() else ids_BT.shape[1]
-    first_masked = int((mask_BT > 0).int().argmax(-1).min())
+    masked_BT = mask_BT > 0
+    has_B = masked_BT.any(-1)  # a row with nothing sampled does not limit the prefix
+    if not has_B.any():
+        return 0
+    first_masked = int(masked_BT.int().argmax(-1)[has_B].min())
     L = min(common, first_masked - 1)
     return L if L >= MIN_SHARED_PREFIX else 0
+
+
+# Packing.
+PACK_MIN_SAVING = 0.1  # pack only when it runs at least this share fewer tokens: the copies in and out cost some
+# Attention implementations that keep packed segments apart, given position_ids restarting at 0 and no attention
+# mask: transformers' masking_utils builds a block-diagonal causal mask for these (flash attention runs varlen).
+PACKED_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+def packs(model: torch.nn.Module) -> bool:
+    """Whether `model`'s attention keeps packed segments apart (see `PACKED_ATTENTION`)."""
+    return getattr(model.config, "_attn_implementation", None) in PACKED_ATTENTION
+
+
+@dataclass(frozen=True)
+class PackPlan:
+    """Where each row's tokens go in the packed [K, W] layout: row b's first `length_B[b]` tokens at
+    bin_B[b], columns offset_B[b]...; positions restart at 0 for every row (and for a bin's padding at its end)."""
+
+    bin_B: torch.Tensor  # long; -1 for a row left out (nothing to predict)
+    offset_B: torch.Tensor  # long
+    length_B: torch.Tensor  # long; 0 for a row left out
+    positions_KW: torch.Tensor  # long, the position_ids of the packed pass
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the packed pass runs, padding included."""
+        return self.positions_KW.numel()
+
+    def gather(self, ids_BT: torch.Tensor) -> torch.Tensor:
+        """ids_KW: the rows' tokens in the packed layout (0 on padding)."""
+        rows = (self.length_B > 0).nonzero().squeeze(-1)
+        src_r = torch.repeat_interleave(rows, self.length_B[rows])
+        starts = torch.cumsum(self.length_B[rows], 0) - self.length_B[rows]
+        src_c = torch.arange(len(src_r)) - torch.repeat_interleave(starts, self.length_B[rows])
+        dst_k, dst_c = self.bin_B[src_r], self.offset_B[src_r] + src_c
+        device = ids_BT.device
+        ids_KW = ids_BT.new_zeros(self.positions_KW.shape)
+        ids_KW[dst_k.to(device), dst_c.to(device)] = ids_BT[src_r.to(device), src_c.to(device)]
+        return ids_KW
+
+
+def pack_plan(mask_BT: torch.Tensor, budget: int | None = None) -> PackPlan | None:
+    """Bins of at most `budget` tokens (default: the longest row's), filled first-fit by decreasing length with
+    each row's tokens up to its last masked one (the later ones cannot change any masked logprob); a row longer
+    than `budget` gets a bin of its own. A bin's attention then costs at most what one padded row's does.
+    None if no row has a masked token to predict."""
+    masked_BT = (mask_BT > 0).cpu()
+    masked_BT[:, 0] = False  # position 0 is never predicted
+    T = masked_BT.shape[1]
+    # Predicting token t takes tokens [0, t): the row's length is its last masked position (0: none).
+    last_B = torch.where(masked_BT.any(1), T - 1 - masked_BT.flip(1).int().argmax(1), 0)
+    lengths = last_B.tolist()
+    if not any(lengths):
+        return None
+    if budget is not None and budget < 1:
+        raise ValueError(f"pack_tokens must be >= 1, got {budget}")
+    budget = budget or max(lengths)
+    fills: list[int] = []
+    bin_B, offset_B = [-1] * len(lengths), [0] * len(lengths)
+    for b in sorted((b for b, n in enumerate(lengths) if n), key=lambda b: -lengths[b]):
+        k = next((k for k, f in enumerate(fills) if f + lengths[b] <= budget), len(fills))
+        if k == len(fills):
+            fills.append(0)
+        bin_B[b], offset_B[b] = k, fills[k]
+        fills[k] += lengths[b]
+    W = max(fills)
+    positions_KW = torch.zeros((len(fills), W), dtype=torch.long)
+    for b, n in enumerate(lengths):
+        if n:
+            positions_KW[bin_B[b], offset_B[b]:offset_B[b] + n] = torch.arange(n)
+    for k, f in enumerate(fills):  # the padding is a segment of its own: it attends only to itself
+        positions_KW[k, f:] = torch.arange(W - f)
+    return PackPlan(torch.tensor(bin_B), torch.tensor(offset_B), last_B, positions_KW)
