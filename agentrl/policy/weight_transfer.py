@@ -43,18 +43,22 @@ TRANSFER_TIMEOUT = timedelta(minutes=10)  # a rank that never joins fails the sy
 class ModelWeights(WeightSource):
     """The trainer model's exported weights (LoRA merged, `agentrl.policy.weights`), re-read at every sync.
 
-    `to_cpu`: gloo sends CPU tensors; NCCL and IPC send them from the GPU they live on."""
+    `to_cpu`: gloo sends CPU tensors; NCCL and IPC send them from the GPU they live on. `dtype`: the engine's, so
+    that the weights are cast once, here (None: sent as the model holds them)."""
 
-    def __init__(self, model: Any, to_cpu: bool):
-        self.model, self.to_cpu = model, to_cpu
+    def __init__(self, model: Any, to_cpu: bool, dtype: torch.dtype | None = None):
+        self.model, self.to_cpu, self.dtype = model, to_cpu, dtype
 
     def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in export_state_dict(self.model).items()]
+        """Names, dtypes and shapes of what `__iter__` sends, from the state dict alone: no LoRA merge, no copy."""
+        return [ParamMeta(name.replace(".base_layer.", "."), self.dtype if self.dtype and t.is_floating_point()
+                          else t.dtype, tuple(t.shape))
+                for name, t in self.model.state_dict().items() if ".lora_" not in name]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         if torch.cuda.is_available():  # vLLM reads the tensors on its own streams: the optimizer step must be done
             torch.cuda.synchronize()
-        for name, tensor in export_state_dict(self.model).items():
+        for name, tensor in export_state_dict(self.model, self.dtype).items():
             yield name, (tensor.detach().cpu() if self.to_cpu else tensor.detach()).contiguous()
 
 
@@ -210,10 +214,12 @@ def register() -> None:
 # ---------------------------------------------------------------------- the trainer's handle
 
 
-def open_transfer(backend: Backend, base_url: str, model: Any, address: str, port: int, world_size: int):
+def open_transfer(backend: Backend, base_url: str, model: Any, address: str, port: int, world_size: int,
+                  dtype: torch.dtype | None = None):
     """Join the engine at `base_url` as rank 0 of a `backend` group; returns vLLM's trainer engine.
 
-    `address`: where the engine's workers reach this process (the store is hosted here, on `port`)."""
+    `address`: where the engine's workers reach this process (the store is hosted here, on `port`). `dtype`: the
+    engine's (the weights are cast to it once, before they are sent)."""
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -231,5 +237,5 @@ def open_transfer(backend: Backend, base_url: str, model: Any, address: str, por
         info = IPCTrainerInitInfo(rank=0)
     else:
         info = GlooTrainerInitInfo(address, port, world_size, rank=0)
-    source = ModelWeights(model, to_cpu=backend == "gloo")
+    source = ModelWeights(model, to_cpu=backend == "gloo", dtype=dtype)
     return WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(base_url), source=source)
