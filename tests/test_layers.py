@@ -19,7 +19,7 @@ PACKAGE_DIR = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setu
 FOLDERS = {package: folder for package, folder in PACKAGE_DIR.items() if package != "agentrl.containers"}
 # The layer of each part of the namespace (longest prefix wins), lowest first.
 LAYER = {
-    "agentrl.types": 0, "agentrl.config": 0, "agentrl.lifetime": 0,
+    "agentrl.types": 0, "agentrl.config": 0, "agentrl.lifetime": 0, "agentrl.files": 0,
     "agentrl.tools": 1,
     "agentrl.renderer": 2, "agentrl.models": 2,
     "agentrl.policy": 3,
@@ -30,7 +30,8 @@ LAYER = {
     "agentrl.trainers": 8,
     "agentrl.cli": 9,
 }
-ENVS_MAY_IMPORT = {"agentrl", "agentrl.types", "agentrl.config", "agentrl.tools", "agentrl.env", "agentrl.envs"}
+ENVS_MAY_IMPORT = {"agentrl", "agentrl.types", "agentrl.config", "agentrl.files", "agentrl.tools", "agentrl.env",
+                   "agentrl.envs"}
 
 
 def part(module: str) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pickle
 import random
-import shutil
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from agentrl.trainers.fsdp import data_parallel, load_full_state_dict, load_optimizer_state
 from agentrl.trainers.lora import ADAPTER_FILE, has_lora, load_adapter, save_adapter
+from agentrl.files import write_folder
 from agentrl.policy.weights import save_full
 
 
@@ -45,17 +45,6 @@ def save_checkpoint(out_dir: Path, step: int, model: Any, tokenizer: Any, *, sta
         }, tmp / "trainer_state.pt")
 
     return write_folder(Path(out_dir) / "checkpoints" / f"step-{step:06d}", write)
-
-
-def write_folder(path: Path, write: Callable[[Path], None]) -> Path:
-    """`write(folder)` into `path.tmp`, then renamed to `path`: a run killed while writing leaves the folder that
-    was there before (or none), never a partial one."""
-    tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)
-    return path
 
 
 def save_model(model: Any, tokenizer: Any, path: Path) -> None:
@@ -118,7 +107,7 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
 
 def finished_checkpoints(out_dir: Path) -> list[Path]:
     """The checkpoints in `out_dir/checkpoints` that were written to the end (renamed into place), oldest first."""
-    return sorted(p for p in (Path(out_dir) / "checkpoints").glob("step-*") if not p.name.endswith(".tmp"))
+    return sorted((Path(out_dir) / "checkpoints").glob("step-*"))  # a folder being written is hidden (`write_folder`)
 
 
 def resume(model: Any, optimizer: torch.optim.Optimizer, out_dir: Path,

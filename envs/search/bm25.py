@@ -27,8 +27,6 @@ import functools
 import json
 import os
 import re
-import shutil
-import uuid
 from array import array
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +40,8 @@ import numpy as np
 import Stemmer
 from bm25s.stopwords import STOPWORDS_EN
 from tqdm.auto import tqdm
+
+from agentrl.files import write_folder
 
 FORMAT_VERSION = 1
 _WORD = re.compile(r"(?u)\b\w\w+\b")  # bm25s's token pattern: runs of 2+ unicode word characters
@@ -170,11 +170,7 @@ class BM25Index(_Documents):
 
     def save(self, path: str | Path) -> None:
         """Write the index directory at `path`, replacing any old one; a crash leaves the old one or none."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-        tmp.mkdir()
-        try:
+        def write(tmp: Path) -> None:
             (tmp / "params.json").write_text(json.dumps(self.params, indent=1))
             (tmp / "vocab.json").write_text(json.dumps(self._vocab, ensure_ascii=False), encoding="utf-8")
             for name, arr in (("data", self._data), ("indices", self._indices), ("indptr", self._indptr)):
@@ -182,9 +178,8 @@ class BM25Index(_Documents):
             self._ids.save(tmp, "ids")
             self._contents.save(tmp, "contents")
             np.save(tmp / "ids.sorted.npy", self._ids_sorted)
-            _swap_in(tmp, path)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+
+        write_folder(path, write)
 
     @classmethod
     def load(cls, path: str | Path, mmap: bool = True) -> BM25Index:
@@ -311,16 +306,6 @@ def _push(rows, best, n_best, d, s):
         slot -= 1
     best[slot], rows[slot] = s, d
     return n_best
-
-
-def _swap_in(new: Path, path: Path) -> None:
-    """Rename directory `new` to `path`. A directory cannot be renamed over a non-empty one, so an old index
-    is moved aside first and deleted after: a crash in between leaves no index at `path`, never half of one."""
-    old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex}")
-    if path.exists():
-        path.rename(old)
-    new.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _load_array(directory: Path, name: str, mmap_mode: str | None) -> np.ndarray:

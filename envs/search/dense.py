@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import importlib
 import json
-import shutil
 import threading
-import uuid
 from collections.abc import Iterable, Sequence
 from itertools import pairwise
 from pathlib import Path
@@ -31,7 +29,8 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
-from agentrl.envs.search.bm25 import SearchHit, _Documents, _load_array, _Strings, _swap_in
+from agentrl.envs.search.bm25 import SearchHit, _Documents, _load_array, _Strings
+from agentrl.files import write_folder
 from tqdm.auto import tqdm
 
 FORMAT_VERSION = 1
@@ -91,20 +90,16 @@ class DenseIndex(_Documents):
     def save(self, path: str | Path) -> None:
         """Write the index directory at `path`, replacing any old one; a crash leaves the old one or none."""
         faiss = _require("faiss", "faiss-cpu")
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-        tmp.mkdir()
-        try:
+
+        def write(tmp: Path) -> None:
             (tmp / "params.json").write_text(json.dumps(self.params, indent=1, ensure_ascii=False),
                                              encoding="utf-8")
             faiss.write_index(self._vectors, str(tmp / "index.faiss"))
             self._ids.save(tmp, "ids")
             self._contents.save(tmp, "contents")
             np.save(tmp / "ids.sorted.npy", self._ids_sorted)
-            _swap_in(tmp, path)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+
+        write_folder(path, write)
 
     @classmethod
     def load(cls, path: str | Path, model: str | Path | None = None) -> DenseIndex:

@@ -1,0 +1,52 @@
+"""Folders written whole: a checkpoint, a saved model, a search index.
+
+`write_folder(path, write)` has `write` fill a new folder beside `path`, then renames it into place, so that a
+process killed while writing leaves the folder that was there before (or none), never half of one. A directory
+cannot be renamed over a non-empty one, so the old folder is moved aside first and deleted after. The new and
+old folders are named after the writing process (`.NAME.tmp-PID`, `.NAME.old-PID`): two processes writing the
+same path each write their own, and what a killed process left behind is removed by the next writer.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+
+def write_folder(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """`write(folder)` into a new, empty folder, then renamed to `path` (replacing any old one); returns `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned(path)
+    tmp, old = (path.with_name(f".{path.name}.{kind}-{os.getpid()}") for kind in ("tmp", "old"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        write(tmp)
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _remove_abandoned(path: Path) -> None:
+    """The new and old folders of `path` that writers which no longer run left behind."""
+    for folder in path.parent.glob(f".{path.name}.*-*"):
+        pid = folder.name.rsplit("-", 1)[-1]
+        if folder.name.rsplit(".", 1)[-1].split("-")[0] in ("tmp", "old") and pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
