@@ -37,6 +37,18 @@ enough either. What is left is less work, not faster work.
 
     python bench/trainer_vs_trl.py [--quick] [--steps N] [--max-new-tokens N] [--minibatch M] [--threads T]
 
+Packing (issue #29): agentrl's trainer packs rows of unequal length into bins (`agentrl.policy.logprobs`) when
+that runs fewer tokens. A third trainer, agentrl with packing off, takes its turn after each agentrl step, and the
+JSON gives `packed_vs_unpacked` (whole steps) and `update_packed_vs_unpacked` (the update alone). The bench's batch
+is single-turn, with completions that mostly run to `max_new_tokens`, so its rows differ only by their prompts'
+lengths: `bench_batch_packed_tokens_share` says what share of the padded tokens packing would run. Multi-turn
+episodes differ much more, so the update is also timed, packed and not, on a batch of 64 synthetic episodes of
+48 to 48 + 4 x `max_new_tokens` tokens, a third of them sampled, in turns (`varied_*`).
+Measured with packing (`--quick`, 2 cores shared with other jobs, so the TRL ratio swung from 0.20 to 1.04 between
+runs): the varied batch's update 0.57 and 0.63 of the unpacked one's (packing runs 63 % of its padded tokens);
+the bench's own batch is not packed (it would keep 97.9 % of the tokens, under the 10 % saving that packing
+needs), so its packed/unpacked ratios (0.75, 1.20) are the machine's noise.
+
 Needs `trl==1.16.0` beside the pinned torch/transformers (`make setup-adapters`). The last line printed is
 one JSON object.
 """
@@ -45,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import statistics
@@ -53,17 +66,21 @@ import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Callable
+from unittest import mock
 
 import torch
 
 from agentrl.policy.hf import HFPolicy
+from agentrl.policy.logprobs import pack_plan, token_logprobs
 from agentrl.policy.protocol import Sample, SamplingParams
 from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig
 from agentrl.models.tiny import build_tiny_model
 from agentrl.models.tokenizer import load_tokenizer
+from agentrl.trainers.batch import Batch, make_batch
 from agentrl.trainers.grpo import GRPOConfig, to_batch
 from agentrl.trainers.loop import update
 from agentrl.trainers.rewards import group_rewards
@@ -115,6 +132,7 @@ class StepLog:
     name: str
     seconds: list[float] = field(default_factory=list)  # the whole step
     generate: list[float] = field(default_factory=list)  # from the step's start until its completions are scored
+    update: list[float] = field(default_factory=list)  # agentrl's `update` alone
     tokens: list[int] = field(default_factory=list)  # sampled tokens of every completion
 
     def add(self, seconds: float, generate: float) -> None:
@@ -133,8 +151,9 @@ class AgentrlGRPO:
     """agentrl's GRPO step: the body of `trainers.grpo.train` with the sampling done directly by the policy
     (see the module docstring). One call of `step()` per step."""
 
-    def __init__(self, model_dir: Path, prompts: list[str], s: Settings):
+    def __init__(self, model_dir: Path, prompts: list[str], s: Settings, pack: bool = True):
         self.model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
+        self.pack = pack  # False: every forward runs the padded rows (packing off)
         self.policy = HFPolicy(self.model, tokenizer, max_batch_size=BATCH)
         self.prompt_ids = [Renderer(tokenizer).encode(p) for p in prompts]
         self.cfg = GRPOConfig(
@@ -142,7 +161,7 @@ class AgentrlGRPO:
             rollout=RolloutConfig(group_size=GROUP, sampling=SamplingParams(max_tokens=s.max_new_tokens)),
             advantage="grpo", loss="ppo", policy_loss=PolicyLossConfig(agg="token-mean"), seed=s.seed)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr)
-        self.log, self.parity = StepLog("agentrl"), []
+        self.log, self.parity, self.packed_share = StepLog("agentrl" if pack else "unpacked"), [], []
 
     def step(self) -> None:
         step, cfg = len(self.log.seconds), self.cfg
@@ -150,8 +169,12 @@ class AgentrlGRPO:
         groups = asyncio.run(self.sample_groups(step))
         scored = time.perf_counter()
         batch = to_batch(groups, cfg.advantage, [group_rewards(g, cfg.reward) for g in groups])
-        metrics = update(self.model, None, self.optimizer, batch, cfg,
-                         torch.Generator().manual_seed(cfg.seed + step))
+        before_update = time.perf_counter()
+        with unpacked() if not self.pack else contextlib.nullcontext():
+            metrics = update(self.model, None, self.optimizer, batch, cfg,
+                             torch.Generator().manual_seed(cfg.seed + step))
+        self.log.update.append(time.perf_counter() - before_update)
+        self.packed_share.append(packed_share(batch))
         asyncio.run(self.policy.sync_weights(self.model, step + 1))  # in-process: it samples from this very model
         self.log.add(time.perf_counter() - start, scored - start)
         self.log.tokens += [t.num_sampled for g in groups for t in g.trajectories]
@@ -175,6 +198,62 @@ class AgentrlGRPO:
         return Trajectory(task_id, tuple(prompt_ids) + sample.token_ids, (0,) * P + (1,) * n,
                           (0.0,) * P + sample.logprobs, P, (Turn(P, P + n, P + n, reward, sample.finish_reason),),
                           reward, group=group)
+
+
+def unpacked():
+    """The loop's forwards with packing off (`token_logprobs(..., pack=False)`): the padded rows, as before packing."""
+    return mock.patch("agentrl.trainers.loop.token_logprobs", partial(token_logprobs, pack=False))
+
+
+def packed_share(batch: Batch) -> float:
+    """The tokens a packed forward of `batch` runs, as a share of its padded rows' (1.0: nothing to pack)."""
+    plan = pack_plan(batch.mask_BT)
+    return 1.0 if plan is None else plan.tokens / batch.ids_BT.numel()
+
+
+def varied_batch(s: Settings, vocab: int) -> Batch:
+    """64 synthetic multi-turn episodes of 48 to 48 + 4 x max_new_tokens tokens: a 32-token prompt, then turns
+    of 8 to 24 sampled tokens (loss mask 1) each followed by an observation twice as long (mask 0)."""
+    g = torch.Generator().manual_seed(s.seed)
+    trajectories = []
+    for i in range(BATCH):
+        n = 48 + int(torch.randint(0, 4 * s.max_new_tokens + 1, (1,), generator=g))
+        mask = [0] * 32
+        while len(mask) < n:
+            k = int(torch.randint(8, 25, (1,), generator=g))
+            mask += [1] * k + [0] * 2 * k
+        mask = mask[:n]
+        ids = torch.randint(3, vocab, (n,), generator=g).tolist()
+        logprobs = tuple(-3.0 * m for m in mask)
+        trajectories.append(Trajectory(f"v{i}", tuple(ids), tuple(mask), logprobs, 32, (Turn(32, n, n),), 0.0,
+                                       group=i // GROUP))
+    advantages = torch.randn(BATCH, generator=g).tolist()
+    return make_batch(trajectories, advantages)
+
+
+def time_varied_update(model_dir: Path, s: Settings, repeats: int) -> dict:
+    """`update` on `varied_batch`, packed and not, alternating, `repeats` times each after one warm-up each;
+    each from the same initial weights."""
+    model = load_model(model_dir)
+    batch, initial = varied_batch(s, model.config.vocab_size), {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = GRPOConfig(minibatch_size=BATCH, lr=s.lr, loss="ppo", policy_loss=PolicyLossConfig(agg="token-mean"))
+    times = {True: [], False: []}
+    for _ in range(1 + repeats):
+        for pack in (True, False):
+            model.load_state_dict(initial)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr)
+            start = time.perf_counter()
+            with unpacked() if not pack else contextlib.nullcontext():
+                update(model, None, optimizer, batch, cfg, torch.Generator().manual_seed(s.seed))
+            times[pack].append(time.perf_counter() - start)
+            print(f"varied   {'packed' if pack else 'unpacked':8s} {times[pack][-1]:6.2f} s", file=sys.stderr, flush=True)
+    packed_s, unpacked_s = statistics.mean(times[True][1:]), statistics.mean(times[False][1:])
+    lengths = batch.attention_BT.sum(-1)
+    return {"varied_update_packed_s": round(packed_s, 2), "varied_update_unpacked_s": round(unpacked_s, 2),
+            "varied_packed_vs_unpacked": round(packed_s / unpacked_s, 3),
+            "varied_rows": BATCH, "varied_tokens_min_mean_max": [int(lengths.min()), round(float(lengths.float().mean())),
+                                                                  int(lengths.max())],
+            "varied_packed_tokens_share": round(packed_share(batch), 3)}
 
 
 # ---------------------------------------------------------------------------------------------- TRL
@@ -253,8 +332,15 @@ def main() -> None:
 
     torch.manual_seed(s.seed)
     ours = AgentrlGRPO(model_dir, prompts, s)
-    trl = run_trl(model_dir, prompts, s, between_steps=ours.step)  # alternating steps share any background load
-    ours_s, trl_s = ours.log.mean(), trl.mean()
+    plain = AgentrlGRPO(model_dir, prompts, s, pack=False)  # the same trainer with packing off
+
+    def ours_then_plain() -> None:
+        ours.step()
+        plain.step()
+
+    trl = run_trl(model_dir, prompts, s, between_steps=ours_then_plain)  # alternating steps share any background load
+    ours_s, trl_s, plain_s = ours.log.mean(), trl.mean(), plain.log.mean()
+    varied = time_varied_update(model_dir, s, repeats=s.steps)
     print(json.dumps({
         "ratio": round(ours_s / trl_s, 3), "goal": f"<= {GOAL}", "met": ours_s / trl_s <= GOAL,
         "agentrl_s_per_step": round(ours_s, 2), "trl_s_per_step": round(trl_s, 2),
@@ -265,6 +351,12 @@ def main() -> None:
         "agentrl_mean_completion_tokens": round(statistics.mean(ours.log.tokens), 1),
         "trl_mean_completion_tokens": round(statistics.mean(trl.tokens), 1),
         "agentrl_sampler_logprob_diff_max": max(ours.parity),
+        "agentrl_unpacked_s_per_step": round(plain_s, 2), "packed_vs_unpacked": round(ours_s / plain_s, 3),
+        "agentrl_update_s_per_step": round(ours.log.mean("update"), 2),
+        "agentrl_unpacked_update_s_per_step": round(plain.log.mean("update"), 2),
+        "update_packed_vs_unpacked": round(ours.log.mean("update") / plain.log.mean("update"), 3),
+        "bench_batch_packed_tokens_share": round(statistics.mean(ours.packed_share), 3),
+        **varied,
         "params_m": round(n_params / 1e6, 2), "prompts": len(PROMPTS), "samples": GROUP,
         "max_new_tokens": s.max_new_tokens, "minibatch": s.minibatch, "steps": s.steps,
         "threads": torch.get_num_threads(),

@@ -122,3 +122,13 @@ def test_full_position_path_chunks_its_log_softmax(tiny_model_dir):
         torch.testing.assert_close(e, e0, atol=0, rtol=1e-6)
         for a, c in zip(g0, g):
             torch.testing.assert_close(c, a, atol=1e-6, rtol=0)
+
+
+def test_packed_rows_go_through_the_chunked_head_too(tiny_model_dir):
+    """Packing (tests/test_packing.py) changes only the decoder's layout: the head still runs in chunks."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    b = episodes(0)
+    V, sizes = model.config.vocab_size, []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: sizes.append(t.shape) or t, lambda t: t):
+        token_logprobs(model, b.ids_BT, b.attention_BT, True, b.mask_BT, head_chunk=8, pack=True)
+    assert sizes and not any(V in s for s in sizes), sizes
