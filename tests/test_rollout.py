@@ -13,6 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from agentrl.envs.math import ArithmeticEnv
+from agentrl.policy import scripted
 from agentrl.policy.protocol import PolicyError, Sample, SamplingParams
 from agentrl.renderer import Renderer, RendererError
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
@@ -53,28 +54,21 @@ def flood(reason: str) -> str:
     return "flood " * 3_500_000
 
 
-class ScriptedPolicy:
-    """Plays a fixed script per task: finds which task the prompt is about and how many assistant turns
-    it holds, and emits the script's next text as canonical token ids plus the turn-end token."""
-
-    weight_version = 0
+class ScriptedPolicy(scripted.ScriptedPolicy):
+    """The library's scripted policy on gold scripts, recording (prompt ids, sampled ids) of each call, with
+    logprobs -0.5 (so that a test tells sampled positions from the rest) and, with `finish_reason="length"`, a
+    turn that fills max_tokens reported as cut."""
 
     def __init__(self, renderer: Renderer, scripts: dict[str, list[str]], finish_reason: str = "stop"):
-        self.r, self.scripts, self.finish_reason = renderer, scripts, finish_reason
-        self.calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []  # (prompt ids, sampled ids)
+        super().__init__(renderer, scripted.playing(scripts), renderer.generation_prompt)
+        self.r, self.finish_reason = renderer, finish_reason
+        self.calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
 
     async def generate(self, prompt_ids, sampling: SamplingParams) -> list[Sample]:
-        await asyncio.sleep(0)  # let other episodes interleave
-        text = self.r.decode(prompt_ids)
-        question = next(q for q in self.scripts if q in text)
-        turn = text.count("<|im_start|>assistant") - 1
-        ids = tuple(self.r.encode(self.scripts[question][turn]) + [self.r.stop_token_ids[0]])
-        ids = ids[:sampling.max_tokens]
+        ids = (await super().generate(prompt_ids, sampling))[0].token_ids
         self.calls.append((tuple(prompt_ids), ids))
         finish = "length" if len(ids) == sampling.max_tokens and self.finish_reason == "length" else "stop"
         return [Sample(ids, tuple(-0.5 for _ in ids), finish)]
-
-    async def close(self) -> None: ...
 
 
 @pytest.fixture(scope="module")
