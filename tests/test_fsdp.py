@@ -16,6 +16,33 @@ from agentrl.trainers.loop import update
 from agentrl.trainers.losses import PolicyLossConfig
 
 
+def free_port() -> None:
+    """A free port for the ranks' rendezvous, in TEST_FSDP_PORT (the workers and torchrun read it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["TEST_FSDP_PORT"] = str(s.getsockname()[1])
+
+
+def join(rank: int) -> None:
+    """A worker's rank `rank` of the 2-rank gloo group."""
+    from agentrl.trainers import fsdp
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["TEST_FSDP_PORT"], RANK=str(rank),
+                      WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    assert fsdp.init("gloo") == (rank, 2)
+
+
+def on_two_ranks(worker, tmp_path, *args) -> dict:
+    """`worker(rank, *args, out)` on 2 ranks; what rank 0 saved at `out`."""
+    free_port()
+    out = tmp_path / "rank0.pt"
+    mp.spawn(worker, args=(*args, str(out)), nprocs=2, join=True)
+    return torch.load(out)
+
+
 def batch() -> Batch:
     """6 sequences with different numbers of sampled tokens (so the ranks' shares differ)."""
     g = torch.Generator().manual_seed(0)
@@ -43,10 +70,7 @@ def step(model, agg: str) -> dict:
 def sharded_worker(rank: int, model_dir: str, agg: str, out: str) -> None:
     from agentrl.trainers import fsdp
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["TEST_FSDP_PORT"], RANK=str(rank),
-                      WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    assert fsdp.init("gloo") == (rank, 2)
+    join(rank)
     model = fsdp.shard(AutoModelForCausalLM.from_pretrained(model_dir))
     shapes = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
     metrics = step(model, agg)
@@ -59,14 +83,7 @@ def sharded_worker(rank: int, model_dir: str, agg: str, out: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_sharded_step_equals_the_single_process_step(tiny_model_dir, tmp_path, agg):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["TEST_FSDP_PORT"] = str(s.getsockname()[1])
-    out = tmp_path / "rank0.pt"
-    mp.spawn(sharded_worker, args=(str(tiny_model_dir), agg, str(out)), nprocs=2, join=True)
-    saved = torch.load(out)
+    saved = on_two_ranks(sharded_worker, tmp_path, str(tiny_model_dir), agg)
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     before = {n: p.detach().clone() for n, p in reference.named_parameters()}
@@ -93,10 +110,7 @@ def test_sharded_step_equals_the_single_process_step(tiny_model_dir, tmp_path, a
 def kl_worker(rank: int, model_dir: str, out: str) -> None:
     from agentrl.trainers import fsdp
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["TEST_FSDP_PORT"], RANK=str(rank),
-                      WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    fsdp.init("gloo")
+    join(rank)
     model = fsdp.shard(AutoModelForCausalLM.from_pretrained(model_dir))
     ref = fsdp.frozen_copy(model)
     local = {n: tuple(p.to_local().shape) for n, p in ref.named_parameters()}
@@ -115,14 +129,7 @@ def test_a_sharded_reference_model_gives_the_single_process_kl_step(tiny_model_d
     the policy and copies each rank's shards. Two steps with a KL term then equal the single process's, whose
     reference is a deep copy, and the reference stays the initial policy."""
     import copy
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["TEST_FSDP_PORT"] = str(s.getsockname()[1])
-    out = tmp_path / "rank0.pt"
-    mp.spawn(kl_worker, args=(str(tiny_model_dir), str(out)), nprocs=2, join=True)
-    saved = torch.load(out)
+    saved = on_two_ranks(kl_worker, tmp_path, str(tiny_model_dir))
     single = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     start = {n: p.detach().clone() for n, p in single.named_parameters()}
     ref = copy.deepcopy(single).eval().requires_grad_(False)
@@ -143,10 +150,7 @@ def mixed_worker(rank: int, model_dir: str, out: str) -> None:
     from agentrl.policy.precision import mixed_precision
     from agentrl.trainers import fsdp
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["TEST_FSDP_PORT"], RANK=str(rank),
-                      WORLD_SIZE="2")
-    torch.set_num_threads(1)
-    fsdp.init("gloo")
+    join(rank)
     model = fsdp.shard(mixed_precision(AutoModelForCausalLM.from_pretrained(model_dir), torch.bfloat16))
     shard_dtypes = {p.to_local().dtype for p in model.parameters()}
     metrics = step(model, "token-mean")
@@ -161,16 +165,9 @@ def test_sharded_mixed_precision_keeps_float32_shards_and_takes_the_mixed_step(t
     """A model marked for bf16 compute shards with FSDP2's MixedPrecisionPolicy: float32 shards (AdamW's
     masters), bf16 forwards, float32 gradient reduction; the step matches one process's autocast step to bf16's
     noise, and the gathered weights are float32."""
-    import socket
-
     from agentrl.policy.precision import mixed_precision
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["TEST_FSDP_PORT"] = str(s.getsockname()[1])
-    out = tmp_path / "rank0.pt"
-    mp.spawn(mixed_worker, args=(str(tiny_model_dir), str(out)), nprocs=2, join=True)
-    saved = torch.load(out)
+    saved = on_two_ranks(mixed_worker, tmp_path, str(tiny_model_dir))
     assert saved["shard_dtypes"] == {torch.float32}
     assert all(t.dtype == torch.float32 for t in saved["state"].values())
 
@@ -236,13 +233,9 @@ def train(tmp_path, model_dir, out: str, steps: int, ranks: int, loop: str) -> l
 def test_train_command_under_torchrun(tiny_model_dir, tmp_path, loop):
     """`agentrl train` on 2 ranks: the same first step as one process, and a resumed run equals a straight one
     (PPO: its critic sharded too, and resumed with its optimizer)."""
-    import socket
-
     from safetensors.torch import load_file
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["TEST_FSDP_PORT"] = str(s.getsockname()[1])
+    free_port()
     straight = train(tmp_path, tiny_model_dir, "sharded", 2, ranks=2, loop=loop)
     single = train(tmp_path, tiny_model_dir, "single", 1, ranks=1, loop=loop)
     assert len(straight) == 2 and len(single) == 1

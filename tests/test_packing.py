@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 import agentrl.trainers.loop as loop
 from agentrl.policy.logprobs import pack_plan, token_logprobs
-from agentrl.trainers.batch import make_batch, token_micro_batches
+from agentrl.trainers.batch import Batch, make_batch, token_micro_batches
 from agentrl.trainers.loop import LoopConfig, optimize
 from agentrl.trainers.losses import POLICY_LOSSES, PolicyLossConfig
 from agentrl.types import Trajectory, Turn
@@ -233,3 +233,21 @@ def test_micro_batch_tokens_is_validated():
         LoopConfig(micro_batch_tokens=0)
     with pytest.raises(ValueError, match="micro_batch_tokens"):
         LoopConfig(micro_batch_tokens=1024, micro_batch_size=2)
+
+
+def test_the_passes_without_gradients_keep_the_token_budget():
+    """PPO's values and decoupled PPO's old logprobs run over the whole step's batch in the update's passes: a
+    minibatch's worth at most, within `micro_batch_tokens` (a longer row alone)."""
+    from agentrl.trainers.grpo import GRPOConfig
+    from agentrl.trainers.loop import no_grad_passes
+
+    lengths = [30, 5, 12, 30, 8, 25, 3]
+    attention = torch.zeros(len(lengths), 30, dtype=torch.long)
+    for i, n in enumerate(lengths):
+        attention[i, :n] = 1
+    batch = Batch(attention.clone(), attention, attention.float(), torch.zeros(attention.shape), torch.zeros(attention.shape))
+    cfg = GRPOConfig(minibatch_size=4, micro_batch_tokens=32)
+    passes = no_grad_passes(cfg, batch)
+    assert sorted(torch.cat(passes).tolist()) == list(range(len(lengths)))  # every row once
+    assert all(len(p) * max(lengths[i] for i in p.tolist()) <= 32 or len(p) == 1 for p in passes)
+    assert all(set(p.tolist()) <= set(range(4)) or set(p.tolist()) <= set(range(4, 7)) for p in passes)

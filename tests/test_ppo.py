@@ -167,8 +167,9 @@ def test_advantages_in_micro_batches_equal_the_whole_batch(tiny_model_dir):
         trajectories.append(Trajectory("t", ids, mask, (-1.0,) * n, 2, (Turn(2, n, n, 1.0),), 1.0))
     batch, rewards_B = make_batch(trajectories, [0.0] * 5), [1.0, 0.0, 0.5, -1.0, 2.0]
     results = []
-    for minibatch, micro in ((5, None), (2, None), (4, 3), (4, 1)):
-        cfg = PPOConfig(minibatch_size=minibatch, micro_batch_size=micro, kl_coef=0.1, lam=0.9)
+    for minibatch, micro, tokens in ((5, None, None), (2, None, None), (4, 3, None), (4, 1, None), (5, None, 20)):
+        cfg = PPOConfig(minibatch_size=minibatch, micro_batch_size=micro, micro_batch_tokens=tokens, kl_coef=0.1,
+                        lam=0.9)
         out, values_BT, returns_BT, metrics = advantages(batch, trajectories, rewards_B, critic, ref, cfg, policy=model)
         results.append((out.adv_BT, values_BT, returns_BT, torch.tensor(metrics["kl"])))
     assert results[0][1].abs().min() == 0 and results[0][1].abs().max() > 0.1 and results[0][3] != 0

@@ -85,7 +85,7 @@ def estimate(job: TrainJob, model: torch.nn.Module, world: int = 1, engine_share
         memory["reference"] = params * stored / world  # sharded like the policy (`fsdp.frozen_copy`)
     if job.ppo:  # the critic: the policy's transformer and a scalar head, trained with its own AdamW
         memory["critic"] = 4 * (params - config.vocab_size * config.hidden_size) * stored / world
-    tokens = (rl.micro_batch_size or rl.minibatch_size) * rl.rollout.max_total_tokens
+    tokens = rl.micro_batch_tokens or (rl.micro_batch_size or rl.minibatch_size) * rl.rollout.max_total_tokens
     layers, hidden = config.num_hidden_layers, config.hidden_size
     per_layer = ACTIVATION_ELEMENTS[0] * hidden + ACTIVATION_ELEMENTS[1] * config.intermediate_size
     if job.gradient_checkpointing:

@@ -227,11 +227,7 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
         order = torch.randperm(len(batch), generator=generator)
         for rows in order.split(cfg.minibatch_size):
             optimizer.zero_grad()
-            if cfg.micro_batch_tokens is None:
-                passes = rows.split(world * cfg.micro_batch_size) if cfg.micro_batch_size else [rows]
-            else:
-                passes = token_micro_batches(rows, batch.attention_BT[rows].sum(-1), cfg.micro_batch_tokens, world)
-            for ranks_rows in passes:  # the same number on every rank
+            for ranks_rows in passes(cfg, batch, rows, world):  # the same number on every rank
                 # A rank left without rows still runs one, at weight 0: FSDP's collectives need every rank.
                 micro_rows, share = ((ranks_rows[rank::world], world) if len(ranks_rows) > rank
                                      else (ranks_rows[:1], 0))
@@ -246,13 +242,27 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
 
 
 @torch.no_grad()
-def _trainer_logprobs(model: torch.nn.Module, batch: Batch, rows_per_pass: int) -> torch.Tensor:
-    """The trainer's logprobs of `batch`'s sampled tokens (0 elsewhere), `rows_per_pass` trajectories per forward,
-    in eval mode (dropout off, like the sampler) and the loss's compute dtype (so that PPO's ratio starts at 1).
-    Sharded, every rank runs every row: the forwards stay matched."""
+def passes(cfg: LoopConfig, batch: Batch, rows: torch.Tensor, world: int = 1) -> list[torch.Tensor]:
+    """`rows` of `batch` (one minibatch) cut into forward passes: by `micro_batch_tokens` (`token_micro_batches`),
+    else `world` × `micro_batch_size` rows at a time, else all at once; each rank then takes its share."""
+    if cfg.micro_batch_tokens is not None:
+        return token_micro_batches(rows, batch.attention_BT[rows].sum(-1), cfg.micro_batch_tokens, world)
+    return list(rows.split(world * cfg.micro_batch_size)) if cfg.micro_batch_size else [rows]
+
+
+def no_grad_passes(cfg: LoopConfig, batch: Batch) -> list[torch.Tensor]:
+    """Every row of a whole step's `batch` in the forward passes an update would make of it (a minibatch's worth at
+    most), for the passes without gradients before the update (PPO's values, decoupled PPO's old logprobs)."""
+    return [p for rows in torch.arange(len(batch)).split(cfg.minibatch_size) for p in passes(cfg, batch, rows)]
+
+
+def _trainer_logprobs(model: torch.nn.Module, batch: Batch, cfg: LoopConfig) -> torch.Tensor:
+    """The trainer's logprobs of `batch`'s sampled tokens (0 elsewhere), in `no_grad_passes`, in eval mode (dropout
+    off, like the sampler) and the loss's compute dtype (so that PPO's ratio starts at 1). Sharded, every rank runs
+    every row: the forwards stay matched."""
     device, logp_BT = next(model.parameters()).device, torch.zeros_like(batch.old_logp_BT)
     model.eval()
-    for rows in torch.arange(len(batch)).split(rows_per_pass):
+    for rows in no_grad_passes(cfg, batch):
         mb = batch.select(rows).to(device)
         with autocast(model):
             mb_logp_BT, _ = token_logprobs(model, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
@@ -270,8 +280,7 @@ def update(model: torch.nn.Module, ref: torch.nn.Module | None, optimizer: torch
     `sampler_logprob_diff_max`, the largest |trainer - sampler| before any update: they must nearly agree."""
     loss_fn, first = POLICY_LOSSES[cfg.loss], {}
     if cfg.correction.decoupled:
-        rows_per_pass = cfg.micro_batch_size or cfg.minibatch_size
-        sampler_BT, trainer_BT = batch.old_logp_BT, _trainer_logprobs(model, batch, rows_per_pass)
+        sampler_BT, trainer_BT = batch.old_logp_BT, _trainer_logprobs(model, batch, cfg)
         adv_BT, mask_BT, first = rollout_correction(trainer_BT, sampler_BT, batch.adv_BT, batch.mask_BT, cfg.correction)
         first["sampler_logprob_diff_max"] = ((trainer_BT - sampler_BT).abs() * batch.mask_BT).max().item()
         batch = replace(batch, mask_BT=mask_BT, old_logp_BT=trainer_BT, adv_BT=adv_BT)

@@ -111,14 +111,14 @@ def advantages(batch: Batch, trajectories: Sequence[Trajectory], rewards_B: Sequ
     with the reference's: an engine's logprobs differ from the trainer's by float noise, which whitening
     would amplify when the advantages are nearly equal.
 
-    Every forward (critic, policy, reference) runs `micro_batch_size` trajectories at a time (`minibatch_size`
-    when unset), as the update does: the batch here is the whole step's, several minibatches."""
+    Every forward (critic, policy, reference) runs in the passes the update makes (`loop.no_grad_passes`: by
+    `micro_batch_size` or `micro_batch_tokens`): the batch here is the whole step's, several minibatches."""
     if ref is not None and policy is None:
         raise ValueError("the KL penalty needs the policy model, to compare its logprobs with the reference's")
     device = next(critic.parameters()).device
     values_BT = torch.zeros(batch.mask_BT.shape)
     logp_BT, ref_logp_BT = torch.zeros_like(values_BT), torch.zeros_like(values_BT)
-    for rows in torch.arange(len(batch)).split(cfg.micro_batch_size or cfg.minibatch_size):
+    for rows in loop.no_grad_passes(cfg, batch):
         mb = batch.select(rows).to(device)
         T = mb.ids_BT.shape[1]  # the micro-batch's longest row
         with autocast(critic):
