@@ -10,6 +10,7 @@ import torch
 import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+from agentrl.policy.logprobs import SHARDED_FORWARD
 from agentrl.trainers.batch import Batch
 from agentrl.trainers.grpo import GRPOConfig
 from agentrl.trainers.loop import update
@@ -72,6 +73,7 @@ def sharded_worker(rank: int, model_dir: str, agg: str, out: str) -> None:
 
     join(rank)
     model = fsdp.shard(AutoModelForCausalLM.from_pretrained(model_dir))
+    assert hasattr(model, SHARDED_FORWARD)  # the step's logprobs take the masked path, the head on sampled tokens
     shapes = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
     metrics = step(model, agg)
     state = fsdp.full_state_dict(model)

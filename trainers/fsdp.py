@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import copy
 import os
+import types
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from agentrl.policy.logprobs import SHARDED_FORWARD, masked_logprobs
 from agentrl.policy.precision import compute_dtype, mixed_precision
 
 
@@ -59,7 +61,7 @@ def shard(model: torch.nn.Module, reshard_after_forward: bool = True) -> torch.n
     (AdamW's master weights); each unit's forward gathers them cast to the compute dtype, and gradients are
     reduce-scattered in float32, as the single-process step sums them."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device, (dist.get_world_size(),))
@@ -72,6 +74,11 @@ def shard(model: torch.nn.Module, reshard_after_forward: bool = True) -> torch.n
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    # The masked logprobs (the head on sampled tokens only, in chunks) as a forward of the root, which gathers the
+    # embeddings and the head around it; each layer once per pass (no packing, no shared prefix).
+    setattr(model, SHARDED_FORWARD, types.MethodType(
+        lambda self, *args: masked_logprobs(self, *args, pack=False, share_prefix=False), model))
+    register_fsdp_forward_method(model, SHARDED_FORWARD)
     return model
 
 

@@ -10,8 +10,10 @@ before it. The numbers are the unchunked ones up to float rounding (tests/test_l
 Measured (`bench/chunked_head.py`: CPU, float32, vocabulary 151,936, hidden 896, 8,192 sampled tokens, forward
 and backward with the entropy): 2,484 MiB at its peak in chunks of 1024, against 14,262 MiB at once (0.17);
 about 1.1 GB of the chunked peak is the weight's gradient and one chunk's share of it.
-Without a mask, and under FSDP (whose root forward must be the one called), the head runs inside the model's
-forward over every position; only its log-softmax, gather and entropy then go in chunks of rows.
+Under FSDP the root's parameters (embeddings, final norm, head) are gathered only around a forward of the root,
+so `trainers/fsdp.py` registers the masked path as one (`SHARDED_FORWARD`): the head again runs on the masked
+positions alone, in chunks. Without a mask (or on a sharded model without that method) the head runs inside the
+model's forward over every position; only its log-softmax, gather and entropy then go in chunks of rows.
 
 Packing. Agent episodes differ in length (a two-turn episode beside a ten-turn one), and padded rows spend the
 decoder's time on padding. With a mask, rows are packed instead (`pack_plan`): each row's tokens up to its last
@@ -33,6 +35,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 HEAD_CHUNK = 1024  # sampled tokens per LM-head chunk: [1024, 151936] float32 logits are 0.6 GB
+SHARDED_FORWARD = "agentrl_masked_logprobs"  # a sharded model's masked path, run by FSDP as a forward of its root
 
 
 def _sharded(model: torch.nn.Module) -> bool:
@@ -59,7 +62,10 @@ def token_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: t
       into bins of at most `pack_tokens` tokens (default: the longest row's). `pack=None` packs when that runs
       fewer tokens than the padded rows or the shared prefix would (by `PACK_MIN_SAVING`); True always packs,
       False never does. The logprobs are the same up to float rounding (tests/test_packing.py)."""
-    if mask_BT is None or _sharded(model):  # FSDP gathers parameters in the root's forward: call only that
+    sharded = _sharded(model)
+    if mask_BT is not None and sharded and hasattr(model, SHARDED_FORWARD):  # FSDP gathers the root around it
+        return getattr(model, SHARDED_FORWARD)(ids_BT, attention_BT, with_entropy, mask_BT, head_chunk)
+    if mask_BT is None or sharded:  # FSDP gathers parameters in the root's forward: call only that
         logits_BTV = model(input_ids=ids_BT, attention_mask=attention_BT).logits[:, :-1]
         # The head ran in the forward, over every position; its float32 log-softmax still goes in chunks of rows.
         rows = None if head_chunk is None else max(1, head_chunk // logits_BTV.shape[1])
@@ -69,10 +75,20 @@ def token_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: t
             keep_BT = mask_BT > 0
             logp_BT, entropy_BT = logp_BT * keep_BT, entropy_BT * keep_BT if with_entropy else None
         return logp_BT, entropy_BT
+    return masked_logprobs(model, ids_BT, attention_BT, with_entropy, mask_BT, head_chunk, pack, pack_tokens)
+
+
+def masked_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: torch.Tensor, with_entropy: bool,
+                    mask_BT: torch.Tensor, head_chunk: int | None = HEAD_CHUNK, pack: bool | None = None,
+                    pack_tokens: int | None = None, share_prefix: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`token_logprobs`' masked path: the decoder over the rows (padded, packed, or after a shared prefix), the
+    chunked head on the hidden states that predict masked tokens. Sharded, FSDP runs it as a forward of the root
+    (`trainers/fsdp.py`), packing and prefix sharing off: each decoder layer must run once per pass."""
     B, T = ids_BT.shape
     # Gradient checkpointing turns the KV cache off in training, and with it the prefix sharing.
     checkpointing = model.training and getattr(model, "is_gradient_checkpointing", False)
-    L = 0 if checkpointing else _shared_prefix_len(ids_BT, mask_BT)
+    L = 0 if checkpointing or not share_prefix else _shared_prefix_len(ids_BT, mask_BT)
     if pack and not packs(model):
         raise ValueError(f"pack=True needs an attention implementation that keeps packed rows apart, one of "
                          f"{PACKED_ATTENTION}; this model has {getattr(model.config, '_attn_implementation', None)!r}")
