@@ -206,7 +206,7 @@ async def test_lora_model_syncs_merged(syncing_policy: VLLMPolicy, hf_model, pro
 
 
 async def test_failed_parity_rolls_back(policy: VLLMPolicy, hf_model, prompts, monkeypatch) -> None:
-    def save_other_weights(model, path: Path) -> None:  # a broken sync: the engine gets other weights
+    def save_other_weights(model, path: Path, dtype=None) -> None:  # a broken sync: the engine gets other weights
         broken = copy.deepcopy(model)
         with torch.no_grad():
             broken.lm_head.weight.mul_(1.5)
@@ -227,8 +227,8 @@ async def test_failed_parity_after_a_transfer_blocks_sampling(vllm_server: VLLMS
     from agentrl.policy import weight_transfer
     from agentrl.policy.weights import export_state_dict
 
-    def export_other_weights(model):  # a broken transfer: the engine gets other weights
-        state = dict(export_state_dict(model))
+    def export_other_weights(model, dtype=None):  # a broken transfer: the engine gets other weights
+        state = dict(export_state_dict(model, dtype))
         state["lm_head.weight"] = state["lm_head.weight"] * 1.5
         return state
 
