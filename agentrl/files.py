@@ -10,6 +10,7 @@ same path each write their own, and what a killed process left behind is removed
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Callable
@@ -37,8 +38,8 @@ def write_folder(path: str | Path, write: Callable[[Path], None]) -> Path:
 def _remove_abandoned(path: Path) -> None:
     """The new and old folders of `path` that writers which no longer run left behind."""
     for folder in path.parent.glob(f".{path.name}.*-*"):
-        pid = folder.name.rsplit("-", 1)[-1]
-        if folder.name.rsplit(".", 1)[-1].split("-")[0] in ("tmp", "old") and pid.isdigit() and not _running(int(pid)):
+        match = re.fullmatch(rf"\.{re.escape(path.name)}\.(?:tmp|old)-(\d+)", folder.name)
+        if match and not _running(int(match[1])):
             shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -48,5 +49,5 @@ def _running(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:  # another user's process
-        return True
+        pass
     return True

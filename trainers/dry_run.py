@@ -25,6 +25,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from agentrl.policy.logprobs import HEAD_CHUNK
+from agentrl.policy.vllm_client import ties_embeddings
 from agentrl.trainers.pipeline import TrainJob, check_shardable
 
 GIB = 2 ** 30
@@ -131,8 +132,7 @@ def plan(job: TrainJob, hardware: Hardware, world: int = 1, model_config: str | 
             share = (engine.gpu_memory_utilization or 0.9) * capacity
         if engine.device == "gpu":
             problems += _engine_problems(job, model, hardware, own, capacity)
-    tied = bool(getattr(model.config.get_text_config(), "tie_word_embeddings", False))
-    if engine.kind == "vllm" and engine.transfer == "checkpoint" and tied:
+    if engine.kind == "vllm" and engine.transfer == "checkpoint" and ties_embeddings(model.config):
         problems.append(f"{job.model} ties its embeddings, which a checkpoint sync leaves half-updated: set "
                         "engine.weight_transfer = 'auto' (gloo) or a transfer backend")
     if job.dtype == "bfloat16" and not job.master_weights and job.rl.lr < 1e-4:

@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from agentrl.config import STRICT, table_defaults
 from agentrl.policy.backends import EngineConfig, open_policy
+from agentrl.eval.report import plot_reward_curve
 from agentrl.eval.run import evaluate
 from agentrl.policy.hf import HFPolicy
 from agentrl.policy.precision import mixed_precision
@@ -250,7 +251,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         summary["after"] = evaluate_now("after RL")
     save()
     if (out / "metrics.jsonl").exists():
-        plot_reward_curve(out / "metrics.jsonl", out / "reward_curve.png")
+        (out / "reward_curve.png").write_bytes(plot_reward_curve(read_records(out / "metrics.jsonl")))
     asyncio.run(policy.close())
     if handoff:
         asyncio.run(handoff.junior.close())
@@ -452,24 +453,6 @@ def heldout(job: TrainJob, policy, renderer, make_env, log, label: str) -> tuple
         return metrics, everything
     mean = {k: sum(m[k] for m in suites.values()) / len(suites) for k in ("success", "mean_reward")}
     return {**mean, "suites": suites}, everything
-
-
-def plot_reward_curve(metrics_path: Path, png: Path) -> None:
-    """Plot the mean reward and success of each step of `metrics_path` (a `metrics.jsonl`) into the PNG `png`."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display here
-    import matplotlib.pyplot as plt
-
-    rows = read_records(metrics_path)
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in rows], [r["mean_reward"] for r in rows], label="mean reward")
-    ax.plot([r["step"] for r in rows], [r["success"] for r in rows], label="success")
-    ax.set_xlabel("GRPO step")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
 
 
 def _progress(steps: int, log: Callable[[str], None], stage: str, key: str) -> Callable[[dict], None]:

@@ -442,12 +442,16 @@ def _parse_choice(choice: dict) -> Sample:
     return Sample(ids, values, finish)
 
 
+def ties_embeddings(config: Any) -> bool:
+    """Whether a model's config ties its input and output embeddings (on itself or its text config)."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(text_config, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False))
+
+
 def refuse_tied_embeddings(model: Any) -> None:
     """Raise `PolicyError` for a model whose input and output embeddings are tied: vLLM's checkpoint reload
     leaves it half-updated (the weight-transfer path does not, and does not call this)."""
-    config = model.config
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text_config, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False):
+    if ties_embeddings(model.config):
         raise PolicyError(
             "This model ties its input and output embeddings (tie_word_embeddings=True). vLLM's checkpoint "
             "reload leaves such a model half-updated (logprobs off by 5-30 nats), so agentrl refuses to sync it "
