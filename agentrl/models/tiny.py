@@ -21,8 +21,9 @@ from typing import Iterator, Sequence
 
 from rich.console import Console
 
+from agentrl.models.record import BUILD_FILE, changed_files, write_record
+
 BUILD_FORMAT = 3  # bump when the corpus, the tokenizer recipe or the file layout changes
-BUILD_FILE = "agentrl_build.json"
 TEMPLATE_PATH = Path(__file__).parent / "templates" / "chatml_tools.jinja"
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, IM_START, IM_END]
@@ -261,12 +262,6 @@ def _save_quietly(model, out_dir: Path) -> None:
             hf_logging.enable_progress_bar()
 
 
-def _file_hashes(out_dir: Path) -> dict[str, str]:
-    """sha256 of each file of the build (weights, tokenizer, configs, template), by name."""
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(out_dir.iterdir()) if p.is_file() and p.name != BUILD_FILE}
-
-
 def _corpus_hash(settings: TinyModelSettings, documents: Sequence[str]) -> str:
     """Part of the build record, so that a changed corpus generator (or template) triggers a rebuild."""
     h = hashlib.sha256()
@@ -277,18 +272,6 @@ def _corpus_hash(settings: TinyModelSettings, documents: Sequence[str]) -> str:
 
 def _build_record(settings: TinyModelSettings, documents: Sequence[str]) -> dict:
     return {"settings": asdict(settings), "corpus_sha256": _corpus_hash(settings, documents)}
-
-
-def _is_complete(out_dir: Path, record: dict) -> bool:
-    try:
-        found = json.loads((out_dir / BUILD_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    if any(found.get(k) != v for k, v in record.items()) or not found.get("files"):
-        return False
-    # Files added to the directory later (e.g. by a user) don't matter; changed or missing build files do.
-    return all((out_dir / name).is_file() and hashlib.sha256((out_dir / name).read_bytes()).hexdigest() == digest
-               for name, digest in found["files"].items())
 
 
 def build_tiny_model(out_dir: str | Path, seed: int = 0, *, documents: Sequence[str] = (), force: bool = False,
@@ -306,7 +289,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, *, documents: Sequence[
     out_dir = Path(out_dir).expanduser()  # recipes and scripts write "~/.cache/..."
     log = (lambda msg: None) if quiet else _console.print
     record = _build_record(settings, documents)
-    if not force and _is_complete(out_dir, record):
+    if not force and changed_files(out_dir, record) is None:
         log(f"[green]tiny model[/] already built in {out_dir}")
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -319,7 +302,6 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, *, documents: Sequence[
         model = build_model(settings, tokenizer)
         _save_quietly(model, out_dir)
     n_params = sum(p.numel() for p in model.parameters())
-    record.update(num_parameters=n_params, files=_file_hashes(out_dir))
-    (out_dir / BUILD_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    write_record(out_dir, {**record, "num_parameters": n_params})
     log(f"[green]tiny model[/] built in {out_dir}: {n_params / 1e6:.2f} M parameters")
     return out_dir
