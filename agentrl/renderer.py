@@ -54,6 +54,7 @@ class Renderer:
                                 "template (see the model card) before rendering.")
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})
+        self._shows_tools: bool | None = None  # found at the first render with tools
         self.turn_end = tuple(turn_end or self._detect_turn_end())
         self.turn_end_ids = tuple(tokenizer.convert_tokens_to_ids(m) for m in self.turn_end)
         if any(i is None or i == tokenizer.unk_token_id for i in self.turn_end_ids):
@@ -74,7 +75,26 @@ class Renderer:
     # ---- text ----
     def render(self, messages: Sequence[Message], tools: Sequence[dict] | None = None,
                add_generation_prompt: bool = False) -> str:
-        """The conversation as text by the chat template (with `tools`, and the generation prompt if asked)."""
+        """The conversation as text by the chat template (with `tools`, and the generation prompt if asked).
+
+        Raises `RendererError` if there are tools and the template does not write them (the model would never
+        see them)."""
+        if tools and not self.shows_tools:
+            raise RendererError("This chat template does not show tools to the model (SmolLM2's own, for one, has "
+                                "none): choose one that does, e.g. chat_template = 'chatml-tools' (`--chat-template`"
+                                "), the project's ChatML with Hermes tool calls")
+        return self._apply(messages, tools, add_generation_prompt)
+
+    @property
+    def shows_tools(self) -> bool:
+        """Whether the template writes a tool's schema into the prompt."""
+        if self._shows_tools is None:
+            probe = {"type": "function", "function": {"name": "agentrl_probe_tool", "description": "",
+                                                      "parameters": {"type": "object", "properties": {}}}}
+            self._shows_tools = "agentrl_probe_tool" in self._apply([Message("user", "Hi")], [probe], True)
+        return self._shows_tools
+
+    def _apply(self, messages: Sequence[Message], tools: Sequence[dict] | None, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
             [m.to_dict() for m in messages], tools=None if tools is None else list(tools), tokenize=False,
             add_generation_prompt=add_generation_prompt, **self.template_kwargs)

@@ -204,11 +204,14 @@ def test_any_policy_gives_prompt_plus_sampled_plus_deltas(renderers, name, kind,
 
 
 def test_template_that_drops_tool_messages_is_an_error(renderers):
-    r = renderers["phi4"]  # phi-4 silently drops tool messages
+    r = renderers["phi4"]  # phi-4 silently drops tool messages, and the tools themselves
     first, turns = TOOL_CONVERSATION
     assistant, obs = turns[0]
     with pytest.raises(RendererError, match="dropped"):
-        r.observation_ids(first, assistant, obs, r.encode("x" + r.turn_end[0]), [CALC])
+        r.observation_ids(first, assistant, obs, r.encode("x" + r.turn_end[0]))
+    with pytest.raises(RendererError, match="does not show tools.*chatml-tools"):
+        r.prompt_ids(first, [CALC])
+    assert renderers["qwen2_5"].shows_tools and not r.shows_tools
 
 
 def test_turn_end_detection(renderers):

@@ -39,7 +39,7 @@ from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.rollout.jsonl import JsonlWriter, read_records, write_jsonl
 from agentrl.policy.scripted import ScriptedPolicy, playing
-from agentrl.models.tokenizer import load_tokenizer
+from agentrl.models.tokenizer import chat_template_text, load_tokenizer
 from agentrl.trainers import fsdp, tango
 from agentrl.trainers.checkpoint import latest_checkpoint, load_model, save_checkpoint, save_model, write_folder
 from agentrl.trainers.dpo import DPOConfig, preference_pairs, train_dpo
@@ -96,6 +96,7 @@ METHODS: dict[str, Method] = {  # a recipe with none of these tables runs GRPO
 class TrainJob:
     env: str  # env id
     model: str  # model directory or hub name
+    chat_template: str | None = None  # the model's own, or "chatml-tools" / a Jinja file (agentrl.models.tokenizer)
     device: str = "cpu"  # where the trainer and the in-process sampler run, e.g. "cuda"
     dtype: str = "float32"  # the trainer's (and in-process sampler's) compute dtype; "bfloat16": autocast forwards
     master_weights: bool = True  # with bfloat16: float32 parameters and AdamW states (false: bf16, lr 1e-6 rounds away)
@@ -116,6 +117,8 @@ class TrainJob:
     ray: RayConfig | None = None  # envs in Ray worker actors (a local cluster, or `address`'s)
 
     def __post_init__(self) -> None:
+        if self.chat_template is not None:
+            chat_template_text(self.chat_template)  # a name or file that does not exist fails here, not mid-run
         if self.dtype == "float16":
             raise ValueError("dtype float16 needs loss scaling (a GradScaler), which the trainer does not do: use "
                              "bfloat16 (the same memory, float32's range)")
@@ -178,7 +181,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    tokenizer = load_tokenizer(job.model)
+    tokenizer = load_tokenizer(job.model, job.chat_template)
     renderer = Renderer(tokenizer)
     env = make(job.env, **job.env_kwargs)
     make_env = env_factory(job.env, job.env_kwargs, job.ray)

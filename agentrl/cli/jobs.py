@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from pydantic import with_config
 
 from agentrl.config import STRICT, table_defaults
+from agentrl.models.tokenizer import chat_template_text
 from agentrl.policy.backends import EngineConfig
 from agentrl.policy.protocol import SamplingParams
 from agentrl.rollout.engine import RolloutConfig
@@ -21,6 +22,7 @@ class RolloutJob:
 
     env: str  # env id, e.g. "math/arith-v0"
     model: str  # model directory or hub name
+    chat_template: str | None = None  # the model's own, or "chatml-tools" / a Jinja file (agentrl.models.tokenizer)
     n: int = 64  # tasks; each gives `rollout.group_size` episodes
     split: str = "train"
     out: str = "runs/rollout.jsonl"
@@ -28,6 +30,10 @@ class RolloutJob:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)  # transformers in-process, or vLLM
     ray: RayConfig | None = None  # envs in Ray worker actors (a local cluster, or `address`'s)
+
+    def __post_init__(self) -> None:
+        if self.chat_template is not None:
+            chat_template_text(self.chat_template)  # a name or file that does not exist fails here, not mid-run
 
 
 @with_config(STRICT)
@@ -41,12 +47,15 @@ class EvalJob:
     n: int | None = None  # at most this many tasks per suite entry (None: all)
     out: str | None = None  # the run directory [default: runs/eval/SUITE]; the same job run again resumes it
     tokenizer: str | None = None  # tokenizer directory or hub name [default: the model's]
+    chat_template: str | None = None  # the model's own, or "chatml-tools" / a Jinja file (agentrl.models.tokenizer)
     engine: EngineConfig = field(default_factory=EngineConfig)  # transformers in-process, or vLLM
     # greedy unless set: sample i of a task gets its own seed, so pass@k with k > 1 needs a temperature
     rollout: Annotated[RolloutConfig, table_defaults(sampling={"temperature": 0.0})] = field(
         default_factory=lambda: RolloutConfig(sampling=SamplingParams(temperature=0.0)))
 
     def __post_init__(self) -> None:
+        if self.chat_template is not None:
+            chat_template_text(self.chat_template)
         if not self.k or min(self.k) < 1:
             raise ValueError(f"k takes positive integers, e.g. [1, 8]; got {self.k}")
         if max(self.k) > 1 and self.rollout.sampling.temperature == 0:

@@ -25,6 +25,8 @@ app.add_typer(sandbox_app, name="sandbox")
 swe_app = typer.Typer(help="SWE tasks.", no_args_is_help=True)
 app.add_typer(swe_app, name="swe")
 console = Console()
+CHAT_TEMPLATE_HELP = ("Chat template in place of the model's own: 'chatml-tools' (the project's ChatML with Hermes tool "
+                      "calls, for ChatML models without tools, e.g. SmolLM2) or a Jinja file.")
 
 
 @envs_app.command("list")
@@ -154,6 +156,7 @@ def rollout(
     config: Optional[Path] = typer.Option(None, help="TOML recipe (a RolloutJob); options below override it."),
     env: Optional[str] = typer.Option(None, help="Environment id, e.g. math/arith-v0."),
     model: Optional[str] = typer.Option(None, help="Model directory or hub name."),
+    chat_template: Optional[str] = typer.Option(None, help=CHAT_TEMPLATE_HELP),
     engine: Optional[str] = typer.Option(None, help="transformers (in-process, default) or vllm."),
     vllm_url: Optional[str] = typer.Option(None, help="Attach to a running vLLM server (`agentrl serve policy`)."),
     n: Optional[int] = typer.Option(None, help="Number of tasks [default: 64]."),
@@ -179,7 +182,8 @@ def rollout(
     from agentrl.eval.metrics import summarize
     from agentrl.models.tokenizer import load_tokenizer
 
-    overrides = _given(env=env, model=model, n=n, out=str(out) if out else None, split=split, rollout=_given(
+    overrides = _given(env=env, model=model, chat_template=chat_template, n=n, out=str(out) if out else None,
+                       split=split, rollout=_given(
         group_size=group_size, concurrency=concurrency, max_total_tokens=max_total_tokens, seed=seed,
         sampling=_given(max_tokens=max_tokens, temperature=temperature)),
         engine=_given(kind="vllm" if vllm_url else engine, url=vllm_url), ray=_given(address=ray_address))
@@ -194,7 +198,8 @@ def rollout(
         console.print(f"[yellow]{job.env} has only {len(tasks)} {job.split} tasks; running those.[/]")
     policy = open_policy(job.model, job.engine)
     make_split = env_factory(job.env, job.env_kwargs, job.ray)
-    runner = RolloutEngine(lambda: make_split(job.split), policy, Renderer(load_tokenizer(job.model)), job.rollout)
+    runner = RolloutEngine(lambda: make_split(job.split), policy, Renderer(load_tokenizer(job.model, job.chat_template)),
+                           job.rollout)
     with Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as bar, JsonlWriter(job.out) as writer:
         progress = bar.add_task("episodes", total=len(tasks) * job.rollout.group_size)
@@ -320,6 +325,7 @@ def eval_suite(
     engine: Optional[str] = typer.Option(None, help="transformers (in-process, default) or vllm (started for the "
                                                     "eval)."),
     tokenizer: Optional[str] = typer.Option(None, help="Tokenizer dir/name [default: the model's]."),
+    chat_template: Optional[str] = typer.Option(None, help=CHAT_TEMPLATE_HELP),
     temperature: Optional[float] = typer.Option(None, help="[default: 0 when max k is 1, else 1.0]"),
     max_tokens: Optional[int] = typer.Option(None, help="Max sampled tokens per turn [default: 256]."),
     max_total_tokens: Optional[int] = typer.Option(None, help="Max tokens per episode, prompt included "
@@ -349,7 +355,7 @@ def eval_suite(
     if temperature is None and ks and ks[-1] > 1:
         temperature = 1.0  # pass@k samples; the job's own default is greedy
     overrides = _given(suite=suite, model=model, k=ks, n=n, out=str(out) if out else None, tokenizer=tokenizer,
-                       engine=_given(kind="vllm" if remote else engine, url=model if remote else None,
+                       chat_template=chat_template, engine=_given(kind="vllm" if remote else engine, url=model if remote else None,
                                      max_model_len=max_total_tokens),
                        rollout=_given(concurrency=concurrency, max_total_tokens=max_total_tokens, seed=seed,
                                       sampling=_given(max_tokens=max_tokens, temperature=temperature)))
@@ -363,7 +369,7 @@ def eval_suite(
         console.print(f"[red]{e.args[0]}[/]")
         raise typer.Exit(2)
     policy = open_policy(job.model, job.engine)
-    tok = load_tokenizer(job.tokenizer or getattr(policy, "model_name", job.model))
+    tok = load_tokenizer(job.tokenizer or getattr(policy, "model_name", job.model), job.chat_template)
     run_dir = Path(job.out) if job.out else Path("runs/eval") / the_suite.name.replace("/", "-")
     total = sum(min(e.n_tasks, job.n or e.n_tasks) for e in the_suite.entries) * max(job.k)
     with Progress(TextColumn(f"eval {the_suite.name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

@@ -22,9 +22,10 @@ from typing import Iterator, Sequence
 from rich.console import Console
 
 from agentrl.models.record import BUILD_FILE, changed_files, write_record
+from agentrl.models.tokenizer import CHAT_TEMPLATES
 
 BUILD_FORMAT = 3  # bump when the corpus, the tokenizer recipe or the file layout changes
-TEMPLATE_PATH = Path(__file__).parent / "templates" / "chatml_tools.jinja"
+TEMPLATE_PATH = CHAT_TEMPLATES["chatml-tools"]  # the tiny model's own template
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, IM_START, IM_END]
 # Qwen2's pre-tokenizer split: digits one by one, words with their leading space, punctuation runs, newlines.
