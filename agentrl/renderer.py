@@ -56,9 +56,12 @@ class Renderer:
         self.template_kwargs = dict(template_kwargs or {})
         self._shows_tools: bool | None = None  # found at the first render with tools
         self.turn_end = tuple(turn_end or self._detect_turn_end())
-        self.turn_end_ids = tuple(tokenizer.convert_tokens_to_ids(m) for m in self.turn_end)
-        if any(i is None or i == tokenizer.unk_token_id for i in self.turn_end_ids):
+        # by the vocabulary: convert_tokens_to_ids maps an unknown string to the unknown token, a real token itself
+        # (SmolLM2's <|endoftext|>)
+        vocab = tokenizer.get_vocab()
+        if any(m not in vocab for m in self.turn_end):
             raise RendererError(f"Turn-end markers {self.turn_end} must each be one token of the tokenizer.")
+        self.turn_end_ids = tuple(vocab[m] for m in self.turn_end)
 
     def _detect_turn_end(self) -> tuple[str, ...]:
         """The first special token that the template writes after an assistant message's content."""

@@ -61,6 +61,10 @@ def test_turn_end_is_im_end_for_both_templates(own, tools_r, shared):
         assert r.turn_end == ("<|im_end|>",) and r.stop_token_ids == (IM_END,)
         assert r.encode("<|im_end|>") == [IM_END]  # one special token, not pieces of its text
         assert r.generation_prompt == "<|im_start|>assistant\n"
+    # SmolLM2's unknown token is a real token of its own (<|endoftext|>, id 0): a marker, not an unknown string
+    assert Renderer(own.tokenizer, turn_end=["<|endoftext|>"]).turn_end_ids == (0,)
+    with pytest.raises(RendererError, match="must each be one token"):
+        Renderer(own.tokenizer, turn_end=["<|no_such_marker|>"])
 
 
 def test_own_template_refuses_tools_and_names_chatml_tools(own, tools_r):
