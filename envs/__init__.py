@@ -38,3 +38,7 @@ register_suite(Suite("search/heldout", tuple(
     SuiteEntry("search/r1-v0", split, 100)
     for split in ("unseen_entities", "unseen_compositions", "more_hops", "paraphrase")),
     description="Search-R1 agents on the generated world's four held-out suites."))
+register_suite(Suite("code/heldout", (SuiteEntry("code/humaneval-v0", "heldout", 33),
+                                      SuiteEntry("code/generated-v0", "heldout", 100)),
+                     description="HumanEval's held-out fifth, and generated functions of templates training never shows "
+                                 "(Docker sandboxes)."))

@@ -9,7 +9,7 @@ from agentrl.env.suites import Suite, SuiteEntry, get_suite, register_suite, sui
 
 def test_builtin_suites_name_real_envs_and_splits():
     known = suites()
-    assert {"math/heldout", "search/heldout"} <= set(known)
+    assert {"math/heldout", "search/heldout", "code/heldout"} <= set(known)
     for suite in known.values():
         for entry in suite.entries:
             env = make(entry.env, split=entry.split, **entry.env_kwargs)
