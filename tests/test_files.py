@@ -1,10 +1,12 @@
 """`agentrl.files.write_folder`: a folder is replaced whole or not at all, and a killed writer's leftovers go."""
 
+import os
 import subprocess
 import sys
 
 import pytest
 
+from agentrl import files
 from agentrl.files import write_folder
 
 
@@ -32,3 +34,21 @@ def test_a_killed_writers_folder_is_removed_by_the_next_writer(tmp_path):
     (abandoned / "model.safetensors").write_text("half")
     write_folder(target, lambda d: (d / "model.safetensors").write_text("whole"))
     assert not abandoned.exists() and (target / "model.safetensors").read_text() == "whole"
+
+
+def test_the_data_is_on_disk_before_the_rename(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_rename = files._fsync, files.Path.rename
+    monkeypatch.setattr(files, "_fsync", lambda p: (events.append(("fsync", p.name)), real_fsync(p)))
+    monkeypatch.setattr(files.Path, "rename", lambda p, to: (events.append(("rename", p.name)), real_rename(p, to))[1])
+
+    def write(d):
+        (d / "weights").write_text("w")
+        (d / "sub").mkdir()
+        (d / "sub" / "part").write_text("p")
+
+    write_folder(tmp_path / "ckpt", write)
+    renamed = events.index(("rename", f".ckpt.tmp-{os.getpid()}"))
+    flushed = {name for kind, name in events[:renamed] if kind == "fsync"}
+    assert {"weights", "part", "sub", f".ckpt.tmp-{os.getpid()}"} <= flushed
+    assert events[renamed + 1:] == [("fsync", tmp_path.name)]  # the rename itself, in the parent directory
