@@ -2,11 +2,12 @@
 
 `write_folder(path, write)` has `write` fill a new folder beside `path`, then renames it into place, so that a
 process killed while writing leaves the folder that was there before (or none), never half of one. A directory
-cannot be renamed over a non-empty one, so the old folder is moved aside first and deleted after. The new folder's files are flushed to disk before the rename,
-and the parent directory after it: without that, a machine that loses power can keep the rename but not the data
-(zero-length files under the new name). The new and
+cannot be renamed over a non-empty one, so the old folder is moved aside first and deleted after. The new and
 old folders are named after the writing process (`.NAME.tmp-PID`, `.NAME.old-PID`): two processes writing the
 same path each write their own, and what a killed process left behind is removed by the next writer.
+
+The new folder's files are flushed to disk before the rename, and the parent directory after it: otherwise a
+machine that loses power can keep the rename but not the data (zero-length files under the new name).
 """
 
 from __future__ import annotations

@@ -110,3 +110,13 @@ def test_train_set_overrides_any_recipe_key(tmp_path):
     recipe.write_text('env = "math/arith-v0"\nmodel = "m"\n')
     wrong = CliRunner().invoke(app, ["train", str(recipe), "--set", "grpo.no_such_key=1"])
     assert wrong.exit_code == 2 and "grpo.no_such_key" in wrong.output
+
+
+def test_a_chat_template_that_does_not_exist_stops_every_job_at_start_up(tmp_path):
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('env = "math/arith-v0"\nmodel = "m"\nchat_template = "chatml-tool"\n')
+    for args in (["train", str(recipe)], ["eval", "--suite", "math/heldout", "--model", "m", "--chat-template",
+                                          "chatml-tool"],
+                 ["rollout", "--env", "math/arith-v0", "--model", "m", "--chat-template", "chatml-tool"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and "chatml-tool" in result.output and "chatml-tools" in result.output, args

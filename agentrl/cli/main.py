@@ -25,8 +25,8 @@ app.add_typer(sandbox_app, name="sandbox")
 swe_app = typer.Typer(help="SWE tasks.", no_args_is_help=True)
 app.add_typer(swe_app, name="swe")
 console = Console()
-CHAT_TEMPLATE_HELP = ("Chat template in place of the model's own: 'chatml-tools' (the project's ChatML with Hermes tool "
-                      "calls, for ChatML models without tools, e.g. SmolLM2) or a Jinja file.")
+CHAT_TEMPLATE_HELP = ("Chat template in place of the model's own: 'chatml-tools' (the project's ChatML with Hermes "
+                      "tool calls, for ChatML models without tools, e.g. SmolLM2) or a Jinja file.")
 
 
 @envs_app.command("list")
@@ -198,8 +198,8 @@ def rollout(
         console.print(f"[yellow]{job.env} has only {len(tasks)} {job.split} tasks; running those.[/]")
     policy = open_policy(job.model, job.engine)
     make_split = env_factory(job.env, job.env_kwargs, job.ray)
-    runner = RolloutEngine(lambda: make_split(job.split), policy, Renderer(load_tokenizer(job.model, job.chat_template)),
-                           job.rollout)
+    renderer = Renderer(load_tokenizer(job.model, job.chat_template))
+    runner = RolloutEngine(lambda: make_split(job.split), policy, renderer, job.rollout)
     with Progress(TextColumn("rollout"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as bar, JsonlWriter(job.out) as writer:
         progress = bar.add_task("episodes", total=len(tasks) * job.rollout.group_size)
@@ -355,7 +355,8 @@ def eval_suite(
     if temperature is None and ks and ks[-1] > 1:
         temperature = 1.0  # pass@k samples; the job's own default is greedy
     overrides = _given(suite=suite, model=model, k=ks, n=n, out=str(out) if out else None, tokenizer=tokenizer,
-                       chat_template=chat_template, engine=_given(kind="vllm" if remote else engine, url=model if remote else None,
+                       chat_template=chat_template,
+                       engine=_given(kind="vllm" if remote else engine, url=model if remote else None,
                                      max_model_len=max_total_tokens),
                        rollout=_given(concurrency=concurrency, max_total_tokens=max_total_tokens, seed=seed,
                                       sampling=_given(max_tokens=max_tokens, temperature=temperature)))
