@@ -114,6 +114,8 @@ class Turn:
     obs_end: int
     reward: float = 0.0
     finish_reason: str = "stop"  # the policy's: stop | length
+    # the policy weights that sampled [start, end): in asynchronous training an episode's turns can differ
+    weight_version: int = 0
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,7 @@ class Trajectory:
     messages: tuple[Message, ...] = ()  # the conversation as parsed messages, for viewers and SFT
     group: int = 0  # index of the group (task sample) this trajectory belongs to
     seed: int | None = None
-    weight_version: int = 0  # the policy weights that sampled it (bumped by each weight sync)
+    weight_version: int = 0  # the oldest policy weights that sampled it (each turn's: `Turn.weight_version`)
     info: dict[str, Any] = field(default_factory=dict)
     stop: StopReason | None = None  # why it stopped (None in files written before stop reasons existed)
 

@@ -1,22 +1,24 @@
 """The one step loop of RL training, and what every RL method shares.
 
     for step in range(start, cfg.steps):
-        kept, collected = collect(...)             # groups of episodes from the rollout engine
-        sharding.release_engine()                  # an engine in sleep mode frees its GPU memory meanwhile
+        kept, collected = rollouts.take(step)      # groups of episodes from the rollout engine
         metrics = method.train_step(kept, collected, step)
-        sharding.sync(step + 1)                    # the new weights, version step + 1, into the engine
-        log(metrics)                               # rollout, training, timing, held-out
+        rollouts.sync(step + 1)                    # the new weights, version step + 1, into the engine
+        log(metrics)                               # rollout, training, timing, idle fractions, held-out
         checkpoint when due                        # the policy, its optimizer, the data position, the method's state
 
 A method (`grpo.GRPO`, `ppo.PPO`, `tango.Tango`) supplies `train_step` and what its checkpoints keep beyond the
-policy; which groups it trains on is its `keep` rule. Sharding over ranks hides behind `Sharding`: in one
-process every call is plain; with FSDP, rank 0 alone samples, evaluates, logs and writes checkpoints.
+policy; which groups it trains on is its `keep` rule. Where the groups come from is `cfg.max_staleness`'s choice:
+`Synchronous` (0) collects each step's groups after the previous sync, with sharding over ranks behind `Sharding`
+(in one process every call is plain; with FSDP, rank 0 alone samples, evaluates, logs and writes checkpoints);
+`Asynchronous` (k > 0) keeps a `RolloutSource` playing up to k steps ahead of the trainer in another thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+from collections import Counter
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,7 +34,10 @@ from agentrl.policy.logprobs import token_logprobs
 from agentrl.policy.precision import autocast
 from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
+from agentrl.rollout.buffer import GroupBuffer, group_version
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.rollout.source import RolloutSource
+from agentrl.rollout.timeline import Timeline, idle_fractions
 from agentrl.trainers.batch import Batch, token_micro_batches
 from agentrl.trainers.checkpoint import resume, save_checkpoint
 from agentrl.trainers.fsdp import broadcast, data_parallel, full_optimizer_state, gather_into
@@ -68,6 +73,9 @@ class LoopConfig:
     max_grad_norm: float = 1.0  # gradients clipped to this global norm
     checkpoint_every: int = 0  # steps; 0 = only at the end
     seed: int = 0  # the task order, the rollout seeds, the minibatch shuffles
+    # > 0: rollouts run up to this many weight versions ahead of the trainer (asynchronous training, in one
+    # process); groups whose oldest token is older are dropped. 0: collect, train, sync (synchronous)
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
         if self.loss not in POLICY_LOSSES:
@@ -79,6 +87,8 @@ class LoopConfig:
         if self.micro_batch_tokens is not None and (self.micro_batch_tokens < 1 or self.micro_batch_size is not None):
             raise ValueError(f"{self.section}.micro_batch_tokens must be >= 1, and replaces micro_batch_size (set one "
                              f"of them), got {self.micro_batch_tokens} with micro_batch_size = {self.micro_batch_size}")
+        if self.max_staleness < 0:
+            raise ValueError(f"{self.section}.max_staleness must be >= 0 (0: synchronous), got {self.max_staleness}")
         if self.correction.tis is not None and self.loss not in ("ppo", "gspo"):
             raise ValueError(f"{self.section}.correction.tis folds the weight into the advantage, which is exact for "
                              f"the ppo and gspo losses only ({self.loss!r} reads the advantage itself): use "
@@ -118,6 +128,11 @@ class TaskStream:
         order = list(range(len(self.tasks)))
         random.Random(self.seed * 7919 + epoch).shuffle(order)
         return order
+
+    def at(self, position: int) -> Task:
+        """The task at `position` of the stream."""
+        epoch, i = divmod(position, len(self.tasks))
+        return self.tasks[self._order(epoch)[i]]
 
     def take(self, n: int) -> list[Task]:
         """The next `n` tasks, continuing into the next pass (a new order) when this one runs out."""
@@ -187,11 +202,11 @@ def step_seed(cfg: LoopConfig, step: int) -> int:
 
 
 def collect(make_env: Callable[[], TextEnv], policy: Policy, renderer: Renderer, stream: TaskStream,
-            cfg: LoopConfig, step: int, keep: Callable[[Group], bool], refills: int = 0
-            ) -> tuple[list[Group], list[Group]]:
+            cfg: LoopConfig, step: int, keep: Callable[[Group], bool], refills: int = 0,
+            timeline: Timeline | None = None) -> tuple[list[Group], list[Group]]:
     """(groups to train on, all groups collected) of `step`: `tasks_per_step` tasks, then up to `refills` more
     rounds for the groups that `keep` dropped, on an engine that lives for the step."""
-    engine = RolloutEngine(make_env, policy, renderer, replace(cfg.rollout, seed=step_seed(cfg, step)))
+    engine = RolloutEngine(make_env, policy, renderer, replace(cfg.rollout, seed=step_seed(cfg, step)), timeline)
     collected, kept = [], []
     try:
         for _ in range(1 + refills):
@@ -203,6 +218,91 @@ def collect(make_env: Callable[[], TextEnv], policy: Policy, renderer: Renderer,
     finally:
         engine.close()
     return kept, collected
+
+
+class Synchronous:
+    """`max_staleness = 0`: each step's groups are collected after the previous step's sync (`collect`), on rank 0
+    when sharded. The data position is the stream's."""
+
+    def __init__(self, sharding: Sharding, make_env: Callable[[], TextEnv], renderer: Renderer, stream: TaskStream,
+                 cfg: LoopConfig, keep: Callable[[Group], bool], refills: int, timeline: Timeline):
+        self.sharding, self.stream = sharding, stream
+        self._collect = lambda step: collect(make_env, sharding.policy, renderer, stream, cfg, step, keep, refills,
+                                             timeline)
+
+    def start(self, version: int) -> None:
+        """The trainer's weights into the engine as `version`."""
+        self.sharding.sync(version)
+
+    def take(self, step: int) -> tuple[list[Group], list[Group], dict]:
+        """(groups to train on, all collected, metrics of the flow) of `step`."""
+        kept, collected = self.sharding.from_main(lambda: self._collect(step))
+        self.sharding.release_engine()
+        return kept, collected, {}
+
+    def sync(self, version: int) -> None:
+        """The new weights into the engine."""
+        self.sharding.sync(version)
+
+    def state(self) -> dict:
+        """The data position a checkpoint keeps."""
+        return {"data_position": self.stream.position}
+
+    def close(self) -> None:
+        """Nothing runs between steps."""
+
+
+class Asynchronous:
+    """`max_staleness = k > 0`: a `RolloutSource` plays episodes up to k steps ahead of the trainer, in another thread,
+    with its own copy of the weights (the in-process sampler must not share the trainer's model); each step takes the
+    oldest kept groups within k versions. The data position is the first task position not done (trained, refused or
+    dropped as stale) and those done above it: a resumed run replays the rest."""
+
+    def __init__(self, model: torch.nn.Module, policy: Policy, make_env: Callable[[], TextEnv], renderer: Renderer,
+                 stream: TaskStream, cfg: LoopConfig, keep: Callable[[Group], bool], refills: int, timeline: Timeline,
+                 state: dict | None):
+        if data_parallel()[1] > 1:
+            raise ValueError(f"{cfg.section}.max_staleness > 0 runs in one process: set it to 0 under torchrun")
+        if getattr(policy, "model", None) is model:
+            raise ValueError("asynchronous training needs the in-process sampler on its own copy of the model (it "
+                             "samples while the trainer steps): give HFPolicy a copy, as `agentrl train` does")
+        self.model, self.policy, self.cfg, state = model, policy, cfg, state or {}
+        self.position, self.done = state.get("data_position", 0), set(state.get("done_positions", ()))
+        self.buffer = GroupBuffer(keep, cfg.max_staleness)
+        self.source = RolloutSource(make_env, policy, renderer, cfg.rollout, stream.at, self.buffer,
+                                    tasks_per_step=cfg.tasks_per_step, seed=cfg.seed, start=self.position,
+                                    skip=self.done, timeline=timeline)
+        self.give_up_after = cfg.tasks_per_step * (1 + refills)
+
+    def start(self, version: int) -> None:
+        """The trainer's weights into the engine as `version`, then the source starts playing."""
+        asyncio.run(self.policy.sync_weights(self.model, version))
+        self.source.start()
+
+    def take(self, step: int) -> tuple[list[Group], list[Group], dict]:
+        """(groups to train on, all that finished since the last take, metrics of the flow) for the weights of
+        version `step`: the staleness of the groups trained, those dropped, those in flight and waiting."""
+        taken = self.buffer.take(self.cfg.tasks_per_step, step, self.give_up_after)
+        self.done.update(taken.done)
+        while self.position in self.done:
+            self.done.remove(self.position)
+            self.position += 1
+        staleness = Counter(step - group_version(g) for g in taken.kept)
+        flow = {"staleness": {str(k): staleness[k] for k in sorted(staleness)}, "stale_groups": len(taken.stale),
+                "groups_in_flight": self.source.in_flight, "groups_waiting": self.buffer.ready()}
+        return taken.kept, taken.collected, flow
+
+    def sync(self, version: int) -> None:
+        """The new weights into the engine; episodes in flight take their next turn with them."""
+        self.source.sync(self.model, version)
+
+    def state(self) -> dict:
+        """The data position a checkpoint keeps."""
+        return {"data_position": self.position, "done_positions": sorted(self.done)}
+
+    def close(self) -> None:
+        """Stop the source (episodes in flight are dropped: a resumed run replays them)."""
+        self.source.close()
 
 
 def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cfg: LoopConfig,
@@ -310,37 +410,48 @@ def run(cfg: LoopConfig, method: Method, model: torch.nn.Module, optimizer: torc
     """Runs (or resumes, from the latest checkpoint in `out_dir`) `cfg.steps` steps of `method`; returns the metrics
     of the steps run now. `periodic_eval(step)` runs after each sync; what it returns (held-out metrics, or {}
     when not due) is logged under `heldout`."""
-    stream, start = TaskStream(tasks, cfg.seed), 0
+    stream, start, saved = TaskStream(tasks, cfg.seed), 0, None
     resumed = resume(model, optimizer, out_dir, method.restore)  # weights, optimizer, RNGs, the method's state
     if resumed is not None:
-        start, stream.position = resumed["step"], resumed["state"]["data_position"]
-    sharding, renderer, max_reward = Sharding(model, policy), Renderer(tokenizer), make_env().max_reward
-    sharding.sync(start)
+        start, saved = resumed["step"], resumed["state"]
+        stream.position = saved["data_position"]
+    sharding, renderer, timeline = Sharding(model, policy), Renderer(tokenizer), Timeline()
+    max_reward = make_env().max_reward
+    rollouts = (Asynchronous(model, policy, make_env, renderer, stream, cfg, keep, refills, timeline, saved)
+                if cfg.max_staleness else Synchronous(sharding, make_env, renderer, stream, cfg, keep, refills, timeline))
+    rollouts.start(start)
     logger, history = MetricsLogger(out_dir, start) if sharding.main else None, []
-    for step in range(start, cfg.steps):
-        t0 = time.perf_counter()
-        kept, collected = sharding.from_main(
-            lambda: collect(make_env, policy, renderer, stream, cfg, step, keep, refills))
-        t1 = time.perf_counter()
-        sharding.release_engine()
-        metrics = {**rollout_metrics(collected, max_reward), **method.train_step(kept, collected, step)}
-        check_finite(f"step {step + 1}", metrics)
-        t2 = time.perf_counter()
-        sharding.sync(step + 1)
-        t3 = time.perf_counter()
-        metrics.update(groups_trained=len(kept), tokens_per_s=metrics["sampled_tokens"] / max(t1 - t0, 1e-9),
-                       time={**metrics.get("time", {}), "rollout": t1 - t0, "train": t2 - t1, "sync": t3 - t2})
-        if sharding.main:
-            if periodic_eval is not None and (heldout := periodic_eval(step + 1)):
-                metrics["heldout"] = heldout
-            logger.log(step + 1, metrics)
-            history.append(metrics)
-            if on_step:
-                on_step(step + 1, metrics)
-        if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or step + 1 == cfg.steps:
-            state, submodels = method.checkpoint_state(sharding)
-            sharding.save_checkpoint(out_dir, step + 1, tokenizer, optimizer,
-                                     {"data_position": stream.position, "weight_version": step + 1, **state}, submodels)
-    if logger is not None:
-        logger.close()
+    try:
+        for step in range(start, cfg.steps):
+            t0 = time.perf_counter()
+            kept, collected, flow = rollouts.take(step)
+            t1 = time.perf_counter()
+            with timeline.trainer:
+                metrics = {**rollout_metrics(collected, max_reward), **flow, **method.train_step(kept, collected, step)}
+            check_finite(f"step {step + 1}", metrics)
+            t2 = time.perf_counter()
+            rollouts.sync(step + 1)
+            t3 = time.perf_counter()
+            busy, trained = timeline.cut(), sum(t.num_sampled for g in kept for t in g.valid)
+            # in asynchronous training episodes are sampled all through the step
+            rollout_s = t3 - t0 if cfg.max_staleness else t1 - t0
+            metrics.update(groups_trained=len(kept), tokens_per_s=metrics["sampled_tokens"] / max(rollout_s, 1e-9),
+                           trained_tokens_per_s=trained / max(t3 - t0, 1e-9),
+                           time={**metrics.get("time", {}), "rollout": t1 - t0, "train": t2 - t1, "sync": t3 - t2},
+                           timeline=busy, idle=idle_fractions(busy, t0 - timeline.origin, t3 - timeline.origin))
+            if sharding.main:
+                if periodic_eval is not None and (heldout := periodic_eval(step + 1)):
+                    metrics["heldout"] = heldout
+                logger.log(step + 1, metrics)
+                history.append(metrics)
+                if on_step:
+                    on_step(step + 1, metrics)
+            if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or step + 1 == cfg.steps:
+                state, submodels = method.checkpoint_state(sharding)
+                sharding.save_checkpoint(out_dir, step + 1, tokenizer, optimizer,
+                                         {**rollouts.state(), "weight_version": step + 1, **state}, submodels)
+    finally:
+        rollouts.close()
+        if logger is not None:
+            logger.close()
     return history

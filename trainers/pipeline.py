@@ -138,6 +138,8 @@ class TrainJob:
         if self.tango is not None and self.engine.kind != "transformers":
             raise ValueError("[tango] trains the verifier in-process: set engine.kind = 'transformers'")
         engine = self.engine
+        if self.rl.max_staleness:
+            self._check_asynchronous()
         if engine.kind == "vllm" and not engine.url and engine.max_model_len < self.context:
             raise ValueError(f"engine.max_model_len ({engine.max_model_len}) is below the rollouts' max_total_tokens "
                              f"({self.context}): episodes would fail at the server's context; raise it")
@@ -146,6 +148,20 @@ class TrainJob:
             raise ValueError("the vLLM server would share the trainer's GPU and take 90% of its memory: set "
                              "engine.gpu_memory_utilization (e.g. 0.3 for a 0.5 B model beside its trainer), or give "
                              "the server GPUs of its own with engine.gpus (e.g. \"1\")")
+
+    def _check_asynchronous(self) -> None:
+        """What asynchronous training (`max_staleness > 0`) does not run with yet: a clear error, before any work."""
+        section, problems = "ppo" if self.ppo else "grpo", []
+        if self.method not in ("grpo", "ppo"):
+            problems.append(f"[{self.method}] runs synchronously: remove max_staleness")
+        if self.eval and self.eval.every:
+            problems.append("eval.every: held-out evaluation during training would share the engine with the "
+                            "rollouts running ahead; set eval.every = 0 (the evaluations before and after RL run)")
+        if self.engine.sleep_mode:
+            problems.append("engine.sleep_mode frees the engine's memory while the trainer steps, but asynchronous "
+                            "rollouts sample then: remove sleep_mode")
+        if problems:
+            raise ValueError(f"{section}.max_staleness = {self.rl.max_staleness}: " + "; ".join(problems))
 
     @property
     def sft_stages(self) -> list[DemoSFT]:
@@ -198,9 +214,9 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     elif rank == 0:
         prompts = [renderer.prompt_ids(env.first_messages(t), env.tool_schemas) for t in tasks[:2]]
         policy = open_policy(job.model, job.engine, parity_prompts=prompts)
-    if in_process and world == 1:  # the sampler shares the trainer's model: syncing is free
+    if in_process and world == 1 and not job.rl.max_staleness:  # the sampler shares the trainer's model: syncing is free
         model = policy.model
-    else:  # the trainer has its own copy (sharded over the ranks under torchrun)
+    else:  # the trainer has its own copy (sharded over the ranks under torchrun; asynchronous: the sampler runs on)
         model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(job.model), dtype=param_dtype).to(job.device)
         mixed_precision(model, autocast_dtype)  # before shard(): FSDP's MixedPrecisionPolicy follows it
         if world > 1:
@@ -265,6 +281,7 @@ def check_shardable(job: TrainJob) -> None:
     """What a sharded (torchrun) job supports so far; the rest is a clear error, not a silent single process."""
     unsupported = [name for name in ("warmup", "sft", "lora") if getattr(job, name)]
     unsupported += [] if METHODS[job.method].shardable else [job.method]
+    unsupported += ["max_staleness"] if job.rl.max_staleness else []
     if unsupported:
         raise ValueError(f"a sharded (torchrun) job runs the GRPO or PPO loop only; remove {unsupported}. Run warm "
                          "starts in one process first and set model to their output (e.g. runs/X/sft_model).")

@@ -22,6 +22,7 @@ from agentrl.config import STRICT
 from agentrl.env.api import TextEnv
 from agentrl.policy.protocol import Policy, PolicyError, Sample, SamplingParams, current_episode
 from agentrl.renderer import Renderer, RendererError
+from agentrl.rollout.timeline import Timeline
 from agentrl.types import Group, Message, StopReason, Task, Trajectory, Turn
 
 
@@ -183,15 +184,18 @@ class _Episode:
             task_id=self.task.id, token_ids=tuple(self.ids), loss_mask=tuple(self.mask),
             logprobs=tuple(self.logprobs), prompt_len=self.prompt_len, turns=tuple(self.turns), reward=self.reward,
             reward_components=self.components, status=stop.status, reason=reason, messages=tuple(self.messages),
-            group=self.group, seed=self.env_seed, weight_version=self.weight_version, info=info, stop=stop)
+            group=self.group, seed=self.env_seed, info=info, stop=stop,
+            weight_version=min((t.weight_version for t in self.turns), default=self.weight_version))
 
 
 class RolloutEngine:
-    """Plays episodes of envs from `make_env` (a fresh env per episode) with `policy`, rendered by `renderer`."""
+    """Plays episodes of envs from `make_env` (a fresh env per episode) with `policy`, rendered by `renderer`;
+    `timeline`, when given, records when the policy and the envs were busy."""
 
     def __init__(self, make_env: Callable[[], TextEnv], policy: Policy, renderer: Renderer,
-                 config: RolloutConfig = RolloutConfig()):
+                 config: RolloutConfig = RolloutConfig(), timeline: Timeline | None = None):
         self.make_env, self.policy, self.renderer, self.config = make_env, policy, renderer, config
+        self.timeline = timeline or Timeline()
         self._pool = ThreadPoolExecutor(config.env_workers, thread_name_prefix="agentrl-env")
         self._stop_ids = tuple(dict.fromkeys(config.sampling.stop_token_ids + renderer.stop_token_ids)) \
             if renderer is not None else ()
@@ -204,7 +208,8 @@ class RolloutEngine:
 
         def run() -> T:
             loop.call_soon_threadsafe(started.set)
-            return _in_worker(name, fn, args, kwargs)
+            with self.timeline.env:
+                return _in_worker(name, fn, args, kwargs)
 
         future = asyncio.ensure_future(loop.run_in_executor(self._pool, run))
         timeout, queued = self.config.step_timeout, QUEUE_TIMEOUTS * self.config.step_timeout
@@ -256,7 +261,7 @@ class RolloutEngine:
             start, sample = len(ep.ids), await self._sample_turn(ep, sample_seed * 1_000_003 + turn)
             end = len(ep.ids)
             if sample.finish_reason == "length":
-                ep.turns.append(Turn(start, end, end, 0.0, "length"))
+                ep.turns.append(Turn(start, end, end, 0.0, "length", sample.weight_version))
                 budget_cut = cfg.max_total_tokens - start < cfg.sampling.max_tokens
                 cut = StopReason.MAX_TOTAL_TOKENS if budget_cut else StopReason.MAX_TOKENS
                 return cut, f"{cut.value} reached mid-turn"
@@ -271,20 +276,26 @@ class RolloutEngine:
                 ep.extend(await asyncio.to_thread(r.observation_ids, ep.messages, assistant, obs, sample.token_ids,
                                                   tools), sampled=False)
             ep.messages += [assistant, *obs]
-            ep.turns.append(Turn(start, end, len(ep.ids), reward))
+            ep.turns.append(Turn(start, end, len(ep.ids), reward, weight_version=sample.weight_version))
             if terminated or truncated:
                 return ((StopReason.TERMINATED, info.get("reason", "")) if terminated else
                         (StopReason.ENV_TRUNCATED, info.get("reason", "the env truncated the episode")))
         return StopReason.MAX_TURNS, f"max_turns={cfg.max_turns}"
 
     async def _sample_turn(self, ep: _Episode, seed: int) -> Sample:
-        """The policy's next turn, within what is left of the episode's token budget, appended to `ep`."""
+        """The policy's next turn, within what is left of the episode's token budget, appended to `ep`, with the
+        weight version that sampled it."""
         budget = self.config.max_total_tokens - len(ep.ids)
         sampling = replace(self.config.sampling, max_tokens=min(self.config.sampling.max_tokens, budget),
                            seed=seed if self.config.seeded_sampling else None, stop_token_ids=self._stop_ids)
         ep.failing_as, timeout = StopReason.POLICY_ERROR, self.config.generate_timeout
-        sample = (await _within(timeout, self.policy.generate(ep.ids, sampling), PolicyTimeout(
-            f"generate took more than {timeout}s: raise rollout.generate_timeout if the backend is slow, not hung")))[0]
+        version = self.policy.weight_version
+        with self.timeline.engine:
+            sample = (await _within(timeout, self.policy.generate(ep.ids, sampling), PolicyTimeout(
+                f"generate took more than {timeout}s: raise rollout.generate_timeout if the backend is slow, not "
+                "hung")))[0]
+        if sample.weight_version is None:  # no sync can come between (synchronous training)
+            sample = replace(sample, weight_version=version)
         ep.failing_as = StopReason.ENV_ERROR
         ep.extend(sample.token_ids, sampled=True, logprobs=sample.logprobs, trainable=sample.trainable)
         return sample
@@ -305,6 +316,15 @@ class RolloutEngine:
         results = await asyncio.gather(*(one(i, k) for i in range(len(tasks)) for k in range(cfg.group_size)))
         G = cfg.group_size
         return [Group(task, tuple(results[i * G:(i + 1) * G])) for i, task in enumerate(tasks)]
+
+    async def run_group(self, task: Task, env_seed: int, group: int, gate: asyncio.Semaphore) -> Group:
+        """`group_size` episodes of `task` from `env_seed`, each holding `gate` while it plays; `group` is the
+        trajectories' group index (the task's position in the stream, in asynchronous training)."""
+        async def one(k: int) -> Trajectory:
+            async with gate:
+                return await self.run_episode(task, env_seed, env_seed * self.config.group_size + k, group)
+
+        return Group(task, tuple(await asyncio.gather(*(one(k) for k in range(self.config.group_size)))))
 
     def close(self) -> None:
         """Shut the env thread pool down, cancelling env calls not yet started."""

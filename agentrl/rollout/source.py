@@ -1,0 +1,167 @@
+"""Rollouts ahead of training: the rollout engine in a thread of its own, feeding the buffer group by group.
+
+    buffer = GroupBuffer(keep, max_staleness=1)
+    source = RolloutSource(make_env, policy, renderer, rollout, task_at, buffer, tasks_per_step=8, seed=0)
+    source.start()
+    taken = buffer.take(8, version=0)   # the trainer's thread: the first 8 kept groups to finish
+    source.sync(model, 1)               # the new weights into the engine; episodes in flight go on with them
+    source.close()
+
+**Staleness.** A group may start only while fewer than `(syncs + max_staleness + 1) * tasks_per_step` groups are
+in flight, waiting in the buffer or trained in this run, so that the engine runs at most `max_staleness` steps
+ahead of the trainer; a group that still comes out older (a slow episode overtaken by later ones) is dropped at the
+take (`GroupBuffer`). **Partial rollouts.** `VersionGate` makes a weight sync wait for the `generate` calls in
+flight (as vLLM's pause does) and holds new ones until the new weights are in: an episode's next turn samples from
+the new weights, and each turn records the version that sampled it (`Turn.weight_version`), so that the loss takes
+each token's behaviour logprobs from the weights that really sampled it.
+
+Task `p` of the stream is played with env seed `seed * 100_003 + p`, and its trajectories' `group` is `p`: a run
+resumed from a checkpoint replays the positions that were in flight, with the same seeds, and skips those done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from dataclasses import replace
+from typing import Any, Callable, Collection, Sequence
+
+from agentrl.env.api import TextEnv
+from agentrl.policy.protocol import Policy, Sample, SamplingParams
+from agentrl.renderer import Renderer
+from agentrl.rollout.buffer import GroupBuffer
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.rollout.timeline import Timeline
+from agentrl.types import Task
+
+
+class VersionGate:
+    """`policy` with each weight sync between `generate` calls: a sync waits for those in flight and holds new ones
+    until the new weights are in, so that every sample comes from one weight version, which it carries."""
+
+    def __init__(self, policy: Policy):
+        self.policy, self._active = policy, 0
+        self._open, self._idle = asyncio.Event(), asyncio.Event()  # no sync running; no generate running
+        self._open.set()
+        self._idle.set()
+
+    def __getattr__(self, name: str) -> Any:  # the rest of the backend (model, parity, ...) as is
+        return getattr(self.policy, name)
+
+    @property
+    def weight_version(self) -> int:
+        """The version the policy samples with now."""
+        return self.policy.weight_version
+
+    async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
+        """The policy's samples, each with the weight version that sampled it."""
+        while not self._open.is_set():
+            await self._open.wait()
+        self._active += 1
+        self._idle.clear()
+        try:
+            version = self.policy.weight_version
+            samples = await self.policy.generate(prompt_ids, sampling)
+        finally:
+            self._active -= 1
+            if not self._active:
+                self._idle.set()
+        return [replace(s, weight_version=version) for s in samples]
+
+    async def sync_weights(self, model: Any, version: int) -> None:
+        """Load `model`'s weights as `version` once no `generate` is in flight; new ones wait meanwhile."""
+        self._open.clear()
+        try:
+            await self._idle.wait()
+            await self.policy.sync_weights(model, version)
+        finally:
+            self._open.set()
+
+    async def close(self) -> None:
+        """Close the policy."""
+        await self.policy.close()
+
+
+class RolloutSource:
+    """Plays groups of `group_size` episodes of the tasks `task_at(0), task_at(1), ...` (the positions in `skip`
+    left out, from `start`), at most `max_staleness` steps ahead of the trainer, and puts each group into `buffer`
+    as it finishes. Runs its own event loop in a thread; `sync` and `close` are called from the trainer's."""
+
+    def __init__(self, make_env: Callable[[], TextEnv], policy: Policy, renderer: Renderer, config: RolloutConfig,
+                 task_at: Callable[[int], Task], buffer: GroupBuffer, *, tasks_per_step: int, seed: int,
+                 start: int = 0, skip: Collection[int] = (), timeline: Timeline | None = None):
+        self.policy, self.buffer, self.task_at = VersionGate(policy), buffer, task_at
+        self.engine = RolloutEngine(make_env, self.policy, renderer, config, timeline)
+        self.tasks_per_step, self.seed, self.start_at, self.skip = tasks_per_step, seed, start, frozenset(skip)
+        self.in_flight, self.syncs = 0, 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._main: asyncio.Task | None = None
+        self._ready, self._thread = threading.Event(), threading.Thread(target=self._run, name="agentrl-rollouts",
+                                                                        daemon=True)
+
+    def start(self) -> None:
+        """Start playing episodes in the background."""
+        self._thread.start()
+        self._ready.wait()
+
+    def sync(self, model: Any, version: int) -> None:
+        """`model`'s weights into the engine as `version` (blocks until they are in); lets the source run one step
+        further ahead."""
+        asyncio.run_coroutine_threadsafe(self._sync(model, version), self._loop).result()
+
+    def close(self) -> None:
+        """Stop: episodes in flight are cancelled (their envs closed), and the engine's threads shut down."""
+        if self._loop is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._main.cancel)
+            self._thread.join()
+        self.engine.close()
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._produce())
+        except asyncio.CancelledError:  # closed
+            pass
+        except BaseException as e:  # noqa: BLE001 -- the trainer's next take raises it
+            self.buffer.fail(e)
+        finally:
+            self._ready.set()
+
+    async def _sync(self, model: Any, version: int) -> None:
+        await self.policy.sync_weights(model, version)
+        self.syncs += 1
+        self._room.set()
+
+    def _has_room(self) -> bool:
+        live = self.in_flight + self.buffer.ready() + self.buffer.taken
+        return live < (self.syncs + self.buffer.max_staleness + 1) * self.tasks_per_step
+
+    async def _produce(self) -> None:
+        self._loop, self._main = asyncio.get_running_loop(), asyncio.current_task()
+        self._room, running = asyncio.Event(), set()
+        gate = asyncio.Semaphore(self.engine.config.concurrency)
+        self._ready.set()
+        try:
+            for position in (p for p in itertools.count(self.start_at) if p not in self.skip):
+                while not self._has_room():
+                    self._room.clear()
+                    await self._room.wait()
+                self.in_flight += 1
+                task = asyncio.create_task(self._play(position, gate))
+                running.add(task)
+                task.add_done_callback(running.discard)
+        finally:
+            for task in running:
+                task.cancel()
+            await asyncio.gather(*running, return_exceptions=True)  # their envs close
+
+    async def _play(self, position: int, gate: asyncio.Semaphore) -> None:
+        try:
+            group = await self.engine.run_group(self.task_at(position), self.seed * 100_003 + position, position, gate)
+            self.buffer.put(group)
+        except Exception as e:  # noqa: BLE001 -- episodes capture their own failures: this is the source's
+            self.buffer.fail(e)
+            self._main.cancel()
+        finally:
+            self.in_flight -= 1
+            self._room.set()
