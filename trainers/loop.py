@@ -34,7 +34,7 @@ from agentrl.policy.logprobs import token_logprobs
 from agentrl.policy.precision import autocast
 from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
-from agentrl.rollout.buffer import GroupBuffer, group_version
+from agentrl.rollout.buffer import GroupBuffer, group_position, group_version
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.rollout.source import RolloutSource
 from agentrl.rollout.timeline import Timeline, idle_fractions
@@ -288,8 +288,10 @@ class Asynchronous:
             self.done.remove(self.position)
             self.position += 1
         staleness = Counter(step - group_version(g) for g in taken.kept)
+        trained = {group_position(g) for g in taken.kept}
         flow = {"staleness": {str(k): staleness[k] for k in sorted(staleness)}, "stale_groups": len(taken.stale),
-                "groups_in_flight": self.source.in_flight, "groups_waiting": self.buffer.ready()}
+                "groups_in_flight": self.source.in_flight, "groups_waiting": self.buffer.ready(),
+                "positions": {"trained": sorted(trained), "dropped": sorted(set(taken.done) - trained)}}
         return taken.kept, taken.collected, flow
 
     def sync(self, version: int) -> None:
