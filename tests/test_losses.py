@@ -287,6 +287,11 @@ def test_mismatch_metrics_by_hand():
     assert m["mismatch_kl_k3"] == pytest.approx(sum(math.exp(x) - 1 - x for x in log_ratios) / 5, abs=1e-6)
     assert m["mismatch_kl_k3"] == pytest.approx((2.35 - math.log(1.8)) / 5, abs=1e-6)
     assert m["mismatch_abs_dp"] == pytest.approx((0.2 + 0.2 + 0.3 + 0.0 + 0.3) / 5, abs=1e-6)
+    # the weights sorted: 0.25, 1.0, 1.5, 1.6, 3.0; linear interpolation at 0.05 * 4 = 0.2 and 0.95 * 4 = 3.8
+    assert m["is_weight_p05"] == pytest.approx(0.25 + 0.2 * 0.75, abs=1e-6)
+    assert m["is_weight_p50"] == pytest.approx(1.5, abs=1e-6)
+    assert m["is_weight_p95"] == pytest.approx(1.6 + 0.8 * 1.4, abs=1e-5)
+    assert m["is_weight_max"] == pytest.approx(3.0, abs=1e-6)
 
 
 def test_rollout_correction_folds_tis_into_adv_and_mis_into_mask():

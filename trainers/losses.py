@@ -391,11 +391,16 @@ def mismatch_metrics(trainer_logp_BT: Tensor, sampler_logp_BT: Tensor, mask_BT: 
         mismatch_kl_k1   mean(sampler - trainer)                     KL(sampler || trainer), k1: unbiased, can be < 0
         mismatch_kl_k3   mean(r - 1 - log r), r = exp(trainer - sampler)     k3: unbiased, >= 0 (`kl_estimate`)
         mismatch_abs_dp  mean |exp(trainer) - exp(sampler)|          (verl's rollout_probs_diff_mean)
+        is_weight_p05, _p50, _p95, _max   quantiles of the per-token importance weight r (stale samples widen them)
     """
     m, trainer, sampler = _masked(mask_BT, trainer_logp_BT.detach(), sampler_logp_BT)
+    r = (trainer - sampler)[m].float().exp()
+    quantiles = torch.quantile(r, torch.tensor([0.05, 0.5, 0.95])).tolist() if r.numel() else [1.0] * 3
     return {"mismatch_kl_k1": masked_mean(kl_estimate(sampler, trainer, "k1"), m).item(),
             "mismatch_kl_k3": masked_mean(kl_estimate(sampler, trainer, "k3"), m).item(),
-            "mismatch_abs_dp": masked_mean((trainer.exp() - sampler.exp()).abs(), m).item()}
+            "mismatch_abs_dp": masked_mean((trainer.exp() - sampler.exp()).abs(), m).item(),
+            **dict(zip(("is_weight_p05", "is_weight_p50", "is_weight_p95"), quantiles)),
+            "is_weight_max": r.max().item() if r.numel() else 1.0}
 
 
 @torch.no_grad()
