@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Sequence, TypeVar
 
 from pydantic import BeforeValidator, ConfigDict, TypeAdapter, ValidationError
 
@@ -25,8 +25,9 @@ class ConfigError(ValueError):
 
 
 def load_config(cls: type[T], source: str | Path | dict[str, Any] | None = None,
-                overrides: dict[str, Any] | None = None) -> T:
-    """Build `cls` from a TOML file (or a dict), with `overrides` (nested dicts) applied on top."""
+                overrides: dict[str, Any] | None = None, unset: Sequence[str] = ()) -> T:
+    """Build `cls` from a TOML file (or a dict), the dotted keys in `unset` removed (their defaults apply), with
+    `overrides` (nested dicts) applied on top."""
     if source is None or isinstance(source, dict):
         data, where = dict(source or {}), "config"
     else:
@@ -37,13 +38,27 @@ def load_config(cls: type[T], source: str | Path | dict[str, Any] | None = None,
             data, where = tomllib.loads(path.read_text()), str(path)
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
-    data = merge(data, overrides or {})
+    data = merge(without(data, unset, where), overrides or {})
     try:
         return TypeAdapter(cls).validate_json(json.dumps(data, default=_plain))
     except ValidationError as e:
         problems = "\n".join(f"  {'.'.join(map(str, err['loc'])) or '(top)'}: {err['msg']}{_given(err)}"
                              for err in e.errors())
         raise ConfigError(f"{where} is not a valid {cls.__name__}:\n{problems}") from None
+
+
+def without(data: dict[str, Any], keys: Sequence[str], where: str = "config") -> dict[str, Any]:
+    """`data` less each dotted key of `keys` (a whole table, or one value in it); a key it lacks is an error."""
+    out = json.loads(json.dumps(data, default=_plain))  # a deep copy: `data` stays as it is
+    for key in keys:
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            raise ConfigError(f"--unset {key}: {where} has no such key")
+        del node[leaf]
+    return out
 
 
 def table_defaults(**defaults: Any) -> BeforeValidator:

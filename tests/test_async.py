@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from agentrl.config import ConfigError, load_config
 from agentrl.env.api import TextEnv
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.policy.hf import HFPolicy
@@ -30,7 +31,19 @@ from agentrl.rollout.timeline import Busy, idle_fractions
 from agentrl.trainers.batch import make_batch
 from agentrl.trainers.checkpoint import latest_checkpoint
 from agentrl.trainers.losses import tis_weights
+from agentrl.trainers.pipeline import TrainJob
 from agentrl.types import Group, Message, Status, Task, Trajectory, Turn
+
+
+def test_settings_asynchronous_training_cannot_run_with_fail_at_start_up():
+    base = {"env": "math/arith-v0", "model": "m", "grpo": {"max_staleness": 1}}
+    with pytest.raises(ConfigError, match="eval.every"):
+        load_config(TrainJob, {**base, "eval": {"every": 5}})
+    with pytest.raises(ConfigError, match=r"\[tango\] runs synchronously"):
+        load_config(TrainJob, {**base, "tango": {}})
+    with pytest.raises(ConfigError, match="max_staleness must be >= 0"):
+        load_config(TrainJob, {**base, "grpo": {"max_staleness": -1}})
+    assert load_config(TrainJob, base).grpo.max_staleness == 1
 
 
 def group(position: int, versions: tuple[int, ...], rewards: tuple[float, ...] = (0.0, 1.0)) -> Group:

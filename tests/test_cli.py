@@ -1,6 +1,7 @@
 """The CLI end to end: envs list/show/check, model init, and a 64-episode rollout with the tiny model."""
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -110,6 +111,20 @@ def test_train_set_overrides_any_recipe_key(tmp_path):
     recipe.write_text('env = "math/arith-v0"\nmodel = "m"\n')
     wrong = CliRunner().invoke(app, ["train", str(recipe), "--set", "grpo.no_such_key=1"])
     assert wrong.exit_code == 2 and "grpo.no_such_key" in wrong.output
+
+
+def test_train_unset_removes_a_recipe_table_and_names_a_missing_key():
+    from agentrl.config import ConfigError, load_config
+    from agentrl.trainers.losses import CorrectionConfig
+    from agentrl.trainers.pipeline import TrainJob
+
+    recipe = Path(__file__).parents[1] / "recipes" / "cpu_demo_async_train.toml"
+    assert load_config(TrainJob, recipe).grpo.correction.tis == "token"
+    uncorrected = load_config(TrainJob, recipe, {"grpo": {"max_staleness": 4}}, unset=["grpo.correction"])
+    assert uncorrected.grpo.correction == CorrectionConfig() and uncorrected.grpo.max_staleness == 4
+    assert load_config(TrainJob, recipe, unset=["grpo.correction.tis"]).grpo.correction.decoupled
+    with pytest.raises(ConfigError, match="--unset grpo.no_such_table: .* has no such key"):
+        load_config(TrainJob, recipe, unset=["grpo.no_such_table"])
 
 
 def test_a_chat_template_that_does_not_exist_stops_every_job_at_start_up(tmp_path):

@@ -270,7 +270,12 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         summary["after"] = evaluate_now("after RL")
     save()
     if (out / "metrics.jsonl").exists():
-        (out / "reward_curve.png").write_bytes(plot_reward_curve(read_records(out / "metrics.jsonl")))
+        from agentrl.eval.report import plot_timeline
+
+        rows = read_records(out / "metrics.jsonl")
+        (out / "reward_curve.png").write_bytes(plot_reward_curve(rows))
+        if any("timeline" in row for row in rows):  # runs from before the timeline have none
+            (out / "timeline.png").write_bytes(plot_timeline(rows))
     asyncio.run(policy.close())
     if handoff:
         asyncio.run(handoff.junior.close())
@@ -504,6 +509,10 @@ def _load_stage(model, policy, path: Path, log: Callable[[str], None], version: 
 
 
 def _progress_line(step: int, steps: int, m: dict[str, Any]) -> str:
-    return (f"step {step}/{steps}  reward {m['mean_reward']:.3f}  success {m['success']:.3f}  "
-            f"entropy {m.get('entropy', float('nan')):.3f}  kl {m.get('approx_kl', float('nan')):.4f}  "
-            f"rollout {m['time']['rollout']:.1f}s train {m['time']['train']:.1f}s")
+    line = (f"step {step}/{steps}  reward {m['mean_reward']:.3f}  success {m['success']:.3f}  "
+            f"entropy {m.get('entropy', float('nan')):.3f}  kl {m.get('approx_kl', float('nan')):.4f}  ")
+    if "staleness" not in m:
+        return line + f"rollout {m['time']['rollout']:.1f}s train {m['time']['train']:.1f}s"
+    staleness = " ".join(f"{k}:{n}" for k, n in m["staleness"].items())  # asynchronous: groups by staleness
+    return line + (f"waited {m['time']['rollout']:.1f}s train {m['time']['train']:.1f}s  staleness {staleness}  "
+                   f"stale dropped {m['stale_groups']}")

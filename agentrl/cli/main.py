@@ -198,6 +198,8 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
           set_: list[str] = typer.Option([], "--set", help="Override any recipe key: KEY=VALUE with a dotted key "
                                          "and a TOML value, e.g. --set grpo.lr=1e-4 --set eval.n=16; a list's "
                                          "element by index: --set sft.1.episodes=64. Repeatable."),
+          unset: list[str] = typer.Option([], "--unset", help="Remove a recipe key or table, so that its default "
+                                          "applies, e.g. --unset grpo.correction. Repeatable."),
           dry_run: bool = typer.Option(False, "--dry-run", help="Validate the recipe, place the engine and the "
                                        "trainer, estimate memory per device, refuse what cannot work; run nothing."),
           gpus: Optional[int] = typer.Option(None, help="--dry-run: plan for this many GPUs [default: the visible]."),
@@ -214,9 +216,10 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
 
     try:
         overrides = merge(parse_sets(set_), _given(model=model, out_dir=out_dir, ray=_given(address=ray_address)))
-        job = load_config(TrainJob, recipe, overrides)
+        job = load_config(TrainJob, recipe, overrides, unset)
         if steps is not None:  # the steps of the method's loop, [grpo] or [ppo] (DPO has none: an error)
-            job = load_config(TrainJob, recipe, merge(overrides, {METHODS[job.method].settings: {"steps": steps}}))
+            job = load_config(TrainJob, recipe, merge(overrides, {METHODS[job.method].settings: {"steps": steps}}),
+                              unset)
     except ConfigError as e:
         console.print(f"[red]{e}[/]")
         raise typer.Exit(2)
