@@ -5,15 +5,17 @@ look at: under $AGENTRL_SCREENSHOTS if set, else the test's tmp_path (the path i
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from agentrl.eval.metrics import summarize_run
-from agentrl.eval.report import write_report
+from agentrl.eval.report import idle_table, plot_timeline, timeline_steps, write_report
 from agentrl.rollout.jsonl import write_jsonl
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.types import Message, Status, ToolCall, Trajectory, Turn
@@ -140,6 +142,8 @@ def test_report_markdown(runs):
     for png in ("success", "difficulty_hops", "reward_curve"):
         assert (run_a / "report_files" / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
         assert f"](report_files/{png}.png)" in md
+    # its rows are from before the timeline: no section, no plot
+    assert "Timeline" not in md and not (run_a / "report_files" / "timeline.png").exists()
 
 
 def test_report_html_is_self_contained_and_escaped(runs):
@@ -154,6 +158,66 @@ def test_report_html_is_self_contained_and_escaped(runs):
     assert f'href="viewer.html#entry={UNSEEN.replace("/", "%2F").replace(":", "%3A")}"' in html
     # comparison: A wins 4/7 on unseen entities, B 0/6
     assert "A − B [95% CI]" in html and f"{4 / 7:+.3f}" in html
+
+
+def timeline_rows() -> list[dict]:
+    """Three asynchronous steps; the third from a resumed run, whose clock restarted at 0."""
+    return [
+        {"step": 1, "timeline": {"engine": [[0.0, 2.0]], "env": [[0.5, 1.0], [1.5, 1.8]], "trainer": [[2.0, 3.0]]},
+         "idle": {"engine": 0.4, "env": 0.8, "trainer": 0.6}, "staleness": {"0": 4}, "stale_groups": 0},
+        {"step": 2, "timeline": {"engine": [[3.0, 4.5]], "env": [[3.2, 3.6]], "trainer": [[4.5, 5.0]]},
+         "idle": {"engine": 0.2, "env": 0.6, "trainer": 0.9}, "staleness": {"0": 2, "1": 2}, "stale_groups": 1},
+        {"step": 3, "timeline": {"engine": [[0.5, 1.5]], "env": [[0.7, 1.0]], "trainer": [[1.5, 2.0]]},
+         "idle": {"engine": 0.3, "env": 0.7, "trainer": 0.6}, "staleness": {"1": 3, "2": 1}, "stale_groups": 2},
+    ]
+
+
+def is_png(data: bytes) -> bool:
+    """A PNG that Pillow reads whole, wide enough to be a plot."""
+    image = Image.open(io.BytesIO(data))
+    image.verify()
+    return image.format == "PNG" and image.size[0] > 300
+
+
+def test_idle_table_and_timeline_plot():
+    rows = timeline_rows()
+    table = idle_table(rows)
+    assert table["steps"] == 3 and list(table["idle"]) == ["engine", "env", "trainer"]
+    assert table["idle"] == pytest.approx({"engine": 0.3, "env": 0.7, "trainer": 0.7})
+    assert table["staleness"] == {"0": 6, "1": 5, "2": 1} and table["stale_groups"] == 3
+    # synchronous rows have no staleness figures; a row without `idle` is left out of the means
+    sync = [{k: v for k, v in row.items() if k not in ("staleness", "stale_groups")} for row in rows]
+    assert idle_table([*sync, {"step": 4}]) == {**table, "staleness": None, "stale_groups": None}
+    # the resumed run's step is moved to start at the last step's end (5.0)
+    steps = timeline_steps(rows)
+    assert [(s["step"], s["end"], s["resumed"]) for s in steps] == [(1, 3.0, False), (2, 5.0, False), (3, 7.0, True)]
+    assert steps[2]["spans"]["engine"] == [[5.5, 6.5]] and steps[1]["spans"] == rows[1]["timeline"]
+    assert is_png(plot_timeline(rows))
+    # a long run draws its last steps; rows from before the timeline are skipped
+    long_run = [{"step": 0}] + [{"step": s, "timeline": {"engine": [[s, s + 0.6]], "env": [[s + 0.1, s + 0.2]],
+                                                          "trainer": [[s + 0.6, s + 1.0]]},
+                                 "idle": {"engine": 0.4, "env": 0.9, "trainer": 0.6}} for s in range(1, 41)]
+    assert is_png(plot_timeline(long_run))
+    with pytest.raises(ValueError, match="no metrics row has a timeline"):
+        plot_timeline([{"step": 1, "mean_reward": 0.5}])
+
+
+def test_report_with_a_timeline(runs):
+    run_a, _, train, _ = runs
+    timed = train.parent / "train_timed"
+    timed.mkdir()
+    rows = [{**row, "mean_reward": 0.2, "success": 0.1} for row in timeline_rows()]
+    (timed / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    md_path, html_path = write_report(run_a, train_dir=timed)
+    md, html = md_path.read_text(), html_path.read_text()
+    assert "### Timeline" in md and "](report_files/timeline.png)" in md
+    assert is_png((run_a / "report_files" / "timeline.png").read_bytes())
+    assert "| engine | 0.300 |" in md and "| env | 0.700 |" in md and "| trainer | 0.700 |" in md
+    assert "0: 6, 1: 5, 2: 1; stale groups dropped: 3." in md and "averaged over 3 steps" in md
+    assert '<h3 id="timeline">Timeline</h3>' in html and "<td>trainer</td><td>0.700</td>" in html
+    assert "0: 6, 1: 5, 2: 1" in html and "stale groups dropped: 3" in html
+    pngs = re.findall(r'src="data:image/png;base64,[A-Za-z0-9+/=]{100,}"', html)
+    assert len(pngs) == 4  # success, hops, reward curve, timeline
 
 
 def test_report_comparison_markdown(runs):

@@ -25,6 +25,11 @@ from agentrl.types import Trajectory
 
 TEMPLATES = Path(__file__).parent / "templates"
 PLOTS_DIR = "report_files"  # beside report.md: the Markdown's images (the HTML embeds its own)
+LANES = ("engine", "env", "trainer")  # the resources trainers/loop.py's Timeline records, top lane first
+TIMELINE_STEPS = 20  # the timeline plot draws a longer run's last steps only: more steps are bars too thin to read
+# A row whose intervals start this long before the previous row's end comes from a resumed run (a clock back at 0);
+# within one run they start at most a rounding or a few microseconds (the lanes are cut one after another) before it.
+RESTART_SLACK_S = 0.01
 
 
 # ------------------------------------------------------------------------------------------------ inputs
@@ -68,7 +73,7 @@ def write_report(run_dir: str | Path, vs: str | Path | None = None,
     """Writes RUN_DIR/report.md and RUN_DIR/report.html (plus the Markdown's PNGs in RUN_DIR/report_files).
 
     `vs`: another eval run, compared entry by entry. `train_dir` (default: run.json's "train_dir"): a
-    training run whose reward curve is added."""
+    training run whose reward curve is added, and its timeline with the idle fractions when its rows have one."""
     run_dir = Path(run_dir)
     run, results = run_results(run_dir)
     other = None
@@ -83,8 +88,12 @@ def write_report(run_dir: str | Path, vs: str | Path | None = None,
                                      _label(run_dir, run), _label(Path(vs), other["run"]) if other else None)}
     for key in _difficulty_keys(results):
         plots[f"difficulty_{key}"] = plot_difficulty(results, key)
-    if training and training["rows"]:
-        plots["reward_curve"] = plot_reward_curve(training["rows"])
+    train_rows = training["rows"] if training else []
+    if train_rows:
+        plots["reward_curve"] = plot_reward_curve(train_rows)
+    has_timeline = any("timeline" in row for row in train_rows)  # runs from before the timeline have none
+    if has_timeline:
+        plots["timeline"] = plot_timeline(train_rows)
 
     (run_dir / PLOTS_DIR).mkdir(exist_ok=True)
     for name, png in plots.items():
@@ -96,6 +105,7 @@ def write_report(run_dir: str | Path, vs: str | Path | None = None,
         "difficulty": _difficulty_tables(results),
         "other": other, "other_label": _label(Path(vs), other["run"]) if other else None,
         "comparison": comparison, "training": training,
+        "idle_summary": idle_table(train_rows) if has_timeline else None,
         "viewer": {name: "viewer.html#entry=" + quote(name, safe="") for name in results["entries"]},
         "plots_dir": PLOTS_DIR, "plot_names": list(plots),
         "plots": {name: base64.b64encode(png).decode() for name, png in plots.items()},
@@ -266,4 +276,96 @@ def plot_reward_curve(rows: Sequence[dict[str, Any]]) -> bytes:
     ax.set_xlabel("RL step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
+    return _png(fig)
+
+
+# ---------------------------------------------------------------------------------------------- timeline
+
+def timeline_steps(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The metrics rows that have a `timeline`, their busy intervals on one clock for the whole run.
+
+    Each: `step`, `spans` ({resource: [[t0, t1], ...]}), `end` (its last interval's end: the step boundary) and
+    `resumed`. A resumed run's clock restarts at 0: its rows are moved to start at the previous row's end, and
+    its first row is marked `resumed`."""
+    steps: list[dict[str, Any]] = []
+    offset, last_end = 0.0, None
+    for row in rows:
+        if "timeline" not in row:
+            continue
+        names = [*LANES, *(name for name in row["timeline"] if name not in LANES)]
+        spans = {name: row["timeline"].get(name, []) for name in names}
+        times = [t for intervals in spans.values() for interval in intervals for t in interval]
+        resumed = bool(times) and last_end is not None and min(times) + offset < last_end - RESTART_SLACK_S
+        if resumed:
+            offset = last_end
+        spans = {name: [[a + offset, b + offset] for a, b in intervals] for name, intervals in spans.items()}
+        # a step with no interval at all (nothing ran) ends where the previous one did
+        last_end = max(times) + offset if times else (last_end or 0.0)
+        steps.append({"step": row.get("step"), "spans": spans, "end": last_end, "resumed": resumed})
+    return steps
+
+
+def idle_table(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The mean over steps of each resource's idle fraction (the metrics rows' `idle`), and for asynchronous runs
+    the groups trained per staleness summed over the steps and the total of stale groups dropped.
+
+    Returns {"steps": steps with an `idle`, "idle": {resource: mean}, "staleness": {"0": n, ...} or None,
+    "stale_groups": int or None}; the asynchronous figures are None when no row has them."""
+    idle_rows = [row["idle"] for row in rows if "idle" in row]
+    names = list(dict.fromkeys([*(n for n in LANES if any(n in idle for idle in idle_rows)),
+                                *(n for idle in idle_rows for n in idle)]))
+    idle = {}
+    for name in names:
+        values = [row[name] for row in idle_rows if name in row]
+        idle[name] = sum(values) / len(values)
+    staleness: dict[str, int] | None = None
+    if any("staleness" in row for row in rows):
+        summed: dict[int, int] = {}
+        for row in rows:
+            for lag, groups in row.get("staleness", {}).items():
+                summed[int(lag)] = summed.get(int(lag), 0) + groups
+        staleness = {str(lag): summed[lag] for lag in sorted(summed)}
+    stale_groups = (sum(row.get("stale_groups", 0) for row in rows)
+                    if any("stale_groups" in row for row in rows) else None)
+    return {"steps": len(idle_rows), "idle": idle, "staleness": staleness, "stale_groups": stale_groups}
+
+
+def plot_timeline(rows: Sequence[dict[str, Any]]) -> bytes:
+    """Gantt chart of the training run's busy intervals: one lane per resource (engine, env, trainer), thin
+    vertical lines at the step boundaries, the mean idle fractions in the title. A run of more than
+    `TIMELINE_STEPS` steps shows its last ones. Raises ValueError when no row has a timeline."""
+    steps = timeline_steps(rows)
+    if not steps:
+        raise ValueError("no metrics row has a timeline (a run from before trainers/loop.py recorded one)")
+    plt = _pyplot()
+    shown = steps[-TIMELINE_STEPS:]
+    earlier = steps[:-TIMELINE_STEPS]
+    left = earlier[-1]["end"] if earlier else 0.0  # where the first step drawn began
+    lanes = list(dict.fromkeys(name for step in shown for name in step["spans"]))
+    fig, ax = plt.subplots(figsize=(7.5, 1.3 + 0.45 * len(lanes)))
+    for i, name in enumerate(lanes):
+        bars = [(a, b - a) for step in shown for a, b in step["spans"].get(name, [])]
+        # an edge as wide as a pixel keeps intervals far shorter than a pixel visible
+        ax.broken_barh(bars, (len(lanes) - 1 - i - 0.35, 0.7), facecolors=f"C{i}", edgecolors=f"C{i}", linewidth=0.3)
+    step_start = left
+    for step in shown:
+        if step["resumed"]:
+            ax.axvline(step_start, color="C3", linestyle="--", linewidth=0.8)
+        ax.axvline(step["end"], color="0.5", linewidth=0.5)
+        if step["step"] is not None:
+            ax.text((step_start + step["end"]) / 2, len(lanes) - 0.5, str(step["step"]), ha="center", va="bottom",
+                    fontsize=6, color="0.35")
+        step_start = step["end"]
+    ax.axvline(left, color="0.5", linewidth=0.5)
+    ax.set_yticks(range(len(lanes)), reversed(lanes))
+    ax.set_ylim(-0.6, len(lanes) - 0.5 + 0.45)
+    ax.set_xlim(left, max(shown[-1]["end"], left + 1e-3))
+    resumes = any(step["resumed"] for step in shown)
+    ax.set_xlabel("seconds since the run started" + (" (dashed: a resumed run, placed after the last step before)"
+                                                     if resumes else ""))
+    idle = idle_table([row for row in rows if "timeline" in row][-TIMELINE_STEPS:])["idle"]
+    which = f"last {len(shown)} of {len(steps)} steps" if earlier else f"{len(shown)} steps"
+    ax.set_title(f"busy per step ({which}); mean idle: "
+                 + ", ".join(f"{name} {fraction:.0%}" for name, fraction in idle.items()), fontsize="medium")
+    ax.grid(axis="x", alpha=0.3)
     return _png(fig)
