@@ -26,7 +26,7 @@ from agentrl.policy.protocol import Sample, SamplingParams
 from agentrl.renderer import Renderer
 from agentrl.rollout.buffer import GroupBuffer, RolloutSourceError
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
-from agentrl.rollout.source import VersionGate
+from agentrl.rollout.source import RolloutSource, VersionGate
 from agentrl.rollout.timeline import Busy, idle_fractions
 from agentrl.trainers.batch import make_batch
 from agentrl.trainers.checkpoint import latest_checkpoint
@@ -222,6 +222,41 @@ def test_a_trajectory_sampled_across_a_weight_update_carries_both_versions(tiny_
     first, second = traj.turns
     assert (weights[0, second.start:second.end] - 1).abs().max() < 1e-3
     assert (weights[0, first.start:first.end] - 1).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("restart", [False, True])
+def test_at_a_sync_the_source_continues_episodes_in_flight_or_restarts_them(tiny_model_dir, restart):
+    """The source plays two-turn episodes; the trainer syncs while their envs take the first step. Partial rollouts
+    continue them with the new weights (turn versions 0, 1); with `restart` they are aborted and played again from
+    the start (1, 1)."""
+    tokenizer = load_tokenizer(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    first_turn_done, synced = threading.Event(), threading.Event()
+
+    def between():
+        first_turn_done.set()
+        assert synced.wait(60)
+
+    sampling = SamplingParams(max_tokens=12, stop_token_ids=tuple(range(0, len(tokenizer), 2)))  # as above
+    buffer = GroupBuffer(lambda g: True, max_staleness=1)
+    env = lambda: TwoTurns(between)  # noqa: E731
+    source = RolloutSource(env, HFPolicy(copy.deepcopy(model), tokenizer), Renderer(tokenizer),
+                           RolloutConfig(max_turns=2, max_total_tokens=512, sampling=sampling),
+                           lambda p: env().tasks[0], buffer, tasks_per_step=1, seed=0, restart=restart)
+    source.start()
+    try:
+        assert first_turn_done.wait(60)
+        source.sync(model, 1)
+        synced.set()
+        # positions 0 and 1 were in flight (one step ahead); the sync let position 2 start
+        groups = {g.trajectories[0].group: g.trajectories[0] for g in buffer.take(3, version=1).kept}
+    finally:
+        source.close()
+    assert sorted(groups) == [0, 1, 2] and all(t.status == Status.OK for t in groups.values())
+    for position in (0, 1):
+        assert [t.weight_version for t in groups[position].turns] == ([1, 1] if restart else [0, 1])
+    assert [t.weight_version for t in groups[2].turns] == [1, 1]
+    assert source.restarted == (2 if restart else 0)
 
 
 TRAIN = textwrap.dedent("""

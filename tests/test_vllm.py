@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import os
 import random
 import signal
@@ -352,33 +353,59 @@ def test_cli_rollout_and_train_use_the_vllm_engine(vllm_server: VLLMServer, tiny
     assert result.exit_code == 0, result.output
     assert len(read_jsonl(out)) == 4 and all(t.status is not Status.ERROR for t in read_jsonl(out))
 
+    recipe = _train_recipe(tmp_path, tiny_model_dir, vllm_server.url, steps=1)
+    trained = CliRunner().invoke(app, ["train", str(recipe)])
+    assert trained.exit_code == 0, trained.output
+    assert "step 1/1" in trained.output
+    asyncio.run(_restore(vllm_server, hf_model))  # the tests after this one expect the original weights
+
+
+def test_asynchronous_training_with_the_vllm_engine(vllm_server: VLLMServer, tiny_model_dir: Path, hf_model,
+                                                    tmp_path: Path) -> None:
+    """`max_staleness = 1` through the train pipeline: the engine samples while the trainer steps, each sync (a
+    parity-checked reload) lands between generate calls, and every trained group is at most one version old, some
+    exactly one (the engine ran ahead)."""
+    from agentrl.cli.main import app
+
+    recipe = _train_recipe(tmp_path, tiny_model_dir, vllm_server.url, steps=3, grpo="max_staleness = 1\n"
+                           "[grpo.correction]\ndecoupled = true\ntis = \"token\"")
+    trained = CliRunner().invoke(app, ["train", str(recipe)])
+    asyncio.run(_restore(vllm_server, hf_model))
+    assert trained.exit_code == 0, trained.output
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["groups_trained"] for r in rows] == [2, 2, 2]
+    assert all(set(r["staleness"]) <= {"0", "1"} for r in rows) and any("1" in r["staleness"] for r in rows)
+    assert rows[0]["sampler_logprob_diff_max"] < 1e-3  # the first batch is the synced weights' own samples
+    assert all(0 <= r["idle"]["engine"] <= 1 for r in rows)
+
+
+def _train_recipe(tmp_path: Path, model_dir: Path, url: str, steps: int, grpo: str = "") -> Path:
+    """A GRPO recipe on the math env that attaches to the server at `url`; `grpo`: more lines of its [grpo]."""
     recipe = tmp_path / "train.toml"
     recipe.write_text(f"""
 env = "math/arith-v0"
-model = "{tiny_model_dir}"
+model = "{model_dir}"
 out_dir = "{tmp_path / 'run'}"
 env_kwargs = {{ n_tasks = 8 }}
 [engine]
 kind = "vllm"
-url = "{vllm_server.url}"
+url = "{url}"
 [eval]
 n = 4
 [eval.rollout.sampling]
 max_tokens = 8
 temperature = 0.0
-[grpo]
-steps = 1
-tasks_per_step = 2
-lr = 1e-3
 [grpo.rollout]
 group_size = 2
 [grpo.rollout.sampling]
 max_tokens = 8
+[grpo]
+steps = {steps}
+tasks_per_step = 2
+lr = 1e-3
+{grpo}
 """)
-    trained = CliRunner().invoke(app, ["train", str(recipe)])
-    assert trained.exit_code == 0, trained.output
-    assert "step 1/1" in trained.output
-    asyncio.run(_restore(vllm_server, hf_model))  # the tests after this one expect the original weights
+    return recipe
 
 
 async def _restore(server: VLLMServer, model) -> None:

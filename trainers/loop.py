@@ -76,6 +76,9 @@ class LoopConfig:
     # > 0: rollouts run up to this many weight versions ahead of the trainer (asynchronous training, in one
     # process); groups whose oldest token is older are dropped. 0: collect, train, sync (synchronous)
     max_staleness: int = 0
+    # asynchronous: episodes in flight at a weight update take their next turn with the new weights (each turn
+    # records its version); false: they are aborted and played again from the start with the new weights
+    partial_rollouts: bool = True
 
     def __post_init__(self) -> None:
         if self.loss not in POLICY_LOSSES:
@@ -89,6 +92,9 @@ class LoopConfig:
                              f"of them), got {self.micro_batch_tokens} with micro_batch_size = {self.micro_batch_size}")
         if self.max_staleness < 0:
             raise ValueError(f"{self.section}.max_staleness must be >= 0 (0: synchronous), got {self.max_staleness}")
+        if not self.partial_rollouts and not self.max_staleness:
+            raise ValueError(f"{self.section}.partial_rollouts = false aborts the episodes in flight at a weight "
+                             "update, which only asynchronous training has: set max_staleness > 0, or remove it")
         if self.correction.tis is not None and self.loss not in ("ppo", "gspo"):
             raise ValueError(f"{self.section}.correction.tis folds the weight into the advantage, which is exact for "
                              f"the ppo and gspo losses only ({self.loss!r} reads the advantage itself): use "
@@ -271,7 +277,7 @@ class Asynchronous:
         self.buffer = GroupBuffer(keep, cfg.max_staleness)
         self.source = RolloutSource(make_env, policy, renderer, cfg.rollout, stream.at, self.buffer,
                                     tasks_per_step=cfg.tasks_per_step, seed=cfg.seed, start=self.position,
-                                    skip=self.done, timeline=timeline)
+                                    skip=self.done, timeline=timeline, restart=not cfg.partial_rollouts)
         self.give_up_after = cfg.tasks_per_step * (1 + refills)
 
     def start(self, version: int) -> None:
@@ -291,6 +297,7 @@ class Asynchronous:
         trained = {group_position(g) for g in taken.kept}
         flow = {"staleness": {str(k): staleness[k] for k in sorted(staleness)}, "stale_groups": len(taken.stale),
                 "groups_in_flight": self.source.in_flight, "groups_waiting": self.buffer.ready(),
+                "restarted_groups_total": self.source.restarted,
                 "positions": {"trained": sorted(trained), "dropped": sorted(set(taken.done) - trained)}}
         return taken.kept, taken.collected, flow
 
@@ -438,7 +445,7 @@ def run(cfg: LoopConfig, method: Method, model: torch.nn.Module, optimizer: torc
             # in asynchronous training episodes are sampled all through the step
             rollout_s = t3 - t0 if cfg.max_staleness else t1 - t0
             metrics.update(groups_trained=len(kept), tokens_per_s=metrics["sampled_tokens"] / max(rollout_s, 1e-9),
-                           trained_tokens_per_s=trained / max(t3 - t0, 1e-9),
+                           trained_tokens=trained, trained_tokens_per_s=trained / max(t3 - t0, 1e-9),
                            time={**metrics.get("time", {}), "rollout": t1 - t0, "train": t2 - t1, "sync": t3 - t2},
                            timeline=busy, idle=idle_fractions(busy, t0 - timeline.origin, t3 - timeline.origin))
             if sharding.main:

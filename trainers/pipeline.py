@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from agentrl.config import STRICT, table_defaults
 from agentrl.policy.backends import EngineConfig, open_policy
-from agentrl.eval.report import plot_reward_curve
+from agentrl.eval.report import plot_reward_curve, plot_timeline
 from agentrl.eval.run import evaluate
 from agentrl.policy.hf import HFPolicy
 from agentrl.policy.precision import mixed_precision
@@ -270,8 +270,6 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         summary["after"] = evaluate_now("after RL")
     save()
     if (out / "metrics.jsonl").exists():
-        from agentrl.eval.report import plot_timeline
-
         rows = read_records(out / "metrics.jsonl")
         (out / "reward_curve.png").write_bytes(plot_reward_curve(rows))
         if any("timeline" in row for row in rows):  # runs from before the timeline have none

@@ -13,7 +13,9 @@ ahead of the trainer; a group that still comes out older (a slow episode overtak
 take (`GroupBuffer`). **Partial rollouts.** `VersionGate` makes a weight sync wait for the `generate` calls in
 flight (as vLLM's pause does) and holds new ones until the new weights are in: an episode's next turn samples from
 the new weights, and each turn records the version that sampled it (`Turn.weight_version`), so that the loss takes
-each token's behaviour logprobs from the weights that really sampled it.
+each token's behaviour logprobs from the weights that really sampled it. With `restart = True` a sync aborts the
+groups in flight instead, and plays them again from the start with the new weights (for envs whose episodes cannot
+continue under other weights).
 
 Task `p` of the stream is played with env seed `seed * 100_003 + p`, and its trajectories' `group` is `p`: a run
 resumed from a checkpoint replays the positions that were in flight, with the same seeds, and skips those done.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+from collections import deque
 from dataclasses import replace
 from typing import Any, Callable, Collection, Sequence
 
@@ -86,15 +89,18 @@ class VersionGate:
 class RolloutSource:
     """Plays groups of `group_size` episodes of the tasks `task_at(0), task_at(1), ...` (the positions in `skip`
     left out, from `start`), at most `max_staleness` steps ahead of the trainer, and puts each group into `buffer`
-    as it finishes. Runs its own event loop in a thread; `sync` and `close` are called from the trainer's."""
+    as it finishes (`restart`: a sync plays the groups in flight again instead of continuing them). Runs its own event
+    loop in a thread; `sync` and `close` are called from the trainer's."""
 
     def __init__(self, make_env: Callable[[], TextEnv], policy: Policy, renderer: Renderer, config: RolloutConfig,
                  task_at: Callable[[int], Task], buffer: GroupBuffer, *, tasks_per_step: int, seed: int,
-                 start: int = 0, skip: Collection[int] = (), timeline: Timeline | None = None):
+                 start: int = 0, skip: Collection[int] = (), timeline: Timeline | None = None, restart: bool = False):
         self.policy, self.buffer, self.task_at = VersionGate(policy), buffer, task_at
         self.engine = RolloutEngine(make_env, self.policy, renderer, config, timeline)
         self.tasks_per_step, self.seed, self.start_at, self.skip = tasks_per_step, seed, start, frozenset(skip)
-        self.in_flight, self.syncs = 0, 0
+        self.in_flight, self.syncs, self.restart, self.restarted, self._syncing = 0, 0, restart, 0, False
+        self._running: dict[int, asyncio.Task] = {}  # by task position
+        self._replay: deque[int] = deque()  # aborted positions, played again first
         self._loop: asyncio.AbstractEventLoop | None = None
         self._main: asyncio.Task | None = None
         self._ready, self._thread = threading.Event(), threading.Thread(target=self._run, name="agentrl-rollouts",
@@ -128,32 +134,42 @@ class RolloutSource:
             self._ready.set()
 
     async def _sync(self, model: Any, version: int) -> None:
-        await self.policy.sync_weights(model, version)
-        self.syncs += 1
-        self._room.set()
+        self._syncing = True  # no group starts until the new weights are in
+        try:
+            if self.restart:  # abort what is in flight (envs closed), to play it again with the new weights
+                aborted = list(self._running.items())
+                for _, task in aborted:
+                    task.cancel()
+                await asyncio.gather(*(task for _, task in aborted), return_exceptions=True)
+                self._replay.extend(sorted(position for position, _ in aborted))
+                self.restarted += len(aborted)
+            await self.policy.sync_weights(model, version)
+            self.syncs += 1
+        finally:
+            self._syncing = False
+            self._room.set()
 
     def _has_room(self) -> bool:
         live = self.in_flight + self.buffer.ready() + self.buffer.taken
-        return live < (self.syncs + self.buffer.max_staleness + 1) * self.tasks_per_step
+        return not self._syncing and live < (self.syncs + self.buffer.max_staleness + 1) * self.tasks_per_step
 
     async def _produce(self) -> None:
         self._loop, self._main = asyncio.get_running_loop(), asyncio.current_task()
-        self._room, running = asyncio.Event(), set()
+        self._room, fresh = asyncio.Event(), (p for p in itertools.count(self.start_at) if p not in self.skip)
         gate = asyncio.Semaphore(self.engine.config.concurrency)
         self._ready.set()
         try:
-            for position in (p for p in itertools.count(self.start_at) if p not in self.skip):
+            while True:
                 while not self._has_room():
                     self._room.clear()
                     await self._room.wait()
+                position = self._replay.popleft() if self._replay else next(fresh)
                 self.in_flight += 1
-                task = asyncio.create_task(self._play(position, gate))
-                running.add(task)
-                task.add_done_callback(running.discard)
+                self._running[position] = asyncio.create_task(self._play(position, gate))
         finally:
-            for task in running:
+            for task in self._running.values():
                 task.cancel()
-            await asyncio.gather(*running, return_exceptions=True)  # their envs close
+            await asyncio.gather(*self._running.values(), return_exceptions=True)  # their envs close
 
     async def _play(self, position: int, gate: asyncio.Semaphore) -> None:
         try:
@@ -164,4 +180,5 @@ class RolloutSource:
             self._main.cancel()
         finally:
             self.in_flight -= 1
+            self._running.pop(position, None)
             self._room.set()

@@ -1,0 +1,97 @@
+"""Asynchronous against synchronous GRPO: trained tokens per second at `max_staleness` 0 (synchronous), 1 and 2,
+measured in the same run on the same model, envs, batch and number of optimizer steps.
+
+Each row runs GRPO (`agentrl.trainers.grpo.train`) for the same steps from the same weights, with the in-process
+engine on its own copy of the model, and reads the loop's own metrics: trained tokens (the sampled tokens of the
+groups trained) over the steps' wall time, and the engine, env and trainer idle fractions of each step (mean over the
+steps). Two envs:
+
+1. `web/miniwob-v0` in a real Chromium (4 tasks x 4 episodes per step, 4 at once, up to 3 turns): page loads and
+   Playwright actions wait, so the engine and trainer idle while a synchronous step waits for its slowest episode.
+   Goal: asynchronous (max_staleness 1) >= 1.5x synchronous.
+2. `math/arith-v0` (8 tasks x 8 episodes per step): compute-bound. On 2 cores the engine and the trainer compete for
+   the same cores, so overlapping them gains little; its ratios are reported, with no goal.
+
+The model is the tiny one (5 M parameters, random weights: it writes no valid tool call, so every episode runs to
+its turn limit, and rewards are 0: the update still runs its forward and backward passes over every trained token).
+
+    python bench/async_pipeline.py [--quick]
+
+`--quick` (under a minute): the web env only, synchronous against max_staleness 1, 2 steps. The full run: both envs,
+3 rows each, 6 steps (about 6 minutes on 2 cores). Needs Chromium and Playwright (`make setup-browser`). The last
+line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+from transformers import AutoModelForCausalLM
+
+import agentrl
+from agentrl.models.tiny import build_tiny_model
+from agentrl.models.tokenizer import load_tokenizer
+from agentrl.policy.hf import HFPolicy
+from agentrl.policy.protocol import SamplingParams
+from agentrl.rollout.engine import RolloutConfig
+from agentrl.trainers.grpo import GRPOConfig, train
+
+MODEL_DIR = Path("~/.cache/agentrl/models/tiny").expanduser()
+ENVS = {  # env id, its kwargs, (tasks per step, group size, concurrency, max tokens per turn)
+    "web": ("web/miniwob-v0", {"max_turns": 3, "max_sessions": 4}, (4, 4, 4, 48)),
+    "math": ("math/arith-v0", {"max_turns": 4, "kinds": ["expression"], "max_ops": 2, "parser": "react"},
+             (8, 8, 32, 64)),
+}
+
+
+def run_row(model_dir: Path, env_name: str, max_staleness: int, steps: int, out: Path) -> dict:
+    """One training run; its trained tokens per second over the steps and mean idle fractions."""
+    env_id, env_kwargs, (tasks_per_step, group_size, concurrency, max_tokens) = ENVS[env_name]
+    tokenizer = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    cfg = GRPOConfig(steps=steps, tasks_per_step=tasks_per_step, lr=1e-4, minibatch_size=16, seed=0,
+                     max_staleness=max_staleness,
+                     rollout=RolloutConfig(group_size=group_size, concurrency=concurrency, max_total_tokens=2048,
+                                           sampling=SamplingParams(max_tokens=max_tokens)))
+    make_env = lambda: agentrl.make(env_id, **env_kwargs)  # noqa: E731
+    policy = HFPolicy(copy.deepcopy(model), tokenizer)  # the sampler's own copy, in every row alike
+    rows = train(cfg, model, tokenizer, policy, make_env, list(make_env().tasks), out)
+    seconds = sum(sum(r["time"].values()) for r in rows)
+    tokens = sum(r["trained_tokens"] for r in rows)
+    return {"env": env_name, "max_staleness": max_staleness, "trained_tokens": tokens, "seconds": round(seconds, 2),
+            "trained_tokens_per_s": round(tokens / seconds, 1),
+            "idle": {k: round(statistics.mean(r["idle"][k] for r in rows), 3) for k in rows[0]["idle"]},
+            "stale_groups": sum(r.get("stale_groups", 0) for r in rows)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the web env, staleness 0 and 1, 2 steps")
+    a = parser.parse_args()
+    model_dir = build_tiny_model(MODEL_DIR, quiet=True)
+    plan = [("web", 0), ("web", 1)] if a.quick else [(e, k) for e in ("web", "math") for k in (0, 1, 2)]
+    steps, results = (2 if a.quick else 6), {}
+    with tempfile.TemporaryDirectory(prefix="agentrl-async-bench-") as tmp:
+        for env_name, k in plan:
+            row = run_row(model_dir, env_name, k, steps, Path(tmp) / f"{env_name}-{k}")
+            results[(env_name, k)] = row
+            print(json.dumps(row), file=sys.stderr)
+    ratio = lambda env, k: round(results[(env, k)]["trained_tokens_per_s"] / results[(env, 0)]["trained_tokens_per_s"],
+                                 3)  # noqa: E731
+    figures = {"ratio": ratio("web", 1), "goal": ">= 1.5 (web, max_staleness 1 vs 0)", "steps": steps}
+    for (env_name, k), row in results.items():
+        figures[f"{env_name}_k{k}_tokens_per_s"] = row["trained_tokens_per_s"]
+        figures[f"{env_name}_k{k}_idle"] = row["idle"]
+        if k:
+            figures[f"{env_name}_k{k}_ratio"] = ratio(env_name, k)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
