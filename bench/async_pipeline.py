@@ -11,15 +11,18 @@ steps). Two envs:
    Goal: asynchronous (max_staleness 1) >= 1.5x synchronous.
 2. `math/arith-v0` (8 tasks x 8 episodes per step): compute-bound. On 2 cores the engine and the trainer compete for
    the same cores, so overlapping them gains little; its ratios are reported, with no goal.
+3. An extra, labelled row, `math+latency`: the same math env with 1 s of injected latency in each reset and step (a
+   remote tool or a sandbox start that only waits), and turns ended by half the vocabulary (as stop tokens), so that
+   the random model's episodes take their 4 turns: 5 s of waiting per episode.
 
 The model is the tiny one (5 M parameters, random weights: it writes no valid tool call, so every episode runs to
 its turn limit, and rewards are 0: the update still runs its forward and backward passes over every trained token).
 
-    python bench/async_pipeline.py [--quick]
+    python bench/async_pipeline.py [--quick] [--envs web,math,math+latency]
 
-`--quick` (under a minute): the web env only, synchronous against max_staleness 1, 2 steps. The full run: both envs,
-3 rows each, 6 steps (about 6 minutes on 2 cores). Needs Chromium and Playwright (`make setup-browser`). The last
-line is one JSON object.
+`--quick` (under a minute): `math+latency` only, synchronous against max_staleness 1, 2 steps. The full run: every
+env at max_staleness 0, 1 and 2, 6 steps each (about 14 minutes on 2 cores). The web
+rows need Chromium and Playwright (`make setup-browser`). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from transformers import AutoModelForCausalLM
@@ -43,11 +47,29 @@ from agentrl.rollout.engine import RolloutConfig
 from agentrl.trainers.grpo import GRPOConfig, train
 
 MODEL_DIR = Path("~/.cache/agentrl/models/tiny").expanduser()
-ENVS = {  # env id, its kwargs, (tasks per step, group size, concurrency, max tokens per turn)
+ENVS = {  # env id, its kwargs, (tasks per step, group size, concurrency = env threads, max tokens per turn)
     "web": ("web/miniwob-v0", {"max_turns": 3, "max_sessions": 4}, (4, 4, 4, 48)),
     "math": ("math/arith-v0", {"max_turns": 4, "kinds": ["expression"], "max_ops": 2, "parser": "react"},
              (8, 8, 32, 64)),
 }
+ENVS["math+latency"] = (*ENVS["math"][:2], (8, 8, 64, 64))  # a step's episodes all at once: each of them waits
+LATENCY_S = 1.0  # math+latency: added to every reset and step
+
+
+def with_latency(env):
+    """`env` whose reset and step first wait `LATENCY_S` (in the env's thread, as a remote call would)."""
+    reset, step = env.reset, env.step
+
+    def slow_reset(**kwargs):
+        time.sleep(LATENCY_S)
+        return reset(**kwargs)
+
+    def slow_step(action):
+        time.sleep(LATENCY_S)
+        return step(action)
+
+    env.reset, env.step = slow_reset, slow_step
+    return env
 
 
 def run_row(model_dir: Path, env_name: str, max_staleness: int, steps: int, out: Path) -> dict:
@@ -55,11 +77,14 @@ def run_row(model_dir: Path, env_name: str, max_staleness: int, steps: int, out:
     env_id, env_kwargs, (tasks_per_step, group_size, concurrency, max_tokens) = ENVS[env_name]
     tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
+    slow = env_name.endswith("+latency")
+    stops = tuple(range(0, len(tokenizer), 2)) if slow else ()
     cfg = GRPOConfig(steps=steps, tasks_per_step=tasks_per_step, lr=1e-4, minibatch_size=16, seed=0,
                      max_staleness=max_staleness,
-                     rollout=RolloutConfig(group_size=group_size, concurrency=concurrency, max_total_tokens=2048,
-                                           sampling=SamplingParams(max_tokens=max_tokens)))
-    make_env = lambda: agentrl.make(env_id, **env_kwargs)  # noqa: E731
+                     rollout=RolloutConfig(group_size=group_size, concurrency=concurrency, env_workers=concurrency,
+                                           max_total_tokens=2048,
+                                           sampling=SamplingParams(max_tokens=max_tokens, stop_token_ids=stops)))
+    make_env = lambda: (with_latency if slow else lambda e: e)(agentrl.make(env_id, **env_kwargs))  # noqa: E731
     policy = HFPolicy(copy.deepcopy(model), tokenizer)  # the sampler's own copy, in every row alike
     rows = train(cfg, model, tokenizer, policy, make_env, list(make_env().tasks), out)
     seconds = sum(sum(r["time"].values()) for r in rows)
@@ -72,10 +97,12 @@ def run_row(model_dir: Path, env_name: str, max_staleness: int, steps: int, out:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="the web env, staleness 0 and 1, 2 steps")
+    parser.add_argument("--quick", action="store_true", help="math+latency, staleness 0 and 1, 2 steps")
+    parser.add_argument("--envs", default="web,math,math+latency", help="which rows to run (comma-separated)")
     a = parser.parse_args()
     model_dir = build_tiny_model(MODEL_DIR, quiet=True)
-    plan = [("web", 0), ("web", 1)] if a.quick else [(e, k) for e in ("web", "math") for k in (0, 1, 2)]
+    envs = ["math+latency"] if a.quick else a.envs.split(",")
+    plan = [(e, k) for e in envs for k in ((0, 1) if a.quick else (0, 1, 2))]
     steps, results = (2 if a.quick else 6), {}
     with tempfile.TemporaryDirectory(prefix="agentrl-async-bench-") as tmp:
         for env_name, k in plan:
@@ -84,7 +111,8 @@ def main() -> None:
             print(json.dumps(row), file=sys.stderr)
     ratio = lambda env, k: round(results[(env, k)]["trained_tokens_per_s"] / results[(env, 0)]["trained_tokens_per_s"],
                                  3)  # noqa: E731
-    figures = {"ratio": ratio("web", 1), "goal": ">= 1.5 (web, max_staleness 1 vs 0)", "steps": steps}
+    headline = "web" if "web" in envs else envs[0]
+    figures = {"ratio": ratio(headline, 1), "goal": f">= 1.5 ({headline}, max_staleness 1 vs 0)", "steps": steps}
     for (env_name, k), row in results.items():
         figures[f"{env_name}_k{k}_tokens_per_s"] = row["trained_tokens_per_s"]
         figures[f"{env_name}_k{k}_idle"] = row["idle"]
