@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections import Counter
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Protocol
