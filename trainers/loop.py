@@ -426,8 +426,10 @@ def run(cfg: LoopConfig, method: Method, model: torch.nn.Module, optimizer: torc
         stream.position = saved["data_position"]
     sharding, renderer, timeline = Sharding(model, policy), Renderer(tokenizer), Timeline()
     max_reward = make_env().max_reward
-    rollouts = (Asynchronous(model, policy, make_env, renderer, stream, cfg, keep, refills, timeline, saved)
-                if cfg.max_staleness else Synchronous(sharding, make_env, renderer, stream, cfg, keep, refills, timeline))
+    if cfg.max_staleness:
+        rollouts = Asynchronous(model, policy, make_env, renderer, stream, cfg, keep, refills, timeline, saved)
+    else:
+        rollouts = Synchronous(sharding, make_env, renderer, stream, cfg, keep, refills, timeline)
     rollouts.start(start)
     logger, history = MetricsLogger(out_dir, start) if sharding.main else None, []
     try:

@@ -214,7 +214,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     elif rank == 0:
         prompts = [renderer.prompt_ids(env.first_messages(t), env.tool_schemas) for t in tasks[:2]]
         policy = open_policy(job.model, job.engine, parity_prompts=prompts)
-    if in_process and world == 1 and not job.rl.max_staleness:  # the sampler shares the trainer's model: syncing is free
+    if in_process and world == 1 and not job.rl.max_staleness:  # the sampler shares the trainer's model: free syncs
         model = policy.model
     else:  # the trainer has its own copy (sharded over the ranks under torchrun; asynchronous: the sampler runs on)
         model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(job.model), dtype=param_dtype).to(job.device)
