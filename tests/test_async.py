@@ -88,6 +88,12 @@ def test_take_waits_for_enough_groups_and_gives_up_like_a_synchronous_step():
     buffer.put(group(2, (0, 0), rewards=(0.0, 0.0)))
     taken = buffer.take(2, version=0, give_up_after=2)  # 2 came in, 1 kept: as far as a step without refills goes
     assert positions(taken.kept) == [1] and sorted(taken.done) == [1, 2]
+    # stale groups do not count towards giving up: the source plays others in their place
+    buffer.put(group(3, (0, 0)))
+    buffer.put(group(4, (1, 1)))
+    threading.Timer(0.2, lambda: buffer.put(group(5, (1, 1)))).start()
+    taken = buffer.take(2, version=1, give_up_after=2)
+    assert positions(taken.kept) == [4, 5] and positions(taken.stale) == [3]
 
 
 def test_a_failed_source_fails_the_trainers_take_with_its_cause():
@@ -285,26 +291,31 @@ def test_killed_at_random_points_the_run_trains_every_group_exactly_once(tiny_mo
     """SIGKILL twice at random moments after a checkpoint, then run to the end: across the steps in metrics.jsonl
     (the lines after the last checkpoint are redone), every task position is trained or dropped exactly once, and
     the positions done are exactly those below the final data position and the ones the checkpoint lists above."""
-    script, out, rng = tmp_path / "train.py", tmp_path / "run", random.Random(0)
+    script, out, log, rng = tmp_path / "train.py", tmp_path / "run", tmp_path / "stderr.log", random.Random(0)
     script.write_text(TRAIN)
     command = [sys.executable, str(script), str(tiny_model_dir), str(out)]
+    latest = lambda: latest_checkpoint(out) if out.exists() else None  # noqa: E731
     for _ in range(2):
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        before = latest_checkpoint(out) if out.exists() else None
-        while process.poll() is None and (latest_checkpoint(out) if out.exists() else None) == before:
+        with log.open("a") as stderr:  # a file, not a pipe: a full pipe would block the run
+            process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
+        before, deadline = latest(), time.monotonic() + 240
+        while process.poll() is None and latest() == before:
+            assert time.monotonic() < deadline, "no new checkpoint in 240 s: " + log.read_text()[-3000:]
             time.sleep(0.05)
         time.sleep(rng.uniform(0.0, 1.5))
         if process.poll() is None:
             os.kill(process.pid, signal.SIGKILL)
         process.wait()
-    assert latest_checkpoint(out).name != "step-000006", "the kills came too late to test anything"
-    finished = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert latest() is not None, log.read_text()[-3000:]
+    assert latest().name != "step-000006", "the kills came too late to test anything"
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=400)
     assert finished.returncode == 0, finished.stderr[-3000:]
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-    assert all(r["groups_trained"] == 2 and set(r["staleness"]) <= {"0", "1"} for r in rows)
+    assert all(r["groups_trained"] == 2 and set(r["staleness"]) <= {"0", "1"} for r in rows), \
+        [(r["groups_trained"], r["staleness"], r["positions"]) for r in rows]
     done = [p for r in rows for key in ("trained", "dropped") for p in r["positions"][key]]
-    assert len(done) == len(set(done))  # nothing trained (or dropped) twice
+    assert len(done) == len(set(done)), [r["positions"] for r in rows]  # nothing trained (or dropped) twice
     state = torch.load(latest_checkpoint(out) / "trainer_state.pt", weights_only=False)["state"]
-    assert sorted(done) == list(range(state["data_position"])) + state["done_positions"]  # nothing lost
+    assert sorted(done) == list(range(state["data_position"])) + state["done_positions"], state  # nothing lost

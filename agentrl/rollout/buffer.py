@@ -74,8 +74,9 @@ class GroupBuffer:
 
     def take(self, n: int, version: int, give_up_after: int | None = None) -> Taken:
         """The `n` oldest kept groups within `max_staleness` of `version` (the trainer's weights), waiting for them;
-        with `give_up_after`, fewer (maybe none) once the groups ready, refused and dropped since the last take
-        number that many (as a synchronous step with dynamic sampling stops refilling)."""
+        with `give_up_after`, fewer (maybe none) once the groups ready and refused since the last take number that
+        many (as a synchronous step with dynamic sampling stops refilling; stale groups do not count: the source
+        plays others in their place)."""
         stale: list[Group] = []
         with self._cond:
             while True:
@@ -83,7 +84,7 @@ class GroupBuffer:
                     raise RolloutSourceError(f"the rollout source stopped: {self._failure!r}") from self._failure
                 stale += [g for g in self._ready if version - group_version(g) > self.max_staleness]
                 self._ready = [g for g in self._ready if version - group_version(g) <= self.max_staleness]
-                seen = len(self._ready) + len(self._refused) + len(stale)
+                seen = len(self._ready) + len(self._refused)
                 if len(self._ready) >= n or (give_up_after is not None and seen >= give_up_after):
                     break
                 self._cond.wait()
