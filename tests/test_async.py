@@ -279,7 +279,7 @@ TRAIN = textwrap.dedent("""
     model_dir, out = sys.argv[1], Path(sys.argv[2])
     tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    cfg = GRPOConfig(steps=6, tasks_per_step=2, lr=1e-3, minibatch_size=4, checkpoint_every=1, max_staleness=1,
+    cfg = GRPOConfig(steps=10, tasks_per_step=2, lr=1e-3, minibatch_size=4, checkpoint_every=1, max_staleness=1,
                      rollout=RolloutConfig(group_size=2, max_total_tokens=1024, sampling=SamplingParams(max_tokens=12)))
     env = lambda: ArithmeticEnv(n_tasks=5)
     train(cfg, model, tokenizer, HFPolicy(copy.deepcopy(model), tokenizer), env, list(env().tasks), out)
@@ -288,31 +288,36 @@ TRAIN = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_killed_at_random_points_the_run_trains_every_group_exactly_once(tiny_model_dir, tmp_path):
-    """SIGKILL twice at random moments after a checkpoint, then run to the end: across the steps in metrics.jsonl
-    (the lines after the last checkpoint are redone), every task position is trained or dropped exactly once, and
-    the positions done are exactly those below the final data position and the ones the checkpoint lists above."""
+    """SIGKILL twice, each at a random moment after a random checkpoint, then run to the end: across the steps in
+    metrics.jsonl (the lines after the last checkpoint are redone), every task position is trained or dropped exactly
+    once, and the positions done are exactly those below the final data position and the ones the checkpoint lists
+    above. The kills follow checkpoints, not the clock: a step takes 0.4 s on an idle machine, seconds on a busy one."""
     script, out, log, rng = tmp_path / "train.py", tmp_path / "run", tmp_path / "stderr.log", random.Random(0)
     script.write_text(TRAIN)
     command = [sys.executable, str(script), str(tiny_model_dir), str(out)]
-    latest = lambda: latest_checkpoint(out) if out.exists() else None  # noqa: E731
+
+    def step() -> int:  # of the latest checkpoint; 0 before the first
+        checkpoint = latest_checkpoint(out) if out.exists() else None
+        return int(checkpoint.name.split("-")[1]) if checkpoint else 0
+
     for _ in range(2):
+        target = step() + rng.randint(1, 3)  # kill after this checkpoint, at a random moment of the next step
         with log.open("a") as stderr:  # a file, not a pipe: a full pipe would block the run
             process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
-        before, deadline = latest(), time.monotonic() + 240
-        while process.poll() is None and latest() == before:
-            assert time.monotonic() < deadline, "no new checkpoint in 240 s: " + log.read_text()[-3000:]
-            time.sleep(0.05)
-        time.sleep(rng.uniform(0.0, 1.5))
-        if process.poll() is None:
-            os.kill(process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 240
+        while process.poll() is None and step() < target:
+            assert time.monotonic() < deadline, f"no checkpoint {target} in 240 s: " + log.read_text()[-3000:]
+            time.sleep(0.02)
+        time.sleep(rng.uniform(0.0, 0.3))
+        assert process.poll() is None, "the run ended before the kill: " + log.read_text()[-3000:]
+        os.kill(process.pid, signal.SIGKILL)
         process.wait()
-    assert latest() is not None, log.read_text()[-3000:]
-    assert latest().name != "step-000006", "the kills came too late to test anything"
+    assert 0 < step() < 10
     finished = subprocess.run(command, capture_output=True, text=True, timeout=400)
     assert finished.returncode == 0, finished.stderr[-3000:]
 
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in rows] == list(range(1, 11))
     assert all(r["groups_trained"] == 2 and set(r["staleness"]) <= {"0", "1"} for r in rows), \
         [(r["groups_trained"], r["staleness"], r["positions"]) for r in rows]
     done = [p for r in rows for key in ("trained", "dropped") for p in r["positions"][key]]
