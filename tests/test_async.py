@@ -104,6 +104,23 @@ def test_a_failed_source_fails_the_trainers_take_with_its_cause():
     assert isinstance(raised.value.__cause__, OSError)
 
 
+def test_a_source_that_fails_names_its_cause_at_the_next_take_and_sync():
+    def task_at(position):
+        raise IndexError(f"no task at {position}")
+
+    buffer = GroupBuffer(varies, max_staleness=1)
+    source = RolloutSource(lambda: None, SlowPolicy(0.0), None, RolloutConfig(), task_at, buffer, tasks_per_step=1,
+                           seed=0)
+    source.start()
+    try:
+        with pytest.raises(RolloutSourceError, match="no task at 0"):
+            buffer.take(1, version=0)
+        with pytest.raises(RolloutSourceError, match="no task at 0"):
+            source.sync(None, 1)
+    finally:
+        source.close()
+
+
 class SlowPolicy:
     """Each generate takes `seconds`; sync_weights records when it ran."""
 

@@ -62,10 +62,17 @@ class GroupBuffer:
             self._cond.notify_all()
 
     def fail(self, error: BaseException) -> None:
-        """The source died: the waiting and every later `take` raise `RolloutSourceError` from `error`."""
+        """The source died: the waiting and every later `take` raise `RolloutSourceError` from `error` (the first
+        failure, when several episodes' groups fail at once)."""
         with self._cond:
-            self._failure = error
+            self._failure = self._failure or error
             self._cond.notify_all()
+
+    def check(self) -> None:
+        """Raise `RolloutSourceError` if the source has failed."""
+        with self._cond:
+            if self._failure is not None:
+                raise RolloutSourceError(f"the rollout source stopped: {self._failure!r}") from self._failure
 
     def ready(self) -> int:
         """Kept groups waiting to be taken."""
@@ -80,8 +87,7 @@ class GroupBuffer:
         stale: list[Group] = []
         with self._cond:
             while True:
-                if self._failure is not None:
-                    raise RolloutSourceError(f"the rollout source stopped: {self._failure!r}") from self._failure
+                self.check()  # the condition's lock is reentrant
                 stale += [g for g in self._ready if version - group_version(g) > self.max_staleness]
                 self._ready = [g for g in self._ready if version - group_version(g) <= self.max_staleness]
                 seen = len(self._ready) + len(self._refused)

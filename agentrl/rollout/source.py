@@ -113,7 +113,8 @@ class RolloutSource:
 
     def sync(self, model: Any, version: int) -> None:
         """`model`'s weights into the engine as `version` (blocks until they are in); lets the source run one step
-        further ahead."""
+        further ahead. Raises the source's failure if it has stopped."""
+        self.buffer.check()
         asyncio.run_coroutine_threadsafe(self._sync(model, version), self._loop).result()
 
     def close(self) -> None:
