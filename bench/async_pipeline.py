@@ -21,7 +21,7 @@ its turn limit, and rewards are 0: the update still runs its forward and backwar
     python bench/async_pipeline.py [--quick] [--envs web,math,math+latency]
 
 `--quick` (under a minute): `math+latency` only, synchronous against max_staleness 1, 2 steps. The full run: every
-env at max_staleness 0, 1 and 2, 6 steps each (about 14 minutes on 2 cores). The web
+env at max_staleness 0, 1 and 2, 6 steps each (13 minutes on 2 cores with AVX-512). The web
 rows need Chromium and Playwright (`make setup-browser`). The last line is one JSON object.
 """
 
