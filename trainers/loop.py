@@ -129,11 +129,14 @@ class TaskStream:
 
     def __init__(self, tasks: list[Task], seed: int, position: int = 0):
         self.tasks, self.seed, self.position = tasks, seed, position
+        self._pass: tuple[int, list[int]] = (-1, [])  # the last pass's order, as (epoch, order)
 
     def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.tasks)))
-        random.Random(self.seed * 7919 + epoch).shuffle(order)
-        return order
+        if self._pass[0] != epoch:
+            order = list(range(len(self.tasks)))
+            random.Random(self.seed * 7919 + epoch).shuffle(order)
+            self._pass = (epoch, order)
+        return self._pass[1]
 
     def at(self, position: int) -> Task:
         """The task at `position` of the stream."""
@@ -142,13 +145,8 @@ class TaskStream:
 
     def take(self, n: int) -> list[Task]:
         """The next `n` tasks, continuing into the next pass (a new order) when this one runs out."""
-        out = []
-        for _ in range(n):
-            epoch, i = divmod(self.position, len(self.tasks))
-            if i == 0 or not out:
-                order = self._order(epoch)
-            out.append(self.tasks[order[i]])
-            self.position += 1
+        out = [self.at(p) for p in range(self.position, self.position + n)]
+        self.position += n
         return out
 
 

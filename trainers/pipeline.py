@@ -47,6 +47,7 @@ from agentrl.trainers.grpo import GRPOConfig, train as train_grpo
 from agentrl.trainers.lora import LoraSettings, add_lora
 from agentrl.trainers.ppo import PPOConfig, train as train_ppo
 from agentrl.trainers.pretrain import CopyWarmup, alphabet, copy_in_context, copy_warmup, vocabulary
+from agentrl.trainers.progress import mean_of_last, progress_line, stage_progress, tango_line
 from agentrl.trainers.rewards import RewardConfig
 from agentrl.trainers.sft import SFTConfig, sft
 from agentrl.trainers.tandem import TandemConfig, TandemPolicy, junior_cross_entropy
@@ -262,7 +263,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
             return heldout(job, policy, renderer, make_env, log, f"at step {step}")[0] if due else {}
 
         loop(cfg, model, tokenizer, handoff.training_policy() if handoff else policy, make_env, tasks, out,
-             on_step=lambda step, m: log(_progress_line(step, cfg.steps, m)), periodic_eval=periodic_eval)
+             on_step=lambda step, m: log(progress_line(step, cfg.steps, m)), periodic_eval=periodic_eval)
     if rank > 0:  # rank 0 evaluates and writes
         return summary
     summary["rl_seconds"] = round(time.perf_counter() - started, 1)
@@ -304,25 +305,25 @@ def warm_start(job: TrainJob, model, tokenizer, policy, renderer, make_env, task
         tokens = alphabet([a for t in tasks[:256] for a in env.gold_actions(t)], tokenizer)
         log(f"copy warm-up: {job.warmup.steps} steps on repeated sequences of the {len(tokens)} tokens the expert "
             "writes")
-        history = copy_warmup(model, tokens, job.warmup, on_step=_progress(job.warmup.steps, log, "copy warm-up",
+        history = copy_warmup(model, tokens, job.warmup, on_step=stage_progress(job.warmup.steps, log, "copy warm-up",
                                                                            "copy_accuracy"))
-        summary["warmup"] = {"steps": len(history), "copy_accuracy": _mean_of_last(history, "copy_accuracy")}
+        summary["warmup"] = {"steps": len(history), "copy_accuracy": mean_of_last(history, "copy_accuracy")}
         if job.warmup.context_steps:  # the env's text: expert episodes on training tasks, played through the env
             episodes = demonstrations(make_env, tasks[:job.warmup.context_episodes], renderer, job.rl.rollout, 0.0,
                                       job.rl.seed, out / "warmup_text.jsonl")
             texts = [t.token_ids for t in episodes]
             log(f"copy in context: {job.warmup.context_steps} steps on {job.warmup.context_len}-token sequences of "
                 f"the text of {len(texts)} expert episodes, random spans and repeats")
-            history = copy_in_context(model, tokens, texts, job.warmup, on_step=_progress(
+            history = copy_in_context(model, tokens, texts, job.warmup, on_step=stage_progress(
                 job.warmup.context_steps, log, "copy in context", "copy_accuracy"))
-            summary["warmup"]["context_copy_accuracy"] = _mean_of_last(history, "copy_accuracy")
+            summary["warmup"]["context_copy_accuracy"] = mean_of_last(history, "copy_accuracy")
             if job.warmup.context_vocab_steps:  # then spans of every token: held-out names copy too
                 vocab = vocabulary(tokenizer)
                 cfg = replace(job.warmup, context_steps=job.warmup.context_vocab_steps, seed=job.warmup.seed + 1)
                 log(f"copy in context, spans of all {len(vocab)} tokens: {cfg.context_steps} steps")
-                history = copy_in_context(model, vocab, texts, cfg, on_step=_progress(
+                history = copy_in_context(model, vocab, texts, cfg, on_step=stage_progress(
                     cfg.context_steps, log, "copy in context (vocabulary)", "copy_accuracy"))
-                summary["warmup"]["vocab_copy_accuracy"] = _mean_of_last(history, "copy_accuracy")
+                summary["warmup"]["vocab_copy_accuracy"] = mean_of_last(history, "copy_accuracy")
         asyncio.run(policy.sync_weights(model, 0))
         _save_stage(model, tokenizer, out / "warmup_model")
         save()
@@ -343,7 +344,7 @@ def warm_start(job: TrainJob, model, tokenizer, policy, renderer, make_env, task
         demos = demonstrations(stage_env, picked, renderer, job.rl.rollout, stage.error_rate, job.rl.seed,
                                out / ("sft_demos.jsonl" if len(stages) == 1 else f"sft{i + 1}_demos.jsonl"))
         steps = stage.config.epochs * -(-len(demos) // stage.config.batch_size)
-        history = sft(model, demos, stage.config, on_step=_progress(steps, log, label, "loss"))
+        history = sft(model, demos, stage.config, on_step=stage_progress(steps, log, label, "loss"))
         asyncio.run(policy.sync_weights(model, 0))
         _save_stage(model, tokenizer, out / "sft_model")  # the warm-started model: other recipes can start from it
         result = {"steps": len(history), "final_loss": history[-1]["loss"], "kept": history[-1]["kept"]}
@@ -431,14 +432,8 @@ def run_tango(job: TrainJob, model, tokenizer, policy, renderer, make_env, tasks
     verifier = tango.Verifier(verifier_model, verifier_policy, renderer, cfg, job.grpo)
     log(f"co-training: {job.grpo.steps} steps, process weight {cfg.alpha_start} → {cfg.alpha_end}")
     tango.train(cfg, job.grpo, model, tokenizer, policy, verifier, make_env, tasks, out, checker,
-                on_step=lambda step, m: log(_progress_line(step, job.grpo.steps, m) + _tango_line(m)))
+                on_step=lambda step, m: log(progress_line(step, job.grpo.steps, m) + tango_line(m)))
     asyncio.run(verifier_policy.close())
-
-
-def _tango_line(m: dict[str, Any]) -> str:
-    v = m["verifier"]
-    return (f"  α {m['alpha']:.2f}  verifier: accuracy {v['success']:.2f} format {v['format_rate']:.2f} "
-            f"step agreement {v['step_agreement']:.2f}")
 
 
 def demonstrations(make_env, tasks: list, renderer: Renderer, rollout: RolloutConfig, error_rate: float, seed: int,
@@ -478,23 +473,6 @@ def heldout(job: TrainJob, policy, renderer, make_env, log, label: str) -> tuple
     return {**mean, "suites": suites}, everything
 
 
-def _progress(steps: int, log: Callable[[str], None], stage: str, key: str) -> Callable[[dict], None]:
-    """Logs `key` about every tenth of a stage's steps (an upper bound for SFT: the filter may drop demos)."""
-    done = 0
-
-    def on_step(row: dict) -> None:
-        nonlocal done
-        done += 1
-        if done % max(1, steps // 10) == 0:
-            log(f"{stage} step {done}/{steps}  {key.replace('_', ' ')} {row[key]:.3f}")
-
-    return on_step
-
-
-def _mean_of_last(history: list[dict], key: str, n: int = 50) -> float:
-    return sum(row[key] for row in history[-n:]) / len(history[-n:])
-
-
 def _save_stage(model, tokenizer, path: Path) -> None:
     """A finished stage's model, written whole (`write_folder`); the summary records the stage only after this."""
     write_folder(path, lambda tmp: save_model(model, tokenizer, tmp))
@@ -504,13 +482,3 @@ def _load_stage(model, policy, path: Path, log: Callable[[str], None], version: 
     log(f"{path.name.removesuffix('_model')}: done in an earlier run; loading {path}")
     load_model(model, path)
     asyncio.run(policy.sync_weights(model, version))
-
-
-def _progress_line(step: int, steps: int, m: dict[str, Any]) -> str:
-    line = (f"step {step}/{steps}  reward {m['mean_reward']:.3f}  success {m['success']:.3f}  "
-            f"entropy {m.get('entropy', float('nan')):.3f}  kl {m.get('approx_kl', float('nan')):.4f}  ")
-    if "staleness" not in m:
-        return line + f"rollout {m['time']['rollout']:.1f}s train {m['time']['train']:.1f}s"
-    staleness = " ".join(f"{k}:{n}" for k, n in m["staleness"].items())  # asynchronous: groups by staleness
-    return line + (f"waited {m['time']['rollout']:.1f}s train {m['time']['train']:.1f}s  staleness {staleness}  "
-                   f"stale dropped {m['stale_groups']}")

@@ -1,0 +1,41 @@
+"""The lines `agentrl train` prints while it runs: one per RL step, and about ten per warm-start stage."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+def progress_line(step: int, steps: int, m: dict[str, Any]) -> str:
+    """One RL step: reward, success, entropy, KL and timing; asynchronous runs add the staleness of the groups."""
+    line = (f"step {step}/{steps}  reward {m['mean_reward']:.3f}  success {m['success']:.3f}  "
+            f"entropy {m.get('entropy', float('nan')):.3f}  kl {m.get('approx_kl', float('nan')):.4f}  ")
+    if "staleness" not in m:
+        return line + f"rollout {m['time']['rollout']:.1f}s train {m['time']['train']:.1f}s"
+    staleness = " ".join(f"{k}:{n}" for k, n in m["staleness"].items())  # asynchronous: groups by staleness
+    return line + (f"waited {m['time']['rollout']:.1f}s train {m['time']['train']:.1f}s  staleness {staleness}  "
+                   f"stale dropped {m['stale_groups']}")
+
+
+def tango_line(m: dict[str, Any]) -> str:
+    """What a tango step adds to `progress_line`: the process reward's weight and the verifier's scores."""
+    v = m["verifier"]
+    return (f"  α {m['alpha']:.2f}  verifier: accuracy {v['success']:.2f} format {v['format_rate']:.2f} "
+            f"step agreement {v['step_agreement']:.2f}")
+
+
+def stage_progress(steps: int, log: Callable[[str], None], stage: str, key: str) -> Callable[[dict], None]:
+    """Logs `key` about every tenth of a stage's steps (an upper bound for SFT: the filter may drop demos)."""
+    done = 0
+
+    def on_step(row: dict) -> None:
+        nonlocal done
+        done += 1
+        if done % max(1, steps // 10) == 0:
+            log(f"{stage} step {done}/{steps}  {key.replace('_', ' ')} {row[key]:.3f}")
+
+    return on_step
+
+
+def mean_of_last(history: list[dict], key: str, n: int = 50) -> float:
+    """The mean of `key` over the last `n` rows of a stage's history."""
+    return sum(row[key] for row in history[-n:]) / len(history[-n:])
