@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.envs.search.retriever import MAX_RESULTS, Retriever
+from agentrl.http_limits import body_refusal
 
 MAX_TOPK = 1000
 MAX_QUERIES = 4096
@@ -47,14 +48,8 @@ def create_app(retriever: Retriever, default_topk: int = 3) -> FastAPI:
 
     @app.middleware("http")
     async def bounded_body(request: Request, call_next):
-        # Checked before the body is read; the HTTP parser holds the client to the length it declared.
-        if request.method in ("POST", "PUT", "PATCH"):
-            length = request.headers.get("content-length", "")
-            if not length.isdigit():
-                return JSONResponse({"detail": "send the body with a Content-Length header (no chunked bodies)"}, 411)
-            if int(length) > MAX_BODY_BYTES:
-                return JSONResponse({"detail": f"the body is {int(length):,} bytes; at most {MAX_BODY_BYTES:,} are "
-                                               "accepted: send fewer or shorter queries per request"}, 413)
+        if refusal := body_refusal(request, MAX_BODY_BYTES, "send fewer or shorter queries per request"):
+            return JSONResponse({"detail": refusal[1]}, refusal[0])
         return await call_next(request)
 
     @app.post("/retrieve")

@@ -1,0 +1,192 @@
+"""OpenAI's Chat Completions wire format: requests in (validated, every field either honoured or refused with the
+reason), chat messages as `agentrl.types.Message`, replies and stream chunks out."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from agentrl.gateway.sessions import GatewayError, Reply
+from agentrl.policy.protocol import SamplingParams
+from agentrl.types import Message, ToolCall
+
+
+class FunctionCall(BaseModel):
+    """A tool call's function: its arguments a JSON string, as OpenAI sends them."""
+
+    name: str
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an assistant message in the history."""
+
+    model_config = ConfigDict(extra="ignore")  # e.g. an "index" left over from stream deltas
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    """One message of the request's history."""
+
+    model_config = ConfigDict(extra="ignore")  # e.g. "refusal": null, "annotations": [], "audio": null
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None  # vLLM's field for the reasoning of an earlier reply
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class ChatRequest(BaseModel):
+    """The body of `POST .../chat/completions`. Fields the gateway cannot honour are refused (400), not ignored;
+    unknown fields too."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = ""
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    n: int = Field(1, ge=1, le=64)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=0)  # the engine returns the sampled token's logprob only
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float | None = Field(None, ge=0, le=0)  # training needs the unpenalized distribution
+    presence_penalty: float | None = Field(None, ge=0, le=0)
+    response_format: dict[str, Any] | None = None
+    # accepted and without effect on sampling: bookkeeping fields of the OpenAI API
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "text":
+            raise ValueError("the gateway samples freely and cannot enforce a JSON schema or JSON mode: leave "
+                             "response_format out (or {'type': 'text'}) and parse the reply yourself")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _auto_or_none(cls, value: str | dict | None) -> str | dict | None:
+        if value not in (None, "auto", "none"):
+            raise ValueError("tool_choice must be 'auto' or 'none': the gateway samples freely and cannot force "
+                             "a tool call")
+        return value
+
+    def sampling(self, default_max_tokens: int) -> SamplingParams:
+        """The sampling parameters of the request; the gateway's cap bounds max_tokens."""
+        asked = self.max_completion_tokens or self.max_tokens or default_max_tokens
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(max_tokens=min(asked, default_max_tokens), n=self.n, stop=stop, seed=self.seed,
+                              temperature=1.0 if self.temperature is None else self.temperature,
+                              top_p=1.0 if self.top_p is None else self.top_p)
+
+    def chat_messages(self) -> list[Message]:
+        """The history as `Message`s (developer messages are system messages; text parts are joined)."""
+        return [_message(m, i) for i, m in enumerate(self.messages)]
+
+    @property
+    def parse_tools(self) -> bool:
+        """Whether tool calls in the reply are parsed (not with tool_choice 'none')."""
+        return self.tool_choice != "none"
+
+
+def _message(m: ChatMessage, i: int) -> Message:
+    content = m.content
+    if isinstance(content, list):
+        kinds = {part.get("type") for part in content} - {"text"}
+        if kinds:
+            raise GatewayError(400, f"messages[{i}]: content parts of type {sorted(map(str, kinds))} are not "
+                                    "supported; the gateway serves text models (send text parts only)")
+        content = "".join(part.get("text", "") for part in content)
+    calls = []
+    for c in m.tool_calls or ():
+        try:
+            arguments = json.loads(c.function.arguments or "{}")
+        except json.JSONDecodeError as e:
+            raise GatewayError(400, f"messages[{i}].tool_calls: the arguments of {c.function.name!r} are not JSON "
+                                    f"({e.msg})") from None
+        calls.append(ToolCall(c.function.name, arguments, c.id))
+    if m.reasoning_content and m.role == "assistant":
+        content = f"<think>\n{m.reasoning_content}\n</think>\n\n{content or ''}"
+    role = "system" if m.role == "developer" else m.role
+    return Message(role, content or "", tuple(calls), m.tool_call_id, m.name if m.role == "tool" else None)
+
+
+def _tool_calls(reply: Reply) -> list[dict[str, Any]]:
+    return [{"id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+            for c in reply.tool_calls]
+
+
+def _logprobs(reply: Reply, decode: Any) -> dict[str, Any]:
+    tokens = [decode([i]) for i in reply.sample.token_ids]
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                        for t, lp in zip(tokens, reply.sample.logprobs)]}
+
+
+def _message_out(reply: Reply) -> dict[str, Any]:
+    out: dict[str, Any] = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        out["tool_calls"] = _tool_calls(reply)
+    if reply.reasoning is not None:
+        out["reasoning_content"] = reply.reasoning
+    return out
+
+
+def _usage(prompt_tokens: int, replies: list[Reply]) -> dict[str, int]:
+    completion = sum(len(r.sample.token_ids) for r in replies)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+def completion(request: ChatRequest, replies: list[Reply], prompt_tokens: int, decode: Any) -> dict[str, Any]:
+    """The `chat.completion` object."""
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": request.model,
+            "choices": [{"index": i, "message": _message_out(r), "finish_reason": r.finish_reason,
+                         "logprobs": _logprobs(r, decode) if request.logprobs else None}
+                        for i, r in enumerate(replies)],
+            "usage": _usage(prompt_tokens, replies)}
+
+
+def chunks(request: ChatRequest, replies: list[Reply], prompt_tokens: int, decode: Any) -> list[dict[str, Any]]:
+    """The `chat.completion.chunk` objects of a streamed reply (the whole reply is sampled before the first)."""
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": request.model}
+    out = []
+    for i, r in enumerate(replies):
+        delta: dict[str, Any] = {"role": "assistant", "content": r.content}
+        if r.reasoning is not None:
+            delta["reasoning_content"] = r.reasoning
+        if r.tool_calls:
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(_tool_calls(r))]
+        choice = {"index": i, "delta": delta, "finish_reason": None,
+                  "logprobs": _logprobs(r, decode) if request.logprobs else None}
+        out += [{**base, "choices": [choice]},
+                {**base, "choices": [{"index": i, "delta": {}, "finish_reason": r.finish_reason}]}]
+    if request.stream_options is not None and request.stream_options.include_usage:
+        out.append({**base, "choices": [], "usage": _usage(prompt_tokens, replies)})
+    return out
