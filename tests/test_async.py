@@ -25,7 +25,7 @@ from agentrl.policy.logprobs import token_logprobs
 from agentrl.policy.protocol import Sample, SamplingParams
 from agentrl.renderer import Renderer
 from agentrl.rollout.buffer import GroupBuffer, RolloutSourceError
-from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.rollout.engine import EnvEngines, RolloutConfig, RolloutEngine
 from agentrl.rollout.source import RolloutSource, VersionGate
 from agentrl.rollout.timeline import Busy, idle_fractions
 from agentrl.trainers.batch import make_batch
@@ -109,8 +109,8 @@ def test_a_source_that_fails_names_its_cause_at_the_next_take_and_sync():
         raise IndexError(f"no task at {position}")
 
     buffer = GroupBuffer(varies, max_staleness=1)
-    source = RolloutSource(lambda: None, SlowPolicy(0.0), None, RolloutConfig(), task_at, buffer, tasks_per_step=1,
-                           seed=0)
+    source = RolloutSource(EnvEngines(lambda: None), SlowPolicy(0.0), None, RolloutConfig(), task_at, buffer,
+                           tasks_per_step=1, seed=0)
     source.start()
     try:
         with pytest.raises(RolloutSourceError, match="no task at 0"):
@@ -263,7 +263,7 @@ def test_at_a_sync_the_source_continues_episodes_in_flight_or_restarts_them(tiny
     sampling = SamplingParams(max_tokens=12, stop_token_ids=tuple(range(0, len(tokenizer), 2)))  # as above
     buffer = GroupBuffer(lambda g: True, max_staleness=1)
     env = lambda: TwoTurns(between)  # noqa: E731
-    source = RolloutSource(env, HFPolicy(copy.deepcopy(model), tokenizer), Renderer(tokenizer),
+    source = RolloutSource(EnvEngines(env), HFPolicy(copy.deepcopy(model), tokenizer), Renderer(tokenizer),
                            RolloutConfig(max_turns=2, max_total_tokens=512, sampling=sampling),
                            lambda p: env().tasks[0], buffer, tasks_per_step=1, seed=0, restart=restart)
     source.start()

@@ -51,12 +51,23 @@ class GRPOConfig(loop.LoopConfig):
 def to_batch(groups: list[Group], advantage: str, rewards: list[list[float]]) -> Batch:
     """Errors are left out entirely: they are neither in the baseline nor trained on. `rewards[i]` holds
     the training reward of each of `groups[i]`'s valid trajectories. One call over the whole batch, so
-    batch-level estimators (REINFORCE++) see every group."""
-    trajectories = [t for g in groups for t in g.valid]
-    group_ids_B = torch.tensor([i for i, g in enumerate(groups) for _ in g.valid])
-    rewards_B = torch.tensor([r for group in rewards for r in group], dtype=torch.float)
-    adv_B = ADVANTAGES[advantage](rewards_B, None, group_ids_B)
-    return make_batch(trajectories, adv_B.tolist())
+    batch-level estimators (REINFORCE++) see every group. The segments of one agent session (`info["session"]`,
+    from the gateway) are one sample of the baseline, with their mean reward, and share its advantage."""
+    trajectories, sample_of, sample_rewards, group_ids = [], [], [], []
+    for gi, (group, rewards_of_group) in enumerate(zip(groups, rewards)):
+        samples: dict[Any, int] = {}  # the group's samples: agent sessions, or single trajectories
+        for i, (t, r) in enumerate(zip(group.valid, rewards_of_group)):
+            sample = t.info.get("session", i)
+            if sample not in samples:
+                samples[sample] = len(sample_rewards)
+                sample_rewards.append([])
+                group_ids.append(gi)
+            sample_rewards[samples[sample]].append(r)
+            trajectories.append(t)
+            sample_of.append(samples[sample])
+    rewards_S = torch.tensor([sum(r) / len(r) for r in sample_rewards], dtype=torch.float)
+    adv_S = ADVANTAGES[advantage](rewards_S, None, torch.tensor(group_ids))
+    return make_batch(trajectories, adv_S[torch.tensor(sample_of, dtype=torch.long)].tolist())
 
 
 class GRPO:
@@ -67,9 +78,11 @@ class GRPO:
         self.ref = fsdp.frozen_copy(model) if cfg.kl_coef > 0 else None
 
     def keep(self, group: Group) -> bool:
-        """A group with a baseline (two valid episodes) and, with dynamic sampling, rewards that vary."""
-        return len(group.valid) >= 2 and (not self.cfg.dynamic_sampling
-                                          or len(set(group_rewards(group, self.cfg.reward))) > 1)
+        """A group with a baseline (two valid episodes, or agent sessions) and, with dynamic sampling, rewards that
+        vary."""
+        samples = {t.info.get("session", i) for i, t in enumerate(group.valid)}
+        return len(samples) >= 2 and (not self.cfg.dynamic_sampling
+                                      or len(set(group_rewards(group, self.cfg.reward))) > 1)
 
     def train_step(self, kept: list[Group], collected: list[Group], step: int) -> dict:
         """One policy update on the kept groups' advantages; the majority-vote metrics when that source is used."""
@@ -93,11 +106,12 @@ class GRPO:
 
 def train(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy, make_env: Callable[[], TextEnv],
           tasks: list[Task], out_dir: Path, on_step: Callable[[int, dict], None] | None = None,
-          periodic_eval: Callable[[int], dict] | None = None) -> list[dict]:
+          periodic_eval: Callable[[int], dict] | None = None, engines: Callable[..., Any] | None = None) -> list[dict]:
     """Runs (or resumes, from the latest checkpoint in `out_dir`) GRPO on `model`, which `policy` samples
-    from after each sync. Returns the metrics of the steps run now (`loop.run`)."""
+    from after each sync. Returns the metrics of the steps run now (`loop.run`). With `engines`
+    (`agentrl.gateway.agents.AgentEngines`) the episodes are an agent program's, through the gateway."""
     torch.manual_seed(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     grpo = GRPO(cfg, model, optimizer)
     return loop.run(cfg, grpo, model, optimizer, tokenizer, policy, make_env, tasks, out_dir, grpo.keep,
-                    cfg.max_refills if cfg.dynamic_sampling else 0, on_step, periodic_eval)
+                    cfg.max_refills if cfg.dynamic_sampling else 0, on_step, periodic_eval, engines)

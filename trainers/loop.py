@@ -35,7 +35,7 @@ from agentrl.policy.precision import autocast
 from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
 from agentrl.rollout.buffer import GroupBuffer, group_position, group_version
-from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.rollout.engine import EnvEngines, RolloutConfig
 from agentrl.rollout.source import RolloutSource
 from agentrl.rollout.timeline import Timeline, idle_fractions
 from agentrl.trainers.batch import Batch, token_micro_batches
@@ -205,12 +205,13 @@ def step_seed(cfg: LoopConfig, step: int) -> int:
     return cfg.seed * 100_003 + step
 
 
-def collect(make_env: Callable[[], TextEnv], policy: Policy, renderer: Renderer, stream: TaskStream,
+def collect(engines: Callable[..., Any], policy: Policy, renderer: Renderer, stream: TaskStream,
             cfg: LoopConfig, step: int, keep: Callable[[Group], bool], refills: int = 0,
             timeline: Timeline | None = None) -> tuple[list[Group], list[Group]]:
     """(groups to train on, all groups collected) of `step`: `tasks_per_step` tasks, then up to `refills` more
-    rounds for the groups that `keep` dropped, on an engine that lives for the step."""
-    engine = RolloutEngine(make_env, policy, renderer, replace(cfg.rollout, seed=step_seed(cfg, step)), timeline)
+    rounds for the groups that `keep` dropped, on an engine from `engines` (`EnvEngines`, `AgentEngines`) that lives
+    for the step."""
+    engine = engines(policy, renderer, replace(cfg.rollout, seed=step_seed(cfg, step)), timeline)
     collected, kept = [], []
     try:
         for _ in range(1 + refills):
@@ -228,10 +229,10 @@ class Synchronous:
     """`max_staleness = 0`: each step's groups are collected after the previous step's sync (`collect`), on rank 0
     when sharded. The data position is the stream's."""
 
-    def __init__(self, sharding: Sharding, make_env: Callable[[], TextEnv], renderer: Renderer, stream: TaskStream,
+    def __init__(self, sharding: Sharding, engines: Callable[..., Any], renderer: Renderer, stream: TaskStream,
                  cfg: LoopConfig, keep: Callable[[Group], bool], refills: int, timeline: Timeline):
         self.sharding, self.stream = sharding, stream
-        self._collect = lambda step: collect(make_env, sharding.policy, renderer, stream, cfg, step, keep, refills,
+        self._collect = lambda step: collect(engines, sharding.policy, renderer, stream, cfg, step, keep, refills,
                                              timeline)
 
     def start(self, version: int) -> None:
@@ -262,7 +263,7 @@ class Asynchronous:
     oldest kept groups within k versions. The data position is the first task position not done (trained, refused or
     dropped as stale) and those done above it: a resumed run replays the rest."""
 
-    def __init__(self, model: torch.nn.Module, policy: Policy, make_env: Callable[[], TextEnv], renderer: Renderer,
+    def __init__(self, model: torch.nn.Module, policy: Policy, engines: Callable[..., Any], renderer: Renderer,
                  stream: TaskStream, cfg: LoopConfig, keep: Callable[[Group], bool], refills: int, timeline: Timeline,
                  state: dict | None):
         if data_parallel()[1] > 1:
@@ -273,7 +274,7 @@ class Asynchronous:
         self.model, self.policy, self.cfg, state = model, policy, cfg, state or {}
         self.position, self.done = state.get("data_position", 0), set(state.get("done_positions", ()))
         self.buffer = GroupBuffer(keep, cfg.max_staleness)
-        self.source = RolloutSource(make_env, policy, renderer, cfg.rollout, stream.at, self.buffer,
+        self.source = RolloutSource(engines, policy, renderer, cfg.rollout, stream.at, self.buffer,
                                     tasks_per_step=cfg.tasks_per_step, seed=cfg.seed, start=self.position,
                                     skip=self.done, timeline=timeline, restart=not cfg.partial_rollouts)
         self.give_up_after = cfg.tasks_per_step * (1 + refills)
@@ -413,21 +414,23 @@ def update(model: torch.nn.Module, ref: torch.nn.Module | None, optimizer: torch
 def run(cfg: LoopConfig, method: Method, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokenizer: Any,
         policy: Policy, make_env: Callable[[], TextEnv], tasks: list[Task], out_dir: Path,
         keep: Callable[[Group], bool], refills: int = 0, on_step: Callable[[int, dict], None] | None = None,
-        periodic_eval: Callable[[int], dict] | None = None) -> list[dict]:
+        periodic_eval: Callable[[int], dict] | None = None, engines: Callable[..., Any] | None = None) -> list[dict]:
     """Runs (or resumes, from the latest checkpoint in `out_dir`) `cfg.steps` steps of `method`; returns the metrics
     of the steps run now. `periodic_eval(step)` runs after each sync; what it returns (held-out metrics, or {}
-    when not due) is logged under `heldout`."""
+    when not due) is logged under `heldout`. Episodes are `make_env`'s, or with `engines` (`AgentEngines`) those
+    of agent programs through the gateway (`make_env` is then unused)."""
     stream, start, saved = TaskStream(tasks, cfg.seed), 0, None
     resumed = resume(model, optimizer, out_dir, method.restore)  # weights, optimizer, RNGs, the method's state
     if resumed is not None:
         start, saved = resumed["step"], resumed["state"]
         stream.position = saved["data_position"]
     sharding, renderer, timeline = Sharding(model, policy), Renderer(tokenizer), Timeline()
-    max_reward = make_env().max_reward
+    engines = engines or EnvEngines(make_env)
+    max_reward = engines.max_reward
     if cfg.max_staleness:
-        rollouts = Asynchronous(model, policy, make_env, renderer, stream, cfg, keep, refills, timeline, saved)
+        rollouts = Asynchronous(model, policy, engines, renderer, stream, cfg, keep, refills, timeline, saved)
     else:
-        rollouts = Synchronous(sharding, make_env, renderer, stream, cfg, keep, refills, timeline)
+        rollouts = Synchronous(sharding, engines, renderer, stream, cfg, keep, refills, timeline)
     rollouts.start(start)
     logger, history = MetricsLogger(out_dir, start) if sharding.main else None, []
     try:

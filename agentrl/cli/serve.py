@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-serve_app = typer.Typer(help="Run servers (the vLLM policy engine, the retriever, envs over OpenEnv).",
+serve_app = typer.Typer(help="Run servers (the vLLM policy engine, the retriever, envs over OpenEnv, the gateway).",
                         no_args_is_help=True)
 console = Console()
 
@@ -135,3 +135,41 @@ def env(
     console.print(f"[green]OpenEnv server[/] for {env_id} at [bold]http://{host}:{port}[/] (WebSocket /ws); "
                   "Ctrl-C stops it.")
     uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+@serve_app.command("gateway")
+def gateway(
+    model: str = typer.Option(..., help="Model directory or hub name: its tokenizer renders the chats, and without "
+                              "--policy-url it is also the policy, in-process."),
+    policy_url: Optional[str] = typer.Option(None, help="A running `agentrl serve policy` server to sample from."),
+    chat_template: Optional[str] = typer.Option(None, help="Chat template in place of the model's own "
+                                                "('chatml-tools', or a Jinja file)."),
+    port: int = typer.Option(8002, help="Port of the gateway."),
+    host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0: all)."),
+    tool_parser: str = typer.Option("hermes", help="How tool calls are read from the sampled text."),
+    reasoning: bool = typer.Option(False, help="Return <think>...</think> as reasoning_content (Qwen3, R1)."),
+    max_tokens: int = typer.Option(512, help="Tokens per call at most (and when a request names none)."),
+    max_total_tokens: int = typer.Option(4096, help="Tokens per segment: prompt, deltas and replies."),
+    session_timeout: float = typer.Option(900.0, help="Seconds an open session may go without a call or reward."),
+) -> None:
+    """Serve OpenAI's Chat Completions API per session in front of the policy, recording exact-token trajectories
+    (POST /sessions, then point the client's base_url at the returned one) until Ctrl-C."""
+    import uvicorn
+
+    from agentrl.gateway import Gateway, GatewayConfig, create_app
+    from agentrl.models.tokenizer import load_tokenizer
+    from agentrl.policy.backends import EngineConfig, open_policy
+    from agentrl.renderer import Renderer, RendererError
+
+    try:
+        config = GatewayConfig(tool_parser=tool_parser, reasoning=reasoning, max_tokens=max_tokens,
+                               max_total_tokens=max_total_tokens, session_timeout=session_timeout)
+        renderer = Renderer(load_tokenizer(model, chat_template))
+    except (ValueError, RendererError, OSError) as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(2)
+    with console.status("loading the policy..."):
+        policy = open_policy(model, EngineConfig(kind="vllm", url=policy_url) if policy_url else EngineConfig())
+    console.print(f"[green]gateway[/] for {model} at [bold]http://{host}:{port}[/]: POST /sessions, then use the "
+                  "base_url it returns with any OpenAI client; Ctrl-C stops it.")
+    uvicorn.run(create_app(Gateway(policy, renderer, config), model), host=host, port=port, log_level="warning")

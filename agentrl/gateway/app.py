@@ -104,7 +104,7 @@ def create_app(gateway: Gateway, model_name: str = "agentrl-policy") -> FastAPI:
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def chat(session_id: str, body: ChatRequest):
         replies, prompt_tokens = await gateway.complete(
-            session_id, body.chat_messages(), body.tools, body.sampling(gateway.config.max_tokens), body.parse_tools)
+            session_id, body.chat_messages(), body.tools, body.sampling(gateway.config), body.parse_tools)
         decode = gateway.renderer.decode
         if not body.stream:
             return completion(body, replies, prompt_tokens, decode)

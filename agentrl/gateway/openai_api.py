@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from agentrl.gateway.sessions import GatewayError, Reply
+from agentrl.gateway.sessions import GatewayConfig, GatewayError, Reply
 from agentrl.policy.protocol import SamplingParams
 from agentrl.types import Message, ToolCall
 
@@ -44,6 +44,8 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    """`stream_options`: whether the last chunk carries the usage."""
+
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
@@ -95,13 +97,14 @@ class ChatRequest(BaseModel):
                              "a tool call")
         return value
 
-    def sampling(self, default_max_tokens: int) -> SamplingParams:
-        """The sampling parameters of the request; the gateway's cap bounds max_tokens."""
-        asked = self.max_completion_tokens or self.max_tokens or default_max_tokens
+    def sampling(self, config: GatewayConfig) -> SamplingParams:
+        """The sampling parameters of the request, the gateway's for those it leaves out; the gateway's max_tokens
+        bounds the request's."""
+        asked = self.max_completion_tokens or self.max_tokens or config.max_tokens
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(max_tokens=min(asked, default_max_tokens), n=self.n, stop=stop, seed=self.seed,
-                              temperature=1.0 if self.temperature is None else self.temperature,
-                              top_p=1.0 if self.top_p is None else self.top_p)
+        return SamplingParams(max_tokens=min(asked, config.max_tokens), n=self.n, stop=stop, seed=self.seed,
+                              temperature=config.temperature if self.temperature is None else self.temperature,
+                              top_p=config.top_p if self.top_p is None else self.top_p)
 
     def chat_messages(self) -> list[Message]:
         """The history as `Message`s (developer messages are system messages; text parts are joined)."""

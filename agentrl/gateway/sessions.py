@@ -19,6 +19,7 @@ from agentrl.config import STRICT
 from agentrl.gateway.segments import Key, Segment, commit, key, plan
 from agentrl.policy.protocol import Policy, Sample, SamplingParams
 from agentrl.renderer import Renderer, RendererError
+from agentrl.rollout.timeline import Timeline
 from agentrl.tools.parsers import PARSERS
 from agentrl.types import Message, Status, StopReason, ToolCall, Trajectory
 
@@ -30,6 +31,8 @@ class GatewayConfig:
 
     tool_parser: str = "hermes"  # a key of agentrl.tools.parsers.PARSERS: tool calls in the sampled text
     reasoning: bool = False  # split "<think>...</think>" off the reply into `reasoning_content` (Qwen3, R1)
+    temperature: float = 1.0  # of a request that names none
+    top_p: float = 1.0  # of a request that names none
     max_tokens: int = 512  # per call, when the request names none; a request may ask for fewer, not more
     max_total_tokens: int = 4096  # per segment: the prompt, every delta and every reply
     session_timeout: float = 900.0  # seconds without a call or a reward before an open session closes as error
@@ -81,21 +84,22 @@ class Session:
     failed_calls: list[str] = field(default_factory=list)
     parse_errors: list[str] = field(default_factory=list)
     call_ids: itertools.count = field(default_factory=itertools.count)
+    seed: int | None = None  # each call's sampling seed derives from it, unless the request names one
     trajectories: list[Trajectory] | None = None  # set when closed
 
 
 class Gateway:
     """Sessions over one policy. Every method runs on the event loop that serves the app."""
 
-    def __init__(self, policy: Policy, renderer: Renderer, config: GatewayConfig = GatewayConfig()):
-        self.policy, self.renderer, self.config = policy, renderer, config
-        self.parser = PARSERS[config.tool_parser]()
+    def __init__(self, policy: Policy, renderer: Renderer, config: GatewayConfig = GatewayConfig(),
+                 timeline: Timeline | None = None):
+        self.policy, self.renderer, self.config, self.timeline = policy, renderer, config, timeline or Timeline()
         self.sessions: dict[str, Session] = {}
 
     # ---- sessions ----
     def open(self, task_id: str = "", group: int = 0, info: dict[str, Any] | None = None,
-             session_id: str | None = None) -> Session:
-        """A new session (its id a random one unless given)."""
+             session_id: str | None = None, seed: int | None = None) -> Session:
+        """A new session (its id a random one unless given); with `seed`, its calls sample reproducibly."""
         self.expire()
         if sum(s.trajectories is None for s in self.sessions.values()) >= self.config.max_sessions:
             raise GatewayError(429, f"{self.config.max_sessions} sessions are open (gateway.max_sessions): post "
@@ -103,7 +107,7 @@ class Gateway:
         sid = session_id or uuid.uuid4().hex
         if sid in self.sessions:
             raise GatewayError(409, f"session {sid!r} exists already")
-        session = self.sessions[sid] = Session(sid, task_id, group, dict(info or {}))
+        session = self.sessions[sid] = Session(sid, task_id, group, dict(info or {}), seed=seed)
         return session
 
     def get(self, session_id: str) -> Session:
@@ -172,17 +176,21 @@ class Gateway:
                                         f"{self.config.max_total_tokens} per segment (gateway.max_total_tokens)",
                                    "context_length_exceeded")
             stop_ids = tuple(dict.fromkeys(sampling.stop_token_ids + self.renderer.stop_token_ids))
-            sampling = replace(sampling, max_tokens=min(sampling.max_tokens, budget), stop_token_ids=stop_ids)
+            seed = sampling.seed if sampling.seed is not None or session.seed is None else \
+                session.seed * 1_000_003 + session.calls
+            sampling = replace(sampling, max_tokens=min(sampling.max_tokens, budget), stop_token_ids=stop_ids,
+                               seed=seed)
             version = self.policy.weight_version
             try:
-                samples = await self.policy.generate(where.prompt_ids, sampling)
+                with self.timeline.engine:
+                    samples = await self.policy.generate(where.prompt_ids, sampling)
             except Exception as e:
                 session.failed_calls.append(f"{type(e).__name__}: {e}")
                 raise GatewayError(502, f"the policy failed: {type(e).__name__}: {e}", "policy_error") from e
         finally:
             if where.segment is not None:
                 where.segment.busy = False
-        replies = [self.reply(s, session, bool(tools) and parse_tools) for s in samples]
+        replies = [self.reply(s, session, tools, parse_tools) for s in samples]
         async with session.lock:
             session.last_active = time.monotonic()
             for i, r in enumerate(replies):
@@ -192,7 +200,18 @@ class Gateway:
                     session.parse_errors.append(f"segment {seg.index}: {r.parse_error}")
         return replies, len(where.prompt_ids)
 
-    def reply(self, sample: Sample, session: Session, parse_tools: bool) -> Reply:
+    def parser(self, tools: Sequence[dict]) -> Any:
+        """The tool-call parser for a request's tools (ReAct reads plain-text arguments of one-string tools)."""
+        if self.config.tool_parser != "react":
+            return PARSERS[self.config.tool_parser]()
+        plain = {}
+        for t in tools:
+            params = t.get("function", {}).get("parameters", {}).get("properties", {})
+            if len(params) == 1 and next(iter(params.values())).get("type") == "string":
+                plain[t["function"]["name"]] = next(iter(params))
+        return PARSERS["react"](default_args=plain)
+
+    def reply(self, sample: Sample, session: Session, tools: list[dict] | None, parse_tools: bool) -> Reply:
         """The sampled text as an OpenAI message: reasoning split off (if configured), tool calls parsed."""
         ids = sample.token_ids
         text = self.renderer.decode(ids[:-1] if ids and ids[-1] in self.renderer.stop_token_ids else ids)
@@ -202,7 +221,7 @@ class Gateway:
             reasoning, thought, text = head.removeprefix("<think>").strip(), text[:len(text) - len(rest.lstrip())], \
                 rest.lstrip()
         finish = "length" if sample.finish_reason == "length" else "stop"
-        parsed = self.parser.parse(text) if parse_tools else None
+        parsed = self.parser(tools).parse(text) if tools and parse_tools else None
         if parsed is None or parsed.error or not parsed.tool_calls:
             error = parsed.error if parsed is not None and parsed.tool_calls == () and parsed.error else None
             return Reply(text, reasoning, thought, (), finish, sample, error)

@@ -329,3 +329,22 @@ class RolloutEngine:
     def close(self) -> None:
         """Shut the env thread pool down, cancelling env calls not yet started."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass(frozen=True)
+class EnvEngines:
+    """The training loop's engine factory for envs from `make_env`: a `RolloutEngine` per use, on the policy it is
+    given (the asynchronous source gives its version-stamping wrapper). `agentrl.gateway.agents.AgentEngines` is the
+    other kind: agent programs through the gateway."""
+
+    make_env: Callable[[], TextEnv]
+
+    @property
+    def max_reward(self) -> float:
+        """The env's reward that counts as success."""
+        return self.make_env().max_reward
+
+    def __call__(self, policy: Policy, renderer: Renderer, config: RolloutConfig,
+                 timeline: Timeline | None = None) -> RolloutEngine:
+        return RolloutEngine(self.make_env, policy, renderer, config, timeline)
+

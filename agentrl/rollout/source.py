@@ -1,7 +1,8 @@
 """Rollouts ahead of training: the rollout engine in a thread of its own, feeding the buffer group by group.
 
     buffer = GroupBuffer(keep, max_staleness=1)
-    source = RolloutSource(make_env, policy, renderer, rollout, task_at, buffer, tasks_per_step=8, seed=0)
+    source = RolloutSource(EnvEngines(make_env), policy, renderer, rollout, task_at, buffer, tasks_per_step=8,
+                           seed=0)
     source.start()
     taken = buffer.take(8, version=0)   # the trainer's thread: the first 8 kept groups to finish
     source.sync(model, 1)               # the new weights into the engine; episodes in flight go on with them
@@ -30,11 +31,10 @@ from collections import deque
 from dataclasses import replace
 from typing import Any, Callable, Collection, Sequence
 
-from agentrl.env.api import TextEnv
 from agentrl.policy.protocol import Policy, Sample, SamplingParams
 from agentrl.renderer import Renderer
 from agentrl.rollout.buffer import GroupBuffer
-from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.rollout.engine import RolloutConfig
 from agentrl.rollout.timeline import Timeline
 from agentrl.types import Task
 
@@ -89,14 +89,15 @@ class VersionGate:
 class RolloutSource:
     """Plays groups of `group_size` episodes of the tasks `task_at(0), task_at(1), ...` (the positions in `skip`
     left out, from `start`), at most `max_staleness` steps ahead of the trainer, and puts each group into `buffer`
-    as it finishes (`restart`: a sync plays the groups in flight again instead of continuing them). Runs its own event
-    loop in a thread; `sync` and `close` are called from the trainer's."""
+    as it finishes (`restart`: a sync plays the groups in flight again instead of continuing them). `engines` makes the
+    engine that plays them (`EnvEngines(make_env)`, or agent programs' `AgentEngines`). Runs its own event loop in a
+    thread; `sync` and `close` are called from the trainer's."""
 
-    def __init__(self, make_env: Callable[[], TextEnv], policy: Policy, renderer: Renderer, config: RolloutConfig,
+    def __init__(self, engines: Callable[..., Any], policy: Policy, renderer: Renderer, config: RolloutConfig,
                  task_at: Callable[[int], Task], buffer: GroupBuffer, *, tasks_per_step: int, seed: int,
                  start: int = 0, skip: Collection[int] = (), timeline: Timeline | None = None, restart: bool = False):
         self.policy, self.buffer, self.task_at = VersionGate(policy), buffer, task_at
-        self.engine = RolloutEngine(make_env, self.policy, renderer, config, timeline)
+        self.engine = engines(self.policy, renderer, config, timeline)
         self.tasks_per_step, self.seed, self.start_at, self.skip = tasks_per_step, seed, start, frozenset(skip)
         self.in_flight, self.syncs, self.restart, self.restarted, self._syncing = 0, 0, restart, 0, False
         self._running: dict[int, asyncio.Task] = {}  # by task position

@@ -1,0 +1,107 @@
+"""Agent programs trained through the gateway: the example program's calls are the math env's prompts token for
+token, its runs become groups (errors and timeouts as `error` trajectories), and GRPO trains on them, synchronous
+and asynchronous."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from agentrl.envs.math import ArithmeticEnv
+from agentrl.gateway.agents import AgentConfig, AgentEngine, AgentEngines, load_program
+from agentrl.policy import scripted
+from agentrl.policy.hf import HFPolicy
+from agentrl.policy.protocol import SamplingParams
+from agentrl.renderer import Renderer
+from agentrl.rollout.engine import RolloutConfig
+from agentrl.trainers import grpo
+from agentrl.types import Status, Task
+
+ENV = dict(parser="react", kinds=["expression"], max_ops=2)
+
+
+@pytest.fixture(scope="module")
+def renderer(tiny_model_dir):
+    return Renderer(AutoTokenizer.from_pretrained(tiny_model_dir))
+
+
+def engine(program, policy, renderer, **agent) -> AgentEngine:
+    agent = AgentConfig("examples.agents.calculator_openai:solve", tool_parser="react", **agent)
+    return AgentEngine(program, policy, renderer, RolloutConfig(group_size=2), agent)
+
+
+def test_the_example_program_sees_the_envs_prompts_and_earns_its_rewards(renderer):
+    env = ArithmeticEnv(**ENV)
+    tasks = list(env.tasks)[:4]
+    policy = scripted.ScriptedPolicy(renderer, scripted.playing({t.data["question"]: env.gold_actions(t)
+                                                                 for t in tasks}), renderer.generation_prompt)
+    prompts = []
+    generate = policy.generate
+
+    async def recording(prompt_ids, sampling):
+        prompts.append(tuple(prompt_ids))
+        return await generate(prompt_ids, sampling)
+
+    policy.generate = recording
+    groups = asyncio.run(engine(load_program("examples.agents.calculator_openai:solve"), policy, renderer)
+                         .run(tasks))
+    assert [len(g.trajectories) for g in groups] == [2] * 4
+    for task, group in zip(tasks, groups):
+        env_prompt = tuple(renderer.prompt_ids(env.first_messages(task), env.tool_schemas))
+        for t in group.trajectories:
+            assert t.status is Status.OK and t.reward == 1.0 and len(t.turns) == 2 and t.task_id == task.id
+            assert t.token_ids[:t.prompt_len] == env_prompt  # the example's prompt is the env's, token for token
+            assert tuple(t.token_ids[:t.turns[1].start]) in prompts  # the second call saw exactly this context
+            assert sum(t.loss_mask) == sum(t.end - t.start for t in t.turns)
+            assert "= 10" in renderer.decode(t.token_ids) or t.info["calls"] == 2
+    assert len({t.info["session"] for g in groups for t in g.trajectories}) == 8
+
+
+def test_failed_runs_are_errors_with_the_reason(renderer):
+    async def raises(task, base_url):
+        raise ConnectionError("the agent's own backend is down")
+
+    async def slow(task, base_url):
+        await asyncio.sleep(30)
+
+    def silent(task, base_url):  # a plain function: it runs in a thread
+        return None
+
+    task = Task("t", {"question": "Compute 1 + 1.", "answer": "2"})
+    policy = scripted.ScriptedPolicy(renderer, lambda prompt, turn: "Final Answer: 2", renderer.generation_prompt)
+    reasons = {}
+    for name, program, kw in [("raises", raises, {}), ("slow", slow, {"timeout": 0.5}), ("silent", silent, {})]:
+        [group] = asyncio.run(engine(program, policy, renderer, **kw).run([task]))
+        assert all(t.status is Status.ERROR for t in group.trajectories)
+        reasons[name] = group.trajectories[0].reason
+    assert "ConnectionError: the agent's own backend is down" in reasons["raises"]
+    assert "agent.timeout" in reasons["slow"] and "returned no reward" in reasons["silent"]
+
+
+def test_a_program_that_cannot_be_loaded_fails_at_start_up():
+    with pytest.raises(ValueError, match="module:function"):
+        AgentConfig("examples.agents.calculator_openai")
+    with pytest.raises(ValueError, match="cannot be loaded"):
+        AgentConfig("examples.agents.calculator_openai:nope")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_grpo_trains_on_agent_sessions(tiny_model_dir, tmp_path, max_staleness):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    policy = HFPolicy(copy.deepcopy(model) if max_staleness else model, tokenizer)
+    cfg = grpo.GRPOConfig(steps=2, tasks_per_step=2, lr=1e-3, max_staleness=max_staleness,
+                          rollout=RolloutConfig(group_size=2, max_total_tokens=600,
+                                                sampling=SamplingParams(max_tokens=24)))
+    agent = AgentConfig("examples.agents.calculator_openai:solve", tool_parser="react", timeout=120)
+    tasks = list(ArithmeticEnv(**ENV).tasks)[:8]
+    history = grpo.train(cfg, model, tokenizer, policy, None, tasks, tmp_path, engines=AgentEngines(agent))
+    assert len(history) == 2
+    for metrics in history:
+        assert metrics["episodes"] >= 4 and metrics["error_frac"] == 0.0 and metrics["sampled_tokens"] > 0
+        assert metrics["groups_trained"] == 2
