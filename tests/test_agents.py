@@ -105,3 +105,20 @@ def test_grpo_trains_on_agent_sessions(tiny_model_dir, tmp_path, max_staleness):
     for metrics in history:
         assert metrics["episodes"] >= 4 and metrics["error_frac"] == 0.0 and metrics["sampled_tokens"] > 0
         assert metrics["groups_trained"] == 2
+
+
+def test_a_recipe_trains_an_agent_program_and_refuses_what_cannot_run(tiny_model_dir, tmp_path):
+    from agentrl.config import load_config
+    from agentrl.trainers.pipeline import TrainJob, run as run_job
+
+    rollout = {"max_total_tokens": 512, "sampling": {"max_tokens": 8, "temperature": 0.0}}
+    recipe = {"env": "math/arith-v0", "env_kwargs": ENV, "model": str(tiny_model_dir), "out_dir": str(tmp_path),
+              "agent": {"program": "examples.agents.calculator_openai:solve", "tool_parser": "react"},
+              "eval": {"n": 3, "rollout": rollout},
+              "grpo": {"steps": 1, "tasks_per_step": 2, "minibatch_size": 4,
+                       "rollout": {**rollout, "group_size": 2, "sampling": {"max_tokens": 8}}}}
+    summary = run_job(load_config(TrainJob, recipe), log=lambda line: None)
+    assert summary["before"]["episodes"] == summary["after"]["episodes"] == 3
+    assert summary["after"]["status"] == {"ok": 3}  # the program's runs, scored by the program
+    with pytest.raises(ValueError, match=r"\[agent\].*remove \[tango\]"):
+        load_config(TrainJob, {**recipe, "tango": {}})

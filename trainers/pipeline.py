@@ -29,6 +29,7 @@ from agentrl.config import STRICT, table_defaults
 from agentrl.policy.backends import EngineConfig, open_policy
 from agentrl.eval.report import plot_reward_curve, plot_timeline
 from agentrl.eval.run import evaluate
+from agentrl.gateway.agents import AgentConfig, AgentEngines
 from agentrl.policy.hf import HFPolicy
 from agentrl.policy.precision import mixed_precision
 from agentrl.policy.protocol import Policy, SamplingParams
@@ -116,6 +117,8 @@ class TrainJob:
     dpo: DPOConfig | None = None  # instead of GRPO: DPO on pairs of the starting model's episodes
     engine: EngineConfig = field(default_factory=EngineConfig)  # transformers in-process, or vLLM
     ray: RayConfig | None = None  # envs in Ray worker actors (a local cluster, or `address`'s)
+    # train an agent program through the gateway instead of the env's episodes; the env gives the tasks
+    agent: AgentConfig | None = None
 
     def __post_init__(self) -> None:
         if self.chat_template is not None:
@@ -138,6 +141,9 @@ class TrainJob:
                              "remove engine.url to let the job start both servers")
         if self.tango is not None and self.engine.kind != "transformers":
             raise ValueError("[tango] trains the verifier in-process: set engine.kind = 'transformers'")
+        if self.agent is not None and (self.method not in ("grpo", "ppo") or self.ray is not None):
+            raise ValueError(f"[agent] programs train with GRPO or PPO, their sessions in this process: remove "
+                             f"{'[ray]' if self.ray is not None else f'[{self.method}]'}")
         engine = self.engine
         if self.rl.max_staleness:
             self._check_asynchronous()
@@ -233,8 +239,10 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     warm_start(job, model, tokenizer, policy, renderer, make_env, tasks, summary, save, log)
     handoff = Handoff(job, policy, tokenizer, model) if job.tandem else None
 
+    engines = AgentEngines(job.agent) if job.agent else None  # else the env's episodes
+
     def evaluate_now(label: str) -> dict[str, Any]:
-        metrics, trajectories = heldout(job, policy, renderer, make_env, log, label)
+        metrics, trajectories = heldout(job, policy, renderer, make_env, log, label, engines)
         return {**metrics, "handoff": handoff.evaluate(trajectories, renderer, make_env, log)} if handoff else metrics
 
     if job.eval and "before" not in summary and rank == 0:
@@ -260,10 +268,11 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
 
         def periodic_eval(step: int) -> dict[str, Any]:
             due = job.eval and job.eval.every and step % job.eval.every == 0 and step < cfg.steps
-            return heldout(job, policy, renderer, make_env, log, f"at step {step}")[0] if due else {}
+            return heldout(job, policy, renderer, make_env, log, f"at step {step}", engines)[0] if due else {}
 
         loop(cfg, model, tokenizer, handoff.training_policy() if handoff else policy, make_env, tasks, out,
-             on_step=lambda step, m: log(progress_line(step, cfg.steps, m)), periodic_eval=periodic_eval)
+             on_step=lambda step, m: log(progress_line(step, cfg.steps, m)), periodic_eval=periodic_eval,
+             engines=engines)
     if rank > 0:  # rank 0 evaluates and writes
         return summary
     summary["rl_seconds"] = round(time.perf_counter() - started, 1)
@@ -452,15 +461,15 @@ def demonstrations(make_env, tasks: list, renderer: Renderer, rollout: RolloutCo
     return [t for g in groups for t in g.trajectories]
 
 
-def heldout(job: TrainJob, policy, renderer, make_env, log, label: str) -> tuple[dict[str, Any], list]:
-    """(metrics, trajectories) of one split; for several, each split's metrics under `suites` and their
-    means on top."""
+def heldout(job: TrainJob, policy, renderer, make_env, log, label: str, engines=None) -> tuple[dict[str, Any], list]:
+    """(metrics, trajectories) of one split (the env's episodes, or `engines`' agent runs); for several, each split's
+    metrics under `suites` and their means on top."""
     splits = [job.eval.split] if isinstance(job.eval.split, str) else job.eval.split
     suites, everything = {}, []
     for split in splits:
         tasks = list(make_env(split).tasks)[:job.eval.n]
         metrics, trajectories = evaluate(policy, renderer, lambda split=split: make_env(split), tasks,
-                                         job.eval.rollout)
+                                         job.eval.rollout, engines)
         write_jsonl(trajectories, Path(os.path.expanduser(job.out_dir)) / "heldout" / label.replace(" ", "_")
                     / f"{split}.jsonl")  # for `agentrl report`'s viewer
         log(f"held-out ({split}, {len(tasks)} tasks) {label}: success {metrics['success']:.3f}, "

@@ -23,7 +23,7 @@ from agentrl.eval.metrics import summarize_run
 from agentrl.policy.protocol import Policy
 from agentrl.env.registry import make
 from agentrl.renderer import Renderer
-from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.rollout.engine import EnvEngines, RolloutConfig, RolloutEngine
 from agentrl.rollout.jsonl import JsonlWriter, read_records
 from agentrl.eval.metrics import is_success, summarize
 from agentrl.env.suites import Suite, SuiteEntry
@@ -31,15 +31,19 @@ from agentrl.types import Task, Trajectory
 
 
 def evaluate(policy: Policy, renderer: Renderer, make_env: Callable[[], TextEnv], tasks: Sequence[Task],
-             config: RolloutConfig) -> tuple[dict[str, Any], list[Trajectory]]:
+             config: RolloutConfig, engines: Callable[..., Any] | None = None
+             ) -> tuple[dict[str, Any], list[Trajectory]]:
     """One episode per task (`config.group_size` is ignored); returns (metrics, trajectories), each marked with
-    its `success` in `info` (for paired comparisons, e.g. `agentrl compare`)."""
-    engine = RolloutEngine(make_env, policy, renderer, replace(config, group_size=1))
+    its `success` in `info` (for paired comparisons, e.g. `agentrl compare`). Episodes are `make_env`'s, or with
+    `engines` (`agentrl.gateway.agents.AgentEngines`) an agent program's runs, each task's first segment standing
+    for its run (every segment of a session carries the session's reward)."""
+    engines = engines or EnvEngines(make_env)
+    engine = engines(policy, renderer, replace(config, group_size=1))
     try:
         trajectories = [g.trajectories[0] for g in asyncio.run(engine.run(tasks))]
     finally:
         engine.close()
-    max_reward = make_env().max_reward
+    max_reward = engines.max_reward
     trajectories = [replace(t, info={**t.info, "success": is_success(t, max_reward)}) for t in trajectories]
     return summarize(trajectories, max_reward=max_reward), trajectories
 

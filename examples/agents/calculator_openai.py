@@ -2,7 +2,7 @@
 
 Nothing here knows about training: the program talks to whatever OpenAI-compatible server `base_url` names. To
 train it, point a recipe's `[agent] program` at `examples.agents.calculator_openai:solve` (see
-`recipes/cpu_agent_openai.toml` and docs/tutorials/train-your-agent.md), or try it by hand against a gateway:
+`recipes/cpu_agent_openai_train.toml` and docs/tutorials/train-your-agent.md), or try it by hand against a gateway:
 
     agentrl serve gateway --model runs/demo/sft_model --tool-parser react &
     python examples/agents/calculator_openai.py "Compute 9 + 14 - 13."
@@ -56,18 +56,18 @@ def calculate(expression: str) -> str:
 
 async def run_agent(question: str, base_url: str, max_turns: int = 4) -> str | None:
     """The agent: the model's turns, the calculator's results, until a final answer (or None)."""
-    client = AsyncOpenAI(base_url=base_url, api_key="agentrl")
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-    for _ in range(max_turns):
-        reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
-        message = reply.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls:
-            found = re.search(r"Final Answer:\s*(.+)", message.content or "")
-            return found.group(1).strip() if found else None
-        for call in message.tool_calls:
-            result = calculate(**json.loads(call.function.arguments))
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    async with AsyncOpenAI(base_url=base_url, api_key="agentrl") as client:  # closed before the event loop ends
+        for _ in range(max_turns):
+            reply = await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR])
+            message = reply.choices[0].message
+            messages.append(message.model_dump(exclude_none=True))
+            if not message.tool_calls:
+                found = re.search(r"Final Answer:\s*(.+)", message.content or "")
+                return found.group(1).strip() if found else None
+            for call in message.tool_calls:
+                result = calculate(**json.loads(call.function.arguments))
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     return None
 
 
