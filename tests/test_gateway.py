@@ -336,3 +336,67 @@ def test_sessions_do_not_mix(renderer):
         assert len(calls) == 2 and all(by_prompt[p] == s for p, s in calls)
         assert renderer.decode(trajectory.token_ids).count(name) == 3 and trajectory.task_id == name.replace(
             "agent", "task")
+
+
+class Recording:
+    """A real policy, its calls kept: (prompt ids, sampled ids) and the sampled logprobs."""
+
+    def __init__(self, policy):
+        self.policy, self.calls, self.logprobs = policy, [], []
+        self.weight_version = 0
+
+    async def generate(self, prompt_ids, sampling):
+        samples = await self.policy.generate(prompt_ids, sampling)
+        for s in samples:
+            self.calls.append((tuple(prompt_ids), s.token_ids))
+            self.logprobs.append(s.logprobs)
+        return samples
+
+    async def sync_weights(self, model, version):
+        await self.policy.sync_weights(model, version)
+
+    async def close(self):
+        await self.policy.close()
+
+
+@pytest.mark.parametrize("engine", ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_a_real_policy_through_the_gateway_keeps_its_sampled_tokens(engine, renderer, tiny_model_dir, request):
+    """A real engine's samples through the official client: the trajectory holds them verbatim, and the trainer's
+    logprobs of each turn in the trajectory's context equal the engine's: the context is the one it sampled from."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.policy.hf import HFPolicy
+    from agentrl.policy.parity import trainer_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    if engine == "vllm":
+        from agentrl.policy.vllm_client import VLLMPolicy
+
+        inner = VLLMPolicy.attach(request.getfixturevalue("vllm_server").url)
+    else:
+        inner = HFPolicy(model, renderer.tokenizer)
+    policy = Recording(inner)
+    server = Server(Gateway(policy, renderer, GatewayConfig(max_tokens=24)))
+    try:
+        sid, client = server.session()
+        messages = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "2+3?"}]
+        for turn in range(3):
+            reply = client.chat.completions.create(model="m", messages=messages, tools=[CALC], seed=turn,
+                                                   logprobs=True)
+            message = reply.choices[0].message
+            assert [t.logprob for t in reply.choices[0].logprobs.content] == pytest.approx(policy.logprobs[-1])
+            messages.append(message.model_dump(exclude_none=True))
+            messages += ([{"role": "tool", "tool_call_id": c.id, "content": "5"} for c in message.tool_calls]
+                         if message.tool_calls else [{"role": "user", "content": "Check it again."}])
+        [trajectory] = server.reward(sid, 1.0)
+    finally:
+        server.stop()
+        asyncio.run(policy.close())
+    assert len(trajectory.turns) == 3
+    for turn, (prompt, sampled), logprobs in zip(trajectory.turns, policy.calls, policy.logprobs):
+        assert tuple(trajectory.token_ids[:turn.start]) == prompt and trajectory.token_ids[turn.start:turn.end] == \
+            sampled and trajectory.logprobs[turn.start:turn.end] == logprobs
+        expected = trainer_logprobs(model, prompt, sampled)
+        torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-3, rtol=0)
+    assert sum(trajectory.loss_mask) == sum(t.end - t.start for t in trajectory.turns)

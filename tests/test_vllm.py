@@ -41,14 +41,6 @@ pytestmark = pytest.mark.vllm
 QUESTIONS = ["What is 3 * (4 + 5)?", "Find the capital of Velkamor.", "Hi", "Compute 12 + 30, then halve it."]
 
 
-@pytest.fixture(scope="session")
-def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    config = ServerConfig(model=str(tiny_model_dir), max_model_len=2048, weight_transfer="gloo",
-                          log_file=str(tmp_path_factory.mktemp("vllm") / "server.log"))
-    with VLLMServer(config) as server:
-        yield server
-
-
 @pytest.fixture(scope="module")
 def hf_model(tiny_model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
