@@ -400,3 +400,36 @@ def test_a_real_policy_through_the_gateway_keeps_its_sampled_tokens(engine, rend
         expected = trainer_logprobs(model, prompt, sampled)
         torch.testing.assert_close(torch.tensor(logprobs), expected, atol=1e-3, rtol=0)
     assert sum(trajectory.loss_mask) == sum(t.end - t.start for t in trajectory.turns)
+
+
+def test_a_stop_string_is_cut_from_the_content_and_kept_in_the_ids(renderer):
+    server, policy = serve(renderer, ["Thought: add\nObservation:", "done"])
+    try:
+        sid, client = server.session()
+        history = [{"role": "user", "content": "2+3?"}]
+        first = client.chat.completions.create(model="m", messages=history, stop=["Observation:"])
+        assert first.choices[0].message.content == "Thought: add\n"  # as OpenAI returns it
+        history += [{"role": "assistant", "content": first.choices[0].message.content},
+                    {"role": "user", "content": "Observation: 5"}]
+        client.chat.completions.create(model="m", messages=history)
+        [trajectory] = server.reward(sid, 1.0)
+        taken = httpx.delete(f"{server.url}/sessions/{sid}").json()["trajectories"]
+        assert httpx.get(f"{server.url}/sessions/{sid}").status_code == 404  # taken: forgotten
+    finally:
+        server.stop()
+    assert_exact(trajectory, policy.calls)  # one segment: the history matched with the stop string cut
+    assert "Observation:" in renderer.decode(trajectory.token_ids[trajectory.turns[0].start:trajectory.turns[0].end])
+    assert [Trajectory.from_dict(t) for t in taken] == [trajectory]
+
+
+def test_idle_sessions_close_as_errors_and_closed_ones_are_forgotten(renderer):
+    gateway = Gateway(QueuePolicy(renderer, ["a"]), renderer, GatewayConfig(session_timeout=0.05))
+    session = gateway.open("t")
+    asyncio.run(gateway.complete(session.id, [Message("user", "hi")], None, SamplingParams()))
+    time.sleep(0.1)
+    gateway.open("other")  # each open expires what is due
+    [trajectory] = session.trajectories
+    assert trajectory.status.value == "error" and "session_timeout" in trajectory.reason
+    time.sleep(0.1)
+    gateway.open("third")
+    assert session.id not in gateway.sessions

@@ -5,6 +5,8 @@
     GET  /sessions/{id}/v1/models                  the one model served
     POST /sessions/{id}/reward                     {"reward", "components"} closes the session
     GET  /sessions/{id}                            its state; its trajectories once closed
+    DELETE /sessions/{id}                          a closed session's trajectories, forgetting it (else kept for
+                                                   `session_timeout`)
     GET  /health
 
 Errors come back in OpenAI's shape, `{"error": {"message", "type", "code"}}`, so that the official client raises
@@ -89,6 +91,10 @@ def create_app(gateway: Gateway, model_name: str = "agentrl-policy") -> FastAPI:
         if s.trajectories is not None:
             out["trajectories"] = [t.to_dict() for t in s.trajectories]
         return out
+
+    @app.delete("/sessions/{session_id}")
+    def take_session(session_id: str) -> dict[str, Any]:
+        return {"id": session_id, "trajectories": [t.to_dict() for t in gateway.pop(session_id)]}
 
     @app.post("/sessions/{session_id}/reward")
     def reward(session_id: str, body: SessionReward) -> dict[str, Any]:

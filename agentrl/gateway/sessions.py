@@ -63,6 +63,7 @@ class Reply:
     content: str | None
     reasoning: str | None
     thought: str  # the sampled text of the reasoning, tags included ("" without reasoning)
+    cut: str  # the stop string the reply ended on, cut from the content as OpenAI does ("" for none)
     tool_calls: tuple[ToolCall, ...]
     finish_reason: str  # stop | length | tool_calls
     sample: Sample
@@ -129,6 +130,7 @@ class Gateway:
             error = f"closed while calls were sampling (segments {busy}); post the reward after the last call returns"
         if error is None and reward is None:
             raise GatewayError(400, "a session closes with a reward or an error")
+        session.last_active = time.monotonic()  # kept for `session_timeout` from now, for `pop`
         status, stop = (Status.ERROR, stop or StopReason.POLICY_ERROR) if error else (Status.OK, StopReason.TERMINATED)
         info = {**session.info, "calls": session.calls, "failed_calls": session.failed_calls,
                 "parse_errors": session.parse_errors, "segments": len(session.segments)}
@@ -146,12 +148,17 @@ class Gateway:
         return self.sessions.pop(session_id).trajectories
 
     def expire(self) -> None:
-        """Close, as errors, the open sessions idle for longer than `session_timeout`."""
-        now = time.monotonic()
+        """Close, as errors, the open sessions idle for longer than `session_timeout`, and forget the closed ones
+        that nobody took (`pop`) within it."""
+        now, timeout = time.monotonic(), self.config.session_timeout
         for s in list(self.sessions.values()):
-            if s.trajectories is None and now - s.last_active > self.config.session_timeout and \
-                    not any(seg.busy for seg in s.segments):
-                self.close(s.id, error=f"no reward within session_timeout={self.config.session_timeout:g}s")
+            if now - s.last_active <= timeout or any(seg.busy for seg in s.segments):
+                continue
+            if s.trajectories is None:
+                self.close(s.id, error=f"no reward within session_timeout={timeout:g}s")
+                s.last_active = now
+            else:
+                del self.sessions[s.id]
 
     # ---- calls ----
     async def complete(self, session_id: str, messages: Sequence[Message], tools: list[dict] | None,
@@ -187,17 +194,17 @@ class Gateway:
             except Exception as e:
                 session.failed_calls.append(f"{type(e).__name__}: {e}")
                 raise GatewayError(502, f"the policy failed: {type(e).__name__}: {e}", "policy_error") from e
-        finally:
+            replies = [self.reply(s, session, tools, parse_tools, sampling.stop) for s in samples]
+            async with session.lock:
+                session.last_active = time.monotonic()
+                for i, r in enumerate(replies):
+                    seg = commit(where, session.segments, messages, tools, r.sample, *self._recorded(r),
+                                 version if r.sample.weight_version is None else r.sample.weight_version, fork=i > 0)
+                    if r.parse_error:
+                        session.parse_errors.append(f"segment {seg.index}: {r.parse_error}")
+        finally:  # after the commit: until then the segment's last turn is not the one this call continues
             if where.segment is not None:
                 where.segment.busy = False
-        replies = [self.reply(s, session, tools, parse_tools) for s in samples]
-        async with session.lock:
-            session.last_active = time.monotonic()
-            for i, r in enumerate(replies):
-                seg = commit(where, session.segments, messages, tools, r.sample, *self._recorded(r),
-                             version if r.sample.weight_version is None else r.sample.weight_version, fork=i > 0)
-                if r.parse_error:
-                    session.parse_errors.append(f"segment {seg.index}: {r.parse_error}")
         return replies, len(where.prompt_ids)
 
     def parser(self, tools: Sequence[dict]) -> Any:
@@ -211,10 +218,14 @@ class Gateway:
                 plain[t["function"]["name"]] = next(iter(params))
         return PARSERS["react"](default_args=plain)
 
-    def reply(self, sample: Sample, session: Session, tools: list[dict] | None, parse_tools: bool) -> Reply:
-        """The sampled text as an OpenAI message: reasoning split off (if configured), tool calls parsed."""
+    def reply(self, sample: Sample, session: Session, tools: list[dict] | None, parse_tools: bool,
+              stop: Sequence[str] = ()) -> Reply:
+        """The sampled text as an OpenAI message: the stop string it ended on cut (the sampled ids keep it), reasoning
+        split off (if configured), tool calls parsed."""
         ids = sample.token_ids
         text = self.renderer.decode(ids[:-1] if ids and ids[-1] in self.renderer.stop_token_ids else ids)
+        cut = next((s for s in stop if text.endswith(s)), "") if sample.finish_reason == "stop" else ""
+        text = text[:len(text) - len(cut)]
         reasoning, thought = None, ""
         if self.config.reasoning and "</think>" in text:
             head, rest = text.split("</think>", 1)
@@ -223,15 +234,14 @@ class Gateway:
         finish = "length" if sample.finish_reason == "length" else "stop"
         parsed = self.parser(tools).parse(text) if tools and parse_tools else None
         if parsed is None or parsed.error or not parsed.tool_calls:
-            error = parsed.error if parsed is not None and parsed.tool_calls == () and parsed.error else None
-            return Reply(text, reasoning, thought, (), finish, sample, error)
+            return Reply(text, reasoning, thought, cut, (), finish, sample, parsed.error if parsed else None)
         calls = tuple(replace(c, id=f"call{next(session.call_ids):05d}") for c in parsed.tool_calls)
-        return Reply(parsed.content or None, reasoning, thought, calls, "tool_calls", sample)
+        return Reply(parsed.content or None, reasoning, thought, cut, calls, "tool_calls", sample)
 
     @staticmethod
     def _recorded(r: Reply) -> tuple[Message, frozenset[Key]]:
-        """The reply as the template sees it (its reasoning in the content, as sampled), and the forms in which a
-        client may send it back: as returned, or with the reasoning put back into the content."""
+        """The reply as the template sees it (its reasoning and stop string in the content, as sampled), and the forms
+        in which a client may send it back: as returned, or with the reasoning put back into the content."""
         content = r.content or ""
-        template = Message("assistant", r.thought + content, r.tool_calls)
+        template = Message("assistant", r.thought + content + r.cut, r.tool_calls)
         return template, frozenset(key(m) for m in (Message("assistant", content, r.tool_calls), template))
