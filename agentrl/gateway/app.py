@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.gateway.openai_api import ChatRequest, chunks, completion
 from agentrl.gateway.sessions import Gateway, GatewayError
-from agentrl.http_limits import body_refusal
+from agentrl.http_limits import BodyLimit
 
 MAX_BODY_BYTES = 32 << 20  # a long agent conversation is a few MB of JSON
 
@@ -59,11 +59,7 @@ def create_app(gateway: Gateway, model_name: str = "agentrl-policy") -> FastAPI:
     """The FastAPI app that serves `gateway`; `model_name` is what `/v1/models` lists (requests may name any)."""
     app = FastAPI(title="agentrl gateway", description="OpenAI-compatible Chat Completions that record exact tokens.")
 
-    @app.middleware("http")
-    async def bounded_body(request: Request, call_next):
-        if refusal := body_refusal(request, MAX_BODY_BYTES, "send a shorter conversation"):
-            return _error(*refusal)
-        return await call_next(request)
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES, what="send a shorter conversation", respond=_error)
 
     @app.exception_handler(GatewayError)
     async def refused(request: Request, e: GatewayError) -> JSONResponse:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.envs.search.retriever import MAX_RESULTS, Retriever
-from agentrl.http_limits import body_refusal
+from agentrl.http_limits import BodyLimit
 
 MAX_TOPK = 1000
 MAX_QUERIES = 4096
@@ -46,11 +46,8 @@ def create_app(retriever: Retriever, default_topk: int = 3) -> FastAPI:
         raise ValueError(f"default_topk must be between 1 and {MAX_TOPK}, got {default_topk}")
     app = FastAPI(title="agentrl retriever", description="Search-R1-compatible retrieval API.")
 
-    @app.middleware("http")
-    async def bounded_body(request: Request, call_next):
-        if refusal := body_refusal(request, MAX_BODY_BYTES, "send fewer or shorter queries per request"):
-            return JSONResponse({"detail": refusal[1]}, refusal[0])
-        return await call_next(request)
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES, what="send fewer or shorter queries per request",
+                       respond=lambda status, reason: JSONResponse({"detail": reason}, status))
 
     @app.post("/retrieve")
     def retrieve(request: RetrieveRequest) -> dict[str, Any]:

@@ -59,9 +59,9 @@ class Outcome:
     verdict: str | None = None
 
 
-def agents_for(base_url: str) -> tuple[Agent, Agent]:
-    """The solver and the checker, both served by the model at `base_url` (the gateway names any model "policy")."""
-    model = OpenAIChatCompletionsModel(model="policy", openai_client=AsyncOpenAI(base_url=base_url, api_key="agentrl"))
+def agents_for(client: AsyncOpenAI) -> tuple[Agent, Agent]:
+    """The solver and the checker, both served by `client`'s server (the gateway names any model "policy")."""
+    model = OpenAIChatCompletionsModel(model="policy", openai_client=client)
     solver = Agent(name="solver", instructions=SYSTEM, tools=[calculator], model=model)
     checker = Agent(name="checker", instructions=CHECKER, model=model)
     return solver, checker
@@ -69,16 +69,17 @@ def agents_for(base_url: str) -> tuple[Agent, Agent]:
 
 async def run_agent(question: str, base_url: str, max_turns: int = 4) -> Outcome:
     """The solver until its final answer (at most `max_turns` model calls), then the checker on that answer."""
-    solver, checker = agents_for(base_url)
-    try:
-        result = await Runner.run(solver, question, max_turns=max_turns)
-    except MaxTurnsExceeded:
-        return Outcome(None)
-    found = re.search(r"Final Answer:\s*(.+)", str(result.final_output or ""))
-    if not found:
-        return Outcome(None)
-    answer = found.group(1).strip()
-    check = await Runner.run(checker, f"Problem: {question}\nAnswer: {answer}", max_turns=1)
+    async with AsyncOpenAI(base_url=base_url, api_key="agentrl") as client:  # closed before the event loop ends
+        solver, checker = agents_for(client)
+        try:
+            result = await Runner.run(solver, question, max_turns=max_turns)
+        except MaxTurnsExceeded:
+            return Outcome(None)
+        found = re.search(r"Final Answer:\s*(.+)", str(result.final_output or ""))
+        if not found:
+            return Outcome(None)
+        answer = found.group(1).strip()
+        check = await Runner.run(checker, f"Problem: {question}\nAnswer: {answer}", max_turns=1)
     return Outcome(answer, str(check.final_output))
 
 
