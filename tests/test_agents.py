@@ -122,3 +122,23 @@ def test_a_recipe_trains_an_agent_program_and_refuses_what_cannot_run(tiny_model
     assert summary["after"]["status"] == {"ok": 3}  # the program's runs, scored by the program
     with pytest.raises(ValueError, match=r"\[agent\].*remove \[tango\]"):
         load_config(TrainJob, {**recipe, "tango": {}})
+
+
+def test_a_program_may_post_its_reward_to_the_session(renderer):
+    import httpx
+
+    async def posting(task, base_url):
+        from openai import AsyncOpenAI
+
+        async with AsyncOpenAI(base_url=base_url, api_key="agentrl") as client:
+            await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "2?"}])
+        async with httpx.AsyncClient() as http:
+            posted = await http.post(base_url.removesuffix("/v1") + "/reward",
+                                     json={"reward": 0.25, "components": {"outcome": 0.0}})
+            assert posted.status_code == 200, posted.text
+
+    task = Task("t", {"question": "2?", "answer": "2"})
+    policy = scripted.ScriptedPolicy(renderer, lambda prompt, turn: "2", renderer.generation_prompt)
+    [group] = asyncio.run(engine(posting, policy, renderer).run([task]))
+    assert [(t.status, t.reward, t.reward_components) for t in group.trajectories] == [
+        (Status.OK, 0.25, {"outcome": 0.0})] * 2
