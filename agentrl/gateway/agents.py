@@ -4,12 +4,12 @@ through the gateway, its sessions' segments the group's trajectories.
     async def program(task: Task, base_url: str) -> float | None     (or a plain function: it runs in a thread)
 
 The program points its client at `base_url` (`openai.AsyncOpenAI(base_url=base_url, api_key="agentrl")`), runs
-its agent on `task.data`, and returns the reward, or posts it to the session (`POST` to `base_url` with `/v1` replaced
-by `/reward`) and
-returns None. A program that raises, times out or ends without a reward gives `error` trajectories with the reason.
+its agent on `task.data`, and returns the reward, or posts it to the session (`POST` to `base_url` with `/v1`
+replaced by `/reward`) and returns None. A program that raises, times out or ends without a reward gives `error`
+trajectories with the reason.
 
 `AgentEngine` has the rollout engine's interface (`run`, `run_group`, `close`), so the training loop, synchronous
-or asynchronous, takes its groups as it takes env groups (`agent_engines`).
+or asynchronous, takes its groups as it takes env groups (`AgentEngines`).
 """
 
 from __future__ import annotations
