@@ -433,3 +433,16 @@ def test_idle_sessions_close_as_errors_and_closed_ones_are_forgotten(renderer):
     time.sleep(0.1)
     gateway.open("third")
     assert session.id not in gateway.sessions
+
+
+def test_serve_gateway_refuses_settings_that_cannot_work(tiny_model_dir):
+    from typer.testing import CliRunner
+
+    from agentrl.cli.main import app
+
+    runner = CliRunner()
+    for args, message in [(["--tool-parser", "nope"], "tool_parser must be one of"),
+                          (["--max-tokens", "5000"], "below max_total_tokens"),
+                          (["--chat-template", "chatml-tool"], "chatml-tool")]:
+        result = runner.invoke(app, ["serve", "gateway", "--model", str(tiny_model_dir), *args])
+        assert result.exit_code == 2 and message in result.output, (args, result.output)
