@@ -27,7 +27,8 @@ from agentrl.types import Message, Status, StopReason, ToolCall, Trajectory
 @with_config(STRICT)
 @dataclass(frozen=True)
 class GatewayConfig:
-    """`[gateway]`: how requests are sampled and parsed, and how long a session may live."""
+    """How requests are sampled and parsed, and how long a session may live: `agentrl serve gateway`'s options (in
+    training, `[agent]`'s and the rollout's settings make it)."""
 
     tool_parser: str = "hermes"  # a key of agentrl.tools.parsers.PARSERS: tool calls in the sampled text
     reasoning: bool = False  # split "<think>...</think>" off the reply into `reasoning_content` (Qwen3, R1)
@@ -131,7 +132,8 @@ class Gateway:
         if error is None and reward is None:
             raise GatewayError(400, "a session closes with a reward or an error")
         session.last_active = time.monotonic()  # kept for `session_timeout` from now, for `pop`
-        status, stop = (Status.ERROR, stop or StopReason.POLICY_ERROR) if error else (Status.OK, StopReason.TERMINATED)
+        # an error is the program's side (it raised, timed out, never posted a reward), unless the caller says
+        status, stop = (Status.ERROR, stop or StopReason.ENV_ERROR) if error else (Status.OK, StopReason.TERMINATED)
         info = {**session.info, "calls": session.calls, "failed_calls": session.failed_calls,
                 "parse_errors": session.parse_errors, "segments": len(session.segments)}
         session.trajectories = [
@@ -156,7 +158,6 @@ class Gateway:
                 continue
             if s.trajectories is None:
                 self.close(s.id, error=f"no reward within session_timeout={timeout:g}s")
-                s.last_active = now
             else:
                 del self.sessions[s.id]
 
