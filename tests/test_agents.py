@@ -71,15 +71,20 @@ def test_failed_runs_are_errors_with_the_reason(renderer):
     def silent(task, base_url):  # a plain function: it runs in a thread
         return None
 
+    async def wordy(task, base_url):
+        return "correct"
+
     task = Task("t", {"question": "Compute 1 + 1.", "answer": "2"})
     policy = scripted.ScriptedPolicy(renderer, lambda prompt, turn: "Final Answer: 2", renderer.generation_prompt)
     reasons = {}
-    for name, program, kw in [("raises", raises, {}), ("slow", slow, {"timeout": 0.5}), ("silent", silent, {})]:
+    for name, program, kw in [("raises", raises, {}), ("slow", slow, {"timeout": 0.5}), ("silent", silent, {}),
+                              ("wordy", wordy, {})]:
         [group] = asyncio.run(engine(program, policy, renderer, **kw).run([task]))
         assert all(t.status is Status.ERROR for t in group.trajectories)
         reasons[name] = group.trajectories[0].reason
     assert "ConnectionError: the agent's own backend is down" in reasons["raises"]
     assert "agent.timeout" in reasons["slow"] and "returned no reward" in reasons["silent"]
+    assert "returned 'correct', not a finite number" in reasons["wordy"]
 
 
 def test_a_program_that_cannot_be_loaded_fails_at_start_up():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import inspect
+import math
 import os
 import socket
 import sys
@@ -126,6 +127,8 @@ class AgentEngine:
         if session.trajectories is None:  # not closed by a posted reward
             if error is None and reward is None:
                 error = ProgramError("the agent program returned no reward and posted none")
+            elif error is None and not (isinstance(reward, (int, float)) and math.isfinite(reward)):
+                error = ProgramError(f"the agent program returned {reward!r}, not a finite number")
             if error is not None:
                 self.gateway.close(session.id, error=f"agent program: {_describe(error)}", stop=StopReason.ENV_ERROR)
             else:
