@@ -1,7 +1,7 @@
 """The layer rule of DESIGN.md ("Layers"), read from every module's imports (lazy ones inside functions too).
 
 Lower layers never import higher ones: types/config -> tools -> renderer, models -> policy -> env -> rollout ->
-eval -> trainers -> cli. The core never imports a particular environment (`agentrl.envs`) or a trainer; env
+eval, gateway -> trainers -> cli. The core never imports a particular environment (`agentrl.envs`) or a trainer; env
 families use only the env API, the tools and the types.
 """
 
