@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 
-def body_refusal(headers: Any, method: str, max_bytes: int, what: str) -> tuple[int, str] | None:
-    """(status, reason) for a POST/PUT/PATCH whose body is too large to read, or of unknown length; None to go on.
-    The HTTP parser holds the client to the length it declared. `what` says how to send less."""
+def _refusal(headers: Any, method: str, max_bytes: int, what: str) -> tuple[int, str] | None:
+    """(status, reason) for a refused request, None to go on. The HTTP parser holds the client to the length it
+    declared. `what` says how to send less."""
     if method not in ("POST", "PUT", "PATCH"):
         return None
     length = headers.get("content-length", "")
@@ -19,8 +19,9 @@ def body_refusal(headers: Any, method: str, max_bytes: int, what: str) -> tuple[
 
 
 class BodyLimit:
-    """ASGI middleware: `respond(status, reason)` (a response) for the requests `body_refusal` refuses. Plain ASGI,
-    not `@app.middleware("http")`, whose wrapper costs every request a task group and a streamed body."""
+    """ASGI middleware: `respond(status, reason)` (a response) for the POST/PUT/PATCH requests whose body is too large
+    to read, or of unknown length. Plain ASGI, not `@app.middleware("http")`, whose wrapper costs every request a task
+    group and a streamed body."""
 
     def __init__(self, app: Any, max_bytes: int, what: str, respond: Callable[[int, str], Any]):
         self.app, self.max_bytes, self.what, self.respond = app, max_bytes, what, respond
@@ -28,7 +29,7 @@ class BodyLimit:
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
         if scope["type"] == "http":
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
-            if refusal := body_refusal(headers, scope["method"], self.max_bytes, self.what):
+            if refusal := _refusal(headers, scope["method"], self.max_bytes, self.what):
                 await self.respond(*refusal)(scope, receive, send)
                 return
         await self.app(scope, receive, send)

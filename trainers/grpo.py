@@ -20,7 +20,7 @@ from pydantic import with_config
 from agentrl.config import STRICT, table_defaults
 from agentrl.env.api import TextEnv
 from agentrl.policy.protocol import Policy
-from agentrl.rollout.engine import RolloutConfig
+from agentrl.rollout.engine import Engines, RolloutConfig
 from agentrl.trainers import fsdp, loop
 from agentrl.trainers.advantages import ADVANTAGES
 from agentrl.trainers.batch import Batch, make_batch
@@ -48,6 +48,12 @@ class GRPOConfig(loop.LoopConfig):
             raise ValueError("GRPO needs rollout.group_size >= 2 to compare samples of one task")
 
 
+def samples_of(group: Group) -> list[Any]:
+    """Per valid trajectory, the sample of the group it belongs to: its agent session (`info["session"]`, from the
+    gateway), whose segments are one sample, or itself."""
+    return [t.info.get("session", i) for i, t in enumerate(group.valid)]
+
+
 def to_batch(groups: list[Group], advantage: str, rewards: list[list[float]]) -> Batch:
     """Errors are left out entirely: they are neither in the baseline nor trained on. `rewards[i]` holds
     the training reward of each of `groups[i]`'s valid trajectories. One call over the whole batch, so
@@ -56,8 +62,7 @@ def to_batch(groups: list[Group], advantage: str, rewards: list[list[float]]) ->
     trajectories, sample_of, sample_rewards, group_ids = [], [], [], []
     for gi, (group, rewards_of_group) in enumerate(zip(groups, rewards)):
         samples: dict[Any, int] = {}  # the group's samples: agent sessions, or single trajectories
-        for i, (t, r) in enumerate(zip(group.valid, rewards_of_group)):
-            sample = t.info.get("session", i)
+        for t, r, sample in zip(group.valid, rewards_of_group, samples_of(group)):
             if sample not in samples:
                 samples[sample] = len(sample_rewards)
                 sample_rewards.append([])
@@ -80,9 +85,8 @@ class GRPO:
     def keep(self, group: Group) -> bool:
         """A group with a baseline (two valid episodes, or agent sessions) and, with dynamic sampling, rewards that
         vary."""
-        samples = {t.info.get("session", i) for i, t in enumerate(group.valid)}
-        return len(samples) >= 2 and (not self.cfg.dynamic_sampling
-                                      or len(set(group_rewards(group, self.cfg.reward))) > 1)
+        return len(set(samples_of(group))) >= 2 and (not self.cfg.dynamic_sampling
+                                                     or len(set(group_rewards(group, self.cfg.reward))) > 1)
 
     def train_step(self, kept: list[Group], collected: list[Group], step: int) -> dict:
         """One policy update on the kept groups' advantages; the majority-vote metrics when that source is used."""
@@ -106,7 +110,7 @@ class GRPO:
 
 def train(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy, make_env: Callable[[], TextEnv],
           tasks: list[Task], out_dir: Path, on_step: Callable[[int, dict], None] | None = None,
-          periodic_eval: Callable[[int], dict] | None = None, engines: Callable[..., Any] | None = None) -> list[dict]:
+          periodic_eval: Callable[[int], dict] | None = None, engines: Engines | None = None) -> list[dict]:
     """Runs (or resumes, from the latest checkpoint in `out_dir`) GRPO on `model`, which `policy` samples
     from after each sync. Returns the metrics of the steps run now (`loop.run`). With `engines`
     (`agentrl.gateway.agents.AgentEngines`) the episodes are an agent program's, through the gateway."""

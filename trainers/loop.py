@@ -35,7 +35,7 @@ from agentrl.policy.precision import autocast
 from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
 from agentrl.rollout.buffer import GroupBuffer, group_position, group_version
-from agentrl.rollout.engine import EnvEngines, RolloutConfig
+from agentrl.rollout.engine import Engines, EnvEngines, RolloutConfig
 from agentrl.rollout.source import RolloutSource
 from agentrl.rollout.timeline import Timeline, idle_fractions
 from agentrl.trainers.batch import Batch, token_micro_batches
@@ -205,7 +205,7 @@ def step_seed(cfg: LoopConfig, step: int) -> int:
     return cfg.seed * 100_003 + step
 
 
-def collect(engines: Callable[..., Any], policy: Policy, renderer: Renderer, stream: TaskStream,
+def collect(engines: Engines, policy: Policy, renderer: Renderer, stream: TaskStream,
             cfg: LoopConfig, step: int, keep: Callable[[Group], bool], refills: int = 0,
             timeline: Timeline | None = None) -> tuple[list[Group], list[Group]]:
     """(groups to train on, all groups collected) of `step`: `tasks_per_step` tasks, then up to `refills` more
@@ -229,7 +229,7 @@ class Synchronous:
     """`max_staleness = 0`: each step's groups are collected after the previous step's sync (`collect`), on rank 0
     when sharded. The data position is the stream's."""
 
-    def __init__(self, sharding: Sharding, engines: Callable[..., Any], renderer: Renderer, stream: TaskStream,
+    def __init__(self, sharding: Sharding, engines: Engines, renderer: Renderer, stream: TaskStream,
                  cfg: LoopConfig, keep: Callable[[Group], bool], refills: int, timeline: Timeline):
         self.sharding, self.stream = sharding, stream
         self._collect = lambda step: collect(engines, sharding.policy, renderer, stream, cfg, step, keep, refills,
@@ -263,7 +263,7 @@ class Asynchronous:
     oldest kept groups within k versions. The data position is the first task position not done (trained, refused or
     dropped as stale) and those done above it: a resumed run replays the rest."""
 
-    def __init__(self, model: torch.nn.Module, policy: Policy, engines: Callable[..., Any], renderer: Renderer,
+    def __init__(self, model: torch.nn.Module, policy: Policy, engines: Engines, renderer: Renderer,
                  stream: TaskStream, cfg: LoopConfig, keep: Callable[[Group], bool], refills: int, timeline: Timeline,
                  state: dict | None):
         if data_parallel()[1] > 1:
@@ -414,7 +414,7 @@ def update(model: torch.nn.Module, ref: torch.nn.Module | None, optimizer: torch
 def run(cfg: LoopConfig, method: Method, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokenizer: Any,
         policy: Policy, make_env: Callable[[], TextEnv], tasks: list[Task], out_dir: Path,
         keep: Callable[[Group], bool], refills: int = 0, on_step: Callable[[int, dict], None] | None = None,
-        periodic_eval: Callable[[int], dict] | None = None, engines: Callable[..., Any] | None = None) -> list[dict]:
+        periodic_eval: Callable[[int], dict] | None = None, engines: Engines | None = None) -> list[dict]:
     """Runs (or resumes, from the latest checkpoint in `out_dir`) `cfg.steps` steps of `method`; returns the metrics
     of the steps run now. `periodic_eval(step)` runs after each sync; what it returns (held-out metrics, or {}
     when not due) is logged under `heldout`. Episodes are `make_env`'s, or with `engines` (`AgentEngines`) those

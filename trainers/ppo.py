@@ -30,6 +30,7 @@ from agentrl.env.api import TextEnv
 from agentrl.policy.logprobs import token_logprobs
 from agentrl.policy.precision import autocast, compute_dtype, mixed_precision
 from agentrl.policy.protocol import Policy
+from agentrl.rollout.engine import Engines
 from agentrl.trainers import loop
 from agentrl.trainers.advantages import gae, masked_whiten, turn_rewards_to_tokens
 from agentrl.trainers.batch import Batch, make_batch
@@ -204,7 +205,7 @@ class PPO:
 
 def train(cfg: PPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy, make_env: Callable[[], TextEnv],
           tasks: list[Task], out_dir: Path, on_step: Callable[[int, dict], None] | None = None,
-          periodic_eval: Callable[[int], dict] | None = None, engines: Callable[..., Any] | None = None) -> list[dict]:
+          periodic_eval: Callable[[int], dict] | None = None, engines: Engines | None = None) -> list[dict]:
     """Runs (or resumes, from the latest checkpoint in `out_dir`) PPO on `model`, which `policy` samples
     from after each sync. Same contract as `grpo.train`."""
     torch.manual_seed(cfg.seed)

@@ -23,7 +23,7 @@ from agentrl.eval.metrics import summarize_run
 from agentrl.policy.protocol import Policy
 from agentrl.env.registry import make
 from agentrl.renderer import Renderer
-from agentrl.rollout.engine import EnvEngines, RolloutConfig, RolloutEngine
+from agentrl.rollout.engine import Engines, EnvEngines, RolloutConfig, RolloutEngine
 from agentrl.rollout.jsonl import JsonlWriter, read_records
 from agentrl.eval.metrics import is_success, summarize
 from agentrl.env.suites import Suite, SuiteEntry
@@ -31,7 +31,7 @@ from agentrl.types import Task, Trajectory
 
 
 def evaluate(policy: Policy, renderer: Renderer, make_env: Callable[[], TextEnv], tasks: Sequence[Task],
-             config: RolloutConfig, engines: Callable[..., Any] | None = None
+             config: RolloutConfig, engines: Engines | None = None
              ) -> tuple[dict[str, Any], list[Trajectory]]:
     """One episode per task (`config.group_size` is ignored); returns (metrics, trajectories), each marked with
     its `success` in `info` (for paired comparisons, e.g. `agentrl compare`). Episodes are `make_env`'s, or with

@@ -150,12 +150,13 @@ def _logprobs(reply: Reply, decode: Any) -> dict[str, Any]:
                         for t, lp in zip(tokens, reply.sample.logprobs)]}
 
 
-def _message_out(reply: Reply) -> dict[str, Any]:
+def _message_out(reply: Reply, streamed: bool = False) -> dict[str, Any]:
+    """The reply as a message, or as a stream's one delta (whose tool calls carry their index)."""
     out: dict[str, Any] = {"role": "assistant", "content": reply.content}
-    if reply.tool_calls:
-        out["tool_calls"] = _tool_calls(reply)
     if reply.reasoning is not None:
         out["reasoning_content"] = reply.reasoning
+    if reply.tool_calls:
+        out["tool_calls"] = [{"index": k, **call} if streamed else call for k, call in enumerate(_tool_calls(reply))]
     return out
 
 
@@ -181,12 +182,7 @@ def chunks(request: ChatRequest, replies: list[Reply], prompt_tokens: int, decod
             "model": request.model}
     out = []
     for i, r in enumerate(replies):
-        delta: dict[str, Any] = {"role": "assistant", "content": r.content}
-        if r.reasoning is not None:
-            delta["reasoning_content"] = r.reasoning
-        if r.tool_calls:
-            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(_tool_calls(r))]
-        choice = {"index": i, "delta": delta, "finish_reason": None,
+        choice = {"index": i, "delta": _message_out(r, streamed=True), "finish_reason": None,
                   "logprobs": _logprobs(r, decode) if request.logprobs else None}
         out += [{**base, "choices": [choice]},
                 {**base, "choices": [{"index": i, "delta": {}, "finish_reason": r.finish_reason}]}]

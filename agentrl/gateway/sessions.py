@@ -195,7 +195,8 @@ class Gateway:
             except Exception as e:
                 session.failed_calls.append(f"{type(e).__name__}: {e}")
                 raise GatewayError(502, f"the policy failed: {type(e).__name__}: {e}", "policy_error") from e
-            replies = [self.reply(s, session, tools, parse_tools, sampling.stop) for s in samples]
+            parser = self.parser(tools) if tools and parse_tools else None
+            replies = [self.reply(s, session, parser, sampling.stop) for s in samples]
             async with session.lock:
                 session.last_active = time.monotonic()
                 for i, r in enumerate(replies):
@@ -219,10 +220,9 @@ class Gateway:
                 plain[t["function"]["name"]] = next(iter(params))
         return PARSERS["react"](default_args=plain)
 
-    def reply(self, sample: Sample, session: Session, tools: list[dict] | None, parse_tools: bool,
-              stop: Sequence[str] = ()) -> Reply:
+    def reply(self, sample: Sample, session: Session, parser: Any | None, stop: Sequence[str] = ()) -> Reply:
         """The sampled text as an OpenAI message: the stop string it ended on cut (the sampled ids keep it), reasoning
-        split off (if configured), tool calls parsed."""
+        split off (if configured), tool calls parsed by `parser` (None: not parsed)."""
         ids = sample.token_ids
         text = self.renderer.decode(ids[:-1] if ids and ids[-1] in self.renderer.stop_token_ids else ids)
         cut = next((s for s in stop if text.endswith(s)), "") if sample.finish_reason == "stop" else ""
@@ -233,7 +233,7 @@ class Gateway:
             reasoning, thought, text = head.removeprefix("<think>").strip(), text[:len(text) - len(rest.lstrip())], \
                 rest.lstrip()
         finish = "length" if sample.finish_reason == "length" else "stop"
-        parsed = self.parser(tools).parse(text) if tools and parse_tools else None
+        parsed = parser.parse(text) if parser is not None else None
         if parsed is None or parsed.error or not parsed.tool_calls:
             return Reply(text, reasoning, thought, cut, (), finish, sample, parsed.error if parsed else None)
         calls = tuple(replace(c, id=f"call{next(session.call_ids):05d}") for c in parsed.tool_calls)

@@ -14,7 +14,7 @@ import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Protocol, Sequence, TypeVar
 
 from pydantic import with_config
 
@@ -331,6 +331,20 @@ class RolloutEngine:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+class Engines(Protocol):
+    """What the training loop and evaluation make engines with (`run`, `run_group`, `close`, as `RolloutEngine`'s):
+    `EnvEngines` for envs, `agentrl.gateway.agents.AgentEngines` for agent programs."""
+
+    @property
+    def max_reward(self) -> float:
+        """The reward that counts as success."""
+        ...
+
+    def __call__(self, policy: Policy, renderer: Renderer, config: RolloutConfig,
+                 timeline: Timeline | None = None) -> Any:
+        ...
+
+
 @dataclass(frozen=True)
 class EnvEngines:
     """The training loop's engine factory for envs from `make_env`: a `RolloutEngine` per use, on the policy it is
@@ -347,4 +361,3 @@ class EnvEngines:
     def __call__(self, policy: Policy, renderer: Renderer, config: RolloutConfig,
                  timeline: Timeline | None = None) -> RolloutEngine:
         return RolloutEngine(self.make_env, policy, renderer, config, timeline)
-

@@ -34,7 +34,7 @@ from typing import Any, Callable, Collection, Sequence
 from agentrl.policy.protocol import Policy, Sample, SamplingParams
 from agentrl.renderer import Renderer
 from agentrl.rollout.buffer import GroupBuffer
-from agentrl.rollout.engine import RolloutConfig
+from agentrl.rollout.engine import Engines, RolloutConfig
 from agentrl.rollout.timeline import Timeline
 from agentrl.types import Task
 
@@ -93,7 +93,7 @@ class RolloutSource:
     engine that plays them (`EnvEngines(make_env)`, or agent programs' `AgentEngines`). Runs its own event loop in a
     thread; `sync` and `close` are called from the trainer's."""
 
-    def __init__(self, engines: Callable[..., Any], policy: Policy, renderer: Renderer, config: RolloutConfig,
+    def __init__(self, engines: Engines, policy: Policy, renderer: Renderer, config: RolloutConfig,
                  task_at: Callable[[int], Task], buffer: GroupBuffer, *, tasks_per_step: int, seed: int,
                  start: int = 0, skip: Collection[int] = (), timeline: Timeline | None = None, restart: bool = False):
         self.policy, self.buffer, self.task_at = VersionGate(policy), buffer, task_at
