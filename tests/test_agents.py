@@ -124,7 +124,7 @@ def test_a_recipe_trains_an_agent_program_and_refuses_what_cannot_run(tiny_model
                        "rollout": {**rollout, "group_size": 2, "sampling": {"max_tokens": 8}}}}
     summary = run_job(load_config(TrainJob, recipe), log=lambda line: None)
     assert summary["before"]["episodes"] == summary["after"]["episodes"] == 3
-    assert summary["after"]["status"] == {"ok": 3}  # the program's runs, scored by the program
+    assert summary["after"]["valid"] == 3 and summary["after"]["errors"] == 0  # the program's runs, scored by it
     with pytest.raises(ValueError, match=r"\[agent\].*remove \[tango\]"):
         load_config(TrainJob, {**recipe, "tango": {}})
 

@@ -49,7 +49,7 @@ def test_compare_training_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # one table row per run
 
     def held_out(successes, n=200):
-        return {"episodes": n, "status": {"ok": n}, "success": successes / n}
+        return {"episodes": n, "valid": n, "successes": successes, "success": successes / n}
 
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "summary.json").write_text(json.dumps(
@@ -67,6 +67,10 @@ def test_compare_training_runs(tmp_path, monkeypatch):
     assert "p=0.5 0.665" in next(line for line in lines if "tandem" in line)
     missing = runner.invoke(app, ["compare", str(tmp_path)])
     assert missing.exit_code == 2 and "no summary.json" in missing.output
+    (tmp_path / "old").mkdir()  # rates without their counts: refused, not rebuilt from the rate
+    (tmp_path / "old" / "summary.json").write_text(json.dumps({"before": {"success": 0.6}, "after": {"success": 0.7}}))
+    old = runner.invoke(app, ["compare", str(tmp_path / "old")])
+    assert old.exit_code == 2 and "predates stored held-out counts" in old.output
 
 
 def test_compare_pools_held_out_suites_and_pairs_their_tasks(tmp_path, monkeypatch):
@@ -75,19 +79,18 @@ def test_compare_pools_held_out_suites_and_pairs_their_tasks(tmp_path, monkeypat
 
     monkeypatch.setenv("COLUMNS", "220")
     run = tmp_path / "search"
-    # suite x: tasks 0-9, solved before {0, 1, 2}, after {0, 3, 4, 5, 6}; suite y: 0-9, before {0}, after {0, 1}.
-    # The same task id in two suites is two tasks. Gained 3, 4, 5, 6 and y's 1; lost 1 and 2.
+    # split x: tasks 0-9, solved before {0, 1, 2}, after {0, 3, 4, 5, 6}; split y: 0-9, before {0}, after {0, 1}.
+    # The same task id in two splits is two tasks. Gained 3, 4, 5, 6 and y's 1; lost 1 and 2.
     solved = {"before_RL": {"x": {0, 1, 2}, "y": {0}}, "after_RL": {"x": {0, 3, 4, 5, 6}, "y": {0, 1}}}
-    for label, suites in solved.items():
-        for suite, ids in suites.items():
-            write_jsonl([Trajectory(f"t{i}", (1,), (0,), (0.0,), 1, (), float(i in ids),
-                                    info={"success": i in ids}) for i in range(10)],
-                        run / "heldout" / label / f"{suite}.jsonl")
+    for label, splits in solved.items():
+        write_jsonl([Trajectory(f"t{i}", (1,), (0,), (0.0,), 1, (), float(i in ids),
+                                info={"split": split, "success": i in ids})
+                     for split, ids in splits.items() for i in range(10)],
+                    run / "heldout" / label / "trajectories.jsonl")
 
-    def held_out(label):
-        suites = {s: {"episodes": 10, "status": {"ok": 10}, "success": len(ids) / 10}
-                  for s, ids in solved[label].items()}
-        return {"success": sum(m["success"] for m in suites.values()) / 2, "suites": suites}
+    def held_out(label):  # what `heldout_metrics` stores: the pooled counts (its rates are not read)
+        successes = sum(len(ids) for ids in solved[label].values())
+        return {"success": successes / 20, "successes": successes, "valid": 20, "episodes": 20}
 
     (run / "summary.json").write_text(json.dumps({"method": "grpo", "before": held_out("before_RL"),
                                                   "after": held_out("after_RL")}))

@@ -85,10 +85,40 @@ def test_a_table_that_leaves_a_key_out_gets_what_no_table_gives():
     assert (tables.grpo.rollout.max_turns, tables.eval.rollout.sampling.max_tokens) == (4, 32)  # and the table's own
 
 
+def test_eval_rollout_starts_from_the_rl_rollout_greedy_and_keeps_what_it_sets():
+    from agentrl.trainers.pipeline import TrainJob
+
+    rl = {"max_turns": 3, "max_total_tokens": 700, "step_timeout": 9.0, "group_size": 4,
+          "sampling": {"max_tokens": 48, "temperature": 0.9, "stop": ["</answer>"]}}
+    inherited = load_config(TrainJob, {**TRAIN, "grpo": {"rollout": rl}}).eval.rollout
+    assert (inherited.max_turns, inherited.max_total_tokens, inherited.step_timeout) == (3, 700, 9.0)
+    assert (inherited.sampling.max_tokens, inherited.sampling.stop) == (48, ("</answer>",))
+    assert (inherited.group_size, inherited.sampling.temperature) == (1, 0.0)  # one greedy episode per task
+    own = load_config(TrainJob, {**TRAIN, "grpo": {"rollout": rl},
+                                 "eval": {"n": 5, "rollout": {"max_turns": 6, "sampling": {"temperature": 0.5}}}})
+    assert (own.eval.n, own.eval.rollout.max_turns, own.eval.rollout.sampling.temperature) == (5, 6, 0.5)
+    assert (own.eval.rollout.max_total_tokens, own.eval.rollout.sampling.max_tokens) == (700, 48)
+    ppo = load_config(TrainJob, {**TRAIN, "ppo": {"rollout": {"max_turns": 2}}})
+    assert ppo.eval.rollout.max_turns == 2  # the method's own rollout
+    # an --set on the RL rollout reaches the evaluation too, unless the recipe's [eval.rollout] sets the key
+    assert load_config(TrainJob, {**TRAIN, "eval": {"rollout": {"max_turns": 6}}},
+                       {"grpo": {"rollout": {"max_turns": 2, "env_workers": 3}}}).eval.rollout.env_workers == 3
+    with pytest.raises(ConfigError, match=r"eval.rollout.max_turnz"):  # unknown keys still named where they are
+        load_config(TrainJob, {**TRAIN, "grpo": {"rollout": {"max_turnz": 2}}})
+
+
 def test_strict_types_still_take_toml_arrays_for_tuples_and_integers_for_floats():
+    from agentrl.cli.jobs import EvalJob
+    from agentrl.trainers.pipeline import TrainJob
+
     sampling = {"stop": ["</answer>"], "top_p": 1}
     job = load_config(RolloutJob, {"env": "e", "model": "m", "rollout": {"sampling": sampling}})
     assert job.rollout.sampling.stop == ("</answer>",) and job.rollout.sampling.top_p == 1.0
+    # tables with table defaults too (a validator there saw Python lists, which strict mode refused for tuples)
+    train = load_config(TrainJob, {**TRAIN, "grpo": {"rollout": {"sampling": sampling}}})
+    assert train.grpo.rollout.sampling.stop == train.eval.rollout.sampling.stop == ("</answer>",)
+    assert load_config(EvalJob, {"suite": "s", "model": "m", "rollout": {"sampling": sampling}}
+                       ).rollout.sampling.stop == ("</answer>",)
 
 
 def test_eval_job_is_typed_and_refuses_what_cannot_work(tmp_path):

@@ -85,9 +85,13 @@ def test_train_pipeline_evaluates_periodically_and_per_split(tiny_model_dir, tmp
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert "heldout" in rows[0] and "heldout" not in rows[1]  # every step, but the last is the final eval
     assert set(rows[0]["heldout"]["suites"]) == {"heldout", "train"}
-    for label in ("before", "after"):
-        suites = summary[label]["suites"]
-        assert summary[label]["success"] == pytest.approx(
-            (suites["heldout"]["success"] + suites["train"]["success"]) / 2)
-    assert len(read_jsonl(tmp_path / "heldout" / "before_RL" / "heldout.jsonl")) == 3
+    for label in ("before", "after"):  # pooled over the splits, from the counts
+        pooled, suites = summary[label], summary[label]["suites"]
+        assert pooled["successes"] == suites["heldout"]["successes"] + suites["train"]["successes"]
+        assert pooled["valid"] == suites["heldout"]["valid"] + suites["train"]["valid"] == 6
+        assert pooled["success"] == pooled["successes"] / pooled["valid"]
+    saved = read_jsonl(tmp_path / "heldout" / "before_RL" / "trajectories.jsonl")  # the suite run's own files
+    assert sorted(t.info["split"] for t in saved) == ["heldout"] * 3 + ["train"] * 3
+    results = json.loads((tmp_path / "heldout" / "before_RL" / "results.json").read_text())
+    assert results["all"]["success"]["successes"] == summary["before"]["successes"]
     assert any("held-out (train, 3 tasks) at step 1" in line for line in lines)

@@ -24,7 +24,7 @@ from agentrl.trainers.batch import make_batch
 from agentrl.policy.logprobs import token_logprobs
 from agentrl.policy.precision import autocast
 from agentrl.trainers.losses import dpo_loss
-from agentrl.trainers.metrics import check_finite
+from agentrl.trainers.supervised import fit
 from agentrl.trainers.rewards import RewardConfig, group_rewards
 
 
@@ -81,29 +81,24 @@ def train_dpo(model: torch.nn.Module, pairs: Sequence[tuple[Trajectory, Trajecto
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     rows = [t for pair in pairs for t in pair]  # chosen, rejected, chosen, rejected, ...
     batch = make_batch(rows, [0.0] * len(rows))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    generator, history = torch.Generator().manual_seed(cfg.seed), []
-    model.train()
-    for epoch in range(cfg.epochs):
-        order = torch.randperm(len(pairs), generator=generator)
-        for start in range(0, len(pairs), cfg.pairs_per_step):
-            pair_ids = order[start:start + cfg.pairs_per_step]
-            row_ids = torch.stack([2 * pair_ids, 2 * pair_ids + 1], dim=1).flatten()  # keep pairs adjacent
-            mb = batch.select(row_ids).to(next(model.parameters()).device)
-            with autocast(model):  # the compute dtype, over float32 master weights (if marked); ref: a copy
-                logp_BT, _ = token_logprobs(model, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
-                with torch.no_grad():
-                    ref_logp_BT, _ = token_logprobs(ref, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
-            loss, metrics = dpo_loss(logp_BT, ref_logp_BT, mb.mask_BT, beta=cfg.beta,
-                                     label_smoothing=cfg.label_smoothing)
-            optimizer.zero_grad()
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            optimizer.step()
-            row = {"epoch": epoch, "loss": loss.item(), "grad_norm": grad_norm.item(), **metrics}
-            check_finite(f"DPO step {len(history) + 1}", row)
-            history.append(row)
-            if on_step:
-                on_step(row)
-    model.eval()
-    return history
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(cfg.seed)
+
+    def batches():
+        for epoch in range(cfg.epochs):
+            order = torch.randperm(len(pairs), generator=generator)
+            for start in range(0, len(pairs), cfg.pairs_per_step):
+                pair_ids = order[start:start + cfg.pairs_per_step]
+                row_ids = torch.stack([2 * pair_ids, 2 * pair_ids + 1], dim=1).flatten()  # keep pairs adjacent
+                yield epoch, batch.select(row_ids).to(device)
+
+    def loss_of(epoch_and_batch):
+        epoch, mb = epoch_and_batch
+        with autocast(model):  # the compute dtype, over float32 master weights (if marked); ref: a copy
+            logp_BT, _ = token_logprobs(model, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
+            with torch.no_grad():
+                ref_logp_BT, _ = token_logprobs(ref, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
+        loss, metrics = dpo_loss(logp_BT, ref_logp_BT, mb.mask_BT, beta=cfg.beta, label_smoothing=cfg.label_smoothing)
+        return loss, {"epoch": epoch, **metrics}
+
+    return fit(model, batches(), loss_of, lr=cfg.lr, name="DPO", max_grad_norm=cfg.max_grad_norm, on_step=on_step)

@@ -16,6 +16,7 @@ import copy
 import json
 import os
 import random
+import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,10 +26,11 @@ import torch
 from pydantic import with_config
 from transformers import AutoModelForCausalLM
 
-from agentrl.config import STRICT, table_defaults
+from agentrl.config import STRICT, merge, table_defaults
 from agentrl.policy.backends import EngineConfig, open_policy
 from agentrl.eval.report import plot_reward_curve, plot_timeline
-from agentrl.eval.run import evaluate
+from agentrl.eval.run import run_suite
+from agentrl.env.suites import Suite, SuiteEntry
 from agentrl.gateway.agents import AgentConfig, AgentEngines
 from agentrl.policy.hf import HFPolicy
 from agentrl.policy.precision import mixed_precision
@@ -37,8 +39,8 @@ from agentrl.policy.vllm_client import VLLMPolicy
 from agentrl.rollout.ray_pool import RayConfig, env_factory
 from agentrl.env.registry import make
 from agentrl.renderer import Renderer
-from agentrl.rollout.engine import RolloutConfig, RolloutEngine
-from agentrl.rollout.jsonl import JsonlWriter, read_records, write_jsonl
+from agentrl.rollout.engine import EnvEngines, RolloutConfig, RolloutEngine
+from agentrl.rollout.jsonl import JsonlWriter, read_jsonl, read_records
 from agentrl.policy.scripted import ScriptedPolicy, playing
 from agentrl.models.tokenizer import chat_template_text, load_tokenizer
 from agentrl.trainers import fsdp, tango
@@ -72,7 +74,9 @@ class EvalConfig:
     split: str | list[str] = "heldout"  # one split, or several held-out suites (each reported, then averaged)
     n: int = 200  # tasks per split, one episode each
     every: int = 0  # also evaluate every this many GRPO steps, logged with the training metrics (0: never)
-    rollout: Annotated[RolloutConfig, table_defaults(sampling={"temperature": 0.0})] = field(  # greedy
+    # in a recipe: the RL rollout's table less its group_size and temperature (`TrainJob.derive`), greedy, and the
+    # keys this table sets
+    rollout: Annotated[RolloutConfig, table_defaults(sampling={"temperature": 0.0})] = field(
         default_factory=lambda: RolloutConfig(sampling=SamplingParams(temperature=0.0)))
 
 
@@ -155,6 +159,22 @@ class TrainJob:
             raise ValueError("the vLLM server would share the trainer's GPU and take 90% of its memory: set "
                              "engine.gpu_memory_utilization (e.g. 0.3 for a 0.5 B model beside its trainer), or give "
                              "the server GPUs of its own with engine.gpus (e.g. \"1\")")
+
+    @staticmethod
+    def derive(recipe: dict[str, Any]) -> dict[str, Any]:
+        """The recipe with its `[eval.rollout]` started from the RL rollout's table (`[grpo|ppo|dpo].rollout`) less
+        `group_size` and the sampling temperature (evaluation is one greedy episode per task unless it says
+        otherwise): budgets, parser limits and timeouts are set once, and the table keeps what it sets itself."""
+        settings = next((METHODS[name].settings for name in ("ppo", "dpo") if name in recipe), "grpo")
+        table = lambda data, key: data.get(key) if isinstance(data, dict) else None  # noqa: E731 (else: invalid)
+        rl, evaluation = table(table(recipe, settings), "rollout"), table(recipe, "eval")
+        if not isinstance(rl, dict) or (evaluation is None and "eval" in recipe):
+            return recipe  # nothing to start from, or a malformed table that validation names
+        rl = json.loads(json.dumps({k: v for k, v in rl.items() if k != "group_size"}))  # a copy
+        if isinstance(rl.get("sampling"), dict):
+            rl["sampling"].pop("temperature", None)
+        own = table(evaluation, "rollout") if evaluation else {}
+        return merge(recipe, {"eval": {"rollout": merge(rl, own) if isinstance(own, dict) else own}})
 
     def _check_asynchronous(self) -> None:
         """What asynchronous training (`max_staleness > 0`) does not run with yet: a clear error, before any work."""
@@ -243,7 +263,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
 
     def evaluate_now(label: str) -> dict[str, Any]:
         metrics, trajectories = heldout(job, policy, renderer, make_env, log, label, engines)
-        return {**metrics, "handoff": handoff.evaluate(trajectories, renderer, make_env, log)} if handoff else metrics
+        return {**metrics, "handoff": handoff.evaluate(trajectories, renderer, label, log)} if handoff else metrics
 
     if job.eval and "before" not in summary and rank == 0:
         summary["before"] = evaluate_now("before RL")
@@ -390,18 +410,21 @@ class Handoff:
         """The tandem policy that RL samples from: the junior writes each unit with probability `tandem.p_junior`."""
         return self.policy(p_junior=self.cfg.p_junior)
 
-    def evaluate(self, solo: list, renderer: Renderer, make_env, log: Callable[[str], None]) -> dict[str, Any]:
+    def evaluate(self, solo: list, renderer: Renderer, label: str, log: Callable[[str], None]) -> dict[str, Any]:
         """Success with the junior writing each unit with probability p / taking over after k units, and the
-        junior's cross-entropy on the senior's solo held-out tokens."""
+        junior's cross-entropy on the senior's solo held-out tokens; each schedule's episodes in
+        OUT/heldout/LABEL/handoff/SCHEDULE."""
         out: dict[str, Any] = {"junior_xent": junior_cross_entropy(self.junior_model, solo)}
         schedules = [(f"p={p}", {"p_junior": p}) for p in self.cfg.eval_p] + \
                     [(f"after={k}", {"p_junior": 0.0, "junior_after": k}) for k in self.cfg.eval_after]
-        split = self.job.eval.split if isinstance(self.job.eval.split, str) else self.job.eval.split[0]
-        tasks = list(make_env(split).tasks)[:self.job.eval.n]
+        job = self.job
+        split = job.eval.split if isinstance(job.eval.split, str) else job.eval.split[0]
+        suite = Suite(f"{job.env} handoff", entries=(SuiteEntry(job.env, split, job.eval.n, job.env_kwargs),))
         for name, schedule in schedules:
-            metrics, _ = evaluate(self.policy(**schedule), renderer, lambda: make_env(split), tasks,
-                                  self.job.eval.rollout)
-            out[name] = metrics["success"]
+            results = run_suite(suite, self.policy(**schedule), renderer,
+                                Path(os.path.expanduser(job.out_dir)) / "heldout" / label.replace(" ", "_")
+                                / "handoff" / name, job.model, config=replace(job.eval.rollout, group_size=1))
+            out[name] = results["all"]["success"]["rate"]
         log(f"handoff robustness ({split}): " + ", ".join(f"{k} {v:.3f}" for k, v in out.items()))
         return out
 
@@ -462,24 +485,33 @@ def demonstrations(make_env, tasks: list, renderer: Renderer, rollout: RolloutCo
 
 
 def heldout(job: TrainJob, policy, renderer, make_env, log, label: str, engines=None) -> tuple[dict[str, Any], list]:
-    """(metrics, trajectories) of one split (the env's episodes, or `engines`' agent runs); for several, each split's
-    metrics under `suites` and their means on top."""
+    """(metrics, trajectories) of the held-out evaluation `label`: each split of the job's env an entry of one suite,
+    run by `run_suite` as `agentrl eval` runs suites (the env's episodes in the job's envs, or `engines`' agent
+    runs), into OUT/heldout/LABEL (run.json, trajectories.jsonl, results.json). The metrics are pooled over the
+    splits, with the counts behind each rate, and per split under `suites` when there are several."""
     splits = [job.eval.split] if isinstance(job.eval.split, str) else job.eval.split
-    suites, everything = {}, []
-    for split in splits:
-        tasks = list(make_env(split).tasks)[:job.eval.n]
-        metrics, trajectories = evaluate(policy, renderer, lambda split=split: make_env(split), tasks,
-                                         job.eval.rollout, engines)
-        write_jsonl(trajectories, Path(os.path.expanduser(job.out_dir)) / "heldout" / label.replace(" ", "_")
-                    / f"{split}.jsonl")  # for `agentrl report`'s viewer
-        log(f"held-out ({split}, {len(tasks)} tasks) {label}: success {metrics['success']:.3f}, "
-            f"mean reward {metrics['mean_reward']:.3f}")
-        suites[split] = metrics
-        everything += trajectories
-    if len(suites) == 1:
-        return metrics, everything
-    mean = {k: sum(m[k] for m in suites.values()) / len(suites) for k in ("success", "mean_reward")}
-    return {**mean, "suites": suites}, everything
+    suite = Suite(f"{job.env} held-out", entries=tuple(SuiteEntry(job.env, split, job.eval.n, job.env_kwargs)
+                                                      for split in splits))
+    out = Path(os.path.expanduser(job.out_dir)) / "heldout" / label.replace(" ", "_")
+    shutil.rmtree(out, ignore_errors=True)  # evaluated once per label: an earlier run's episodes are not resumed
+    results = run_suite(suite, policy, renderer, out, job.model, config=replace(job.eval.rollout, group_size=1),
+                        engines=lambda entry: engines or EnvEngines(lambda: make_env(entry.split)))
+    suites = {entry.split: heldout_metrics(results["entries"][entry.name]) for entry in suite.entries}
+    for split, m in suites.items():
+        log(f"held-out ({split}, {m['episodes']} tasks) {label}: success {m['success']:.3f}, "
+            f"mean reward {m['mean_reward']:.3f}")
+    trajectories = read_jsonl(out / "trajectories.jsonl")
+    metrics = heldout_metrics(results["all"])
+    return (metrics if len(suites) == 1 else {**metrics, "suites": suites}), trajectories
+
+
+def heldout_metrics(entry: dict[str, Any]) -> dict[str, Any]:
+    """What a training run's summary keeps of `run_suite`'s results for one entry (or all pooled): success and
+    mean reward over the non-error episodes, with their counts (`agentrl compare` tests on them)."""
+    return {"success": entry["success"]["rate"], "successes": entry["success"]["successes"],
+            "valid": entry["valid"], "episodes": entry["episodes"], "errors": entry["errors"]["count"],
+            "truncated": entry["truncated"]["count"], "mean_reward": entry["reward"]["mean"],
+            "mean_turns": entry["mean_turns"]}
 
 
 def _save_stage(model, tokenizer, path: Path) -> None:

@@ -26,7 +26,7 @@ from pydantic import with_config
 from agentrl.config import STRICT
 from agentrl.policy.logprobs import lm_head
 from agentrl.policy.precision import autocast
-from agentrl.trainers.metrics import check_finite
+from agentrl.trainers.supervised import fit
 
 
 @with_config(STRICT)
@@ -86,28 +86,22 @@ def copy_warmup(model: torch.nn.Module, tokens: list[int], cfg: CopyWarmup,
     generator = torch.Generator().manual_seed(cfg.seed)
     alphabet_A = torch.tensor(tokens)
     device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    history = []
-    model.train()
-    for step in range(cfg.steps):
-        n = int(torch.randint(cfg.min_len, cfg.max_len + 1, (), generator=generator))
-        seq_BN = alphabet_A[torch.randint(len(tokens), (cfg.batch_size, n), generator=generator)]
-        ids_BT = torch.cat([seq_BN, seq_BN], dim=1).to(device)
+
+    def batches():
+        for step in range(cfg.steps):
+            n = int(torch.randint(cfg.min_len, cfg.max_len + 1, (), generator=generator))
+            seq_BN = alphabet_A[torch.randint(len(tokens), (cfg.batch_size, n), generator=generator)]
+            yield step, n, torch.cat([seq_BN, seq_BN], dim=1).to(device)
+
+    def loss_of(batch):
+        step, n, ids_BT = batch
         with autocast(model):  # the compute dtype, over float32 master weights (if marked)
             hidden_BNH = model.base_model(input_ids=ids_BT).last_hidden_state[:, -n - 1:-1]  # predicts the repeat
             logits_BNV = lm_head(model, hidden_BNH).float()  # the LM head on those positions only
         loss = F.cross_entropy(logits_BNV.flatten(0, 1), ids_BT[:, -n:].flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        row = {"step": step, "loss": loss.item(),
-               "copy_accuracy": (logits_BNV.argmax(-1) == ids_BT[:, -n:]).float().mean().item()}
-        check_finite(f"copy warm-up step {step + 1}", row)
-        history.append(row)
-        if on_step:
-            on_step(row)
-    model.eval()
-    return history
+        return loss, {"step": step, "copy_accuracy": (logits_BNV.argmax(-1) == ids_BT[:, -n:]).float().mean().item()}
+
+    return fit(model, batches(), loss_of, lr=cfg.lr, name="copy warm-up", on_step=on_step)
 
 
 def context_sequence(generator: torch.Generator, tokens: list[int], texts: Sequence[Sequence[int]],
@@ -139,24 +133,19 @@ def copy_in_context(model: torch.nn.Module, tokens: list[int], texts: Sequence[S
     the env's text `texts` (token ids); returns per-step loss and the accuracy on the predictable copies."""
     generator = torch.Generator().manual_seed(cfg.seed)
     device = next(model.parameters()).device
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    history = []
-    model.train()
-    for step in range(cfg.context_steps):
-        rows = [context_sequence(generator, tokens, texts, cfg) for _ in range(cfg.context_batch_size)]
-        ids_BT = torch.tensor([ids for ids, _ in rows], device=device)
-        copied_BT = torch.tensor([copied for _, copied in rows], device=device)[:, 1:]
+
+    def batches():
+        for step in range(cfg.context_steps):
+            rows = [context_sequence(generator, tokens, texts, cfg) for _ in range(cfg.context_batch_size)]
+            yield (step, torch.tensor([ids for ids, _ in rows], device=device),
+                   torch.tensor([copied for _, copied in rows], device=device)[:, 1:])
+
+    def loss_of(batch):
+        step, ids_BT, copied_BT = batch
         with autocast(model):
             logits_BTV = model(input_ids=ids_BT).logits[:, :-1].float()
         loss = F.cross_entropy(logits_BTV.flatten(0, 1), ids_BT[:, 1:].flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
         hits_BT = logits_BTV.argmax(-1) == ids_BT[:, 1:]
-        row = {"step": step, "loss": loss.item(), "copy_accuracy": hits_BT[copied_BT].float().mean().item()}
-        check_finite(f"copy-in-context step {step + 1}", row)
-        history.append(row)
-        if on_step:
-            on_step(row)
-    model.eval()
-    return history
+        return loss, {"step": step, "copy_accuracy": hits_BT[copied_BT].float().mean().item()}
+
+    return fit(model, batches(), loss_of, lr=cfg.lr, name="copy-in-context", on_step=on_step)

@@ -14,7 +14,7 @@ from pydantic import with_config
 from agentrl.config import STRICT
 from agentrl.types import Status, Trajectory
 from agentrl.trainers.batch import make_batch
-from agentrl.trainers.metrics import check_finite
+from agentrl.trainers.supervised import fit
 from agentrl.policy.logprobs import token_logprobs
 from agentrl.policy.precision import autocast
 
@@ -55,25 +55,20 @@ def sft(model: torch.nn.Module, trajectories: Sequence[Trajectory], cfg: SFTConf
     if cfg.last_turn_only:
         kept = [last_turn_only(t) for t in kept]
     batch = make_batch(kept, [0.0] * len(kept))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(cfg.seed)
-    history = []
-    model.train()
-    for epoch in range(cfg.epochs):
-        order = torch.randperm(len(batch), generator=generator)
-        for start in range(0, len(batch), cfg.batch_size):
-            mb = batch.select(order[start:start + cfg.batch_size]).to(next(model.parameters()).device)
-            with autocast(model):  # the compute dtype, over float32 master weights (if marked)
-                logp_BT, _ = token_logprobs(model, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
-            loss = -(logp_BT * mb.mask_BT).sum() / mb.mask_BT.sum()  # token-mean NLL of assistant tokens
-            optimizer.zero_grad()
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-            optimizer.step()
-            row = {"epoch": epoch, "loss": loss.item(), "grad_norm": grad_norm.item(), "kept": len(kept)}
-            check_finite(f"SFT step {len(history) + 1}", row)
-            history.append(row)
-            if on_step:
-                on_step(row)
-    model.eval()
-    return history
+
+    def batches():
+        for epoch in range(cfg.epochs):
+            order = torch.randperm(len(batch), generator=generator)
+            for start in range(0, len(batch), cfg.batch_size):
+                yield epoch, batch.select(order[start:start + cfg.batch_size]).to(device)
+
+    def loss_of(epoch_and_batch):
+        epoch, mb = epoch_and_batch
+        with autocast(model):  # the compute dtype, over float32 master weights (if marked)
+            logp_BT, _ = token_logprobs(model, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
+        loss = -(logp_BT * mb.mask_BT).sum() / mb.mask_BT.sum()  # token-mean NLL of assistant tokens
+        return loss, {"epoch": epoch, "kept": len(kept)}
+
+    return fit(model, batches(), loss_of, lr=cfg.lr, name="SFT", max_grad_norm=cfg.max_grad_norm, on_step=on_step)

@@ -399,10 +399,12 @@ def compare(run_dirs: list[Path] = typer.Argument(..., help="Training runs (`age
     on the same tasks: tasks gained and lost, and McNemar's exact p."""
     from agentrl.eval.metrics import diff_interval, mcnemar_p, paired_change, wilson_interval
 
-    def counts(m: dict) -> tuple[int, int]:  # pooled over the held-out suites, if several
-        suites = list(m["suites"].values()) if "suites" in m else [m]
-        n = [s["episodes"] - s["status"].get("error", 0) for s in suites]
-        return sum(round(s["success"] * k) for s, k in zip(suites, n)), sum(n)
+    def counts(m: dict) -> tuple[int, int]:  # successes and non-error episodes, pooled over the held-out splits
+        if "successes" not in m:
+            console.print("[red]this summary.json predates stored held-out counts (successes, valid): its rates "
+                          "alone cannot be tested; run its `agentrl train` again into a new out_dir[/]")
+            raise typer.Exit(2)
+        return m["successes"], m["valid"]
 
     def rate(m: dict) -> str:
         (s, n), (lo, hi) = counts(m), wilson_interval(*counts(m))
@@ -434,19 +436,14 @@ def compare(run_dirs: list[Path] = typer.Argument(..., help="Training runs (`age
 
 
 def _heldout_outcomes(label_dir: Path) -> dict[tuple[str, str], bool]:
-    """(suite, task id) -> success of a training run's held-out evaluation as `agentrl train` saved it, errors left
-    out as in the rates; empty when it is missing or predates per-episode success."""
+    """(split, task id) -> success of a training run's held-out evaluation as `agentrl train` saved it, errors left
+    out as in the rates; empty when it is missing."""
     from agentrl.rollout.jsonl import read_jsonl
     from agentrl.types import Status
 
-    outcomes = {}
-    for path in sorted(label_dir.glob("*.jsonl")):
-        for t in read_jsonl(path):
-            if "success" not in t.info:
-                return {}
-            if t.status is not Status.ERROR:
-                outcomes[path.stem, t.task_id] = t.info["success"]
-    return outcomes
+    path = label_dir / "trajectories.jsonl"
+    return {(t.info["split"], t.task_id): t.info["success"] for t in (read_jsonl(path) if path.exists() else [])
+            if t.status is not Status.ERROR}
 
 
 @app.command("suites")

@@ -1,4 +1,5 @@
-"""Evaluation: a policy on a task split (`evaluate`), or on a whole suite into a run directory (`run_suite`).
+"""Evaluation: a policy on a suite into a run directory (`run_suite`): `agentrl eval`, and the held-out evaluations
+of `agentrl train` (each split of the job's env an entry of its suite, the episodes its engines').
 
 A success is an episode whose `outcome` reward component is 1 (or, for envs without one, whose reward
 reaches the env's maximum). Errors are counted, never scored as failures.
@@ -19,33 +20,14 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from agentrl.env.api import TextEnv
-from agentrl.eval.metrics import summarize_run
+from agentrl.eval.metrics import is_success, summarize_run
 from agentrl.policy.protocol import Policy
 from agentrl.env.registry import make
 from agentrl.renderer import Renderer
-from agentrl.rollout.engine import Engines, EnvEngines, RolloutConfig, RolloutEngine
+from agentrl.rollout.engine import Engines, EnvEngines, RolloutConfig
 from agentrl.rollout.jsonl import JsonlWriter, read_records
-from agentrl.eval.metrics import is_success, summarize
 from agentrl.env.suites import Suite, SuiteEntry
 from agentrl.types import Task, Trajectory
-
-
-def evaluate(policy: Policy, renderer: Renderer, make_env: Callable[[], TextEnv], tasks: Sequence[Task],
-             config: RolloutConfig, engines: Engines | None = None
-             ) -> tuple[dict[str, Any], list[Trajectory]]:
-    """One episode per task (`config.group_size` is ignored); returns (metrics, trajectories), each marked with
-    its `success` in `info` (for paired comparisons, e.g. `agentrl compare`). Episodes are `make_env`'s, or with
-    `engines` (`agentrl.gateway.agents.AgentEngines`) an agent program's runs, each task's first segment standing
-    for its run (every segment of a session carries the session's reward)."""
-    engines = engines or EnvEngines(make_env)
-    engine = engines(policy, renderer, replace(config, group_size=1))
-    try:
-        trajectories = [g.trajectories[0] for g in asyncio.run(engine.run(tasks))]
-    finally:
-        engine.close()
-    max_reward = engines.max_reward
-    trajectories = [replace(t, info={**t.info, "success": is_success(t, max_reward)}) for t in trajectories]
-    return summarize(trajectories, max_reward=max_reward), trajectories
 
 
 class EvalRunMismatch(ValueError):
@@ -63,8 +45,11 @@ class _Episode:
 
 def run_suite(suite: Suite, policy: Policy, renderer: Renderer, out_dir: str | Path, model: str | Path,
               ks: Sequence[int] = (1,), n_tasks: int | None = None, config: RolloutConfig = RolloutConfig(),
-              on_episode: Callable[[Trajectory], None] | None = None) -> dict[str, Any]:
-    """Evaluates `policy` on every entry of `suite` with max(ks) samples per task; returns results.json."""
+              on_episode: Callable[[Trajectory], None] | None = None,
+              engines: Callable[[SuiteEntry], Engines] | None = None) -> dict[str, Any]:
+    """Evaluates `policy` on every entry of `suite` with max(ks) samples per task; returns results.json. Each
+    entry's episodes are played by `engines(entry)` (default: its env in this process; `agentrl train` gives its
+    Ray envs or its agent program)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     n_samples = max(ks)
@@ -88,6 +73,9 @@ def run_suite(suite: Suite, policy: Policy, renderer: Renderer, out_dir: str | P
 
     done = _read_finished(log_path)
     envs = {e.name: make(e.env, split=e.split, **e.env_kwargs) for e in entries}
+    engines = engines or (lambda e: EnvEngines(lambda: make(e.env, split=e.split, **e.env_kwargs)))
+    factories = {e.name: engines(e) for e in entries}
+    max_reward = {name: factory.max_reward for name, factory in factories.items()}
     todo = [ep for ep in _episodes(entries, envs, n_samples, config.seed)
             if (ep.entry.name, ep.task.id, ep.sample) not in done]
     start = time.perf_counter()
@@ -95,14 +83,14 @@ def run_suite(suite: Suite, policy: Policy, renderer: Renderer, out_dir: str | P
         def finished(ep: _Episode, t: Trajectory) -> None:
             env = envs[ep.entry.name]
             t = replace(t, info={**t.info, "entry": ep.entry.name, "env": ep.entry.env, "split": ep.entry.split,
-                                 "sample": ep.sample, "success": is_success(t, env.max_reward),
+                                 "sample": ep.sample, "success": is_success(t, max_reward[ep.entry.name]),
                                  "difficulty": env.difficulty(ep.task)})
             log.write(t)
             done[(ep.entry.name, ep.task.id, ep.sample)] = t
             if on_episode:
                 on_episode(t)
 
-        asyncio.run(_run_episodes(todo, entries, policy, renderer, config, finished))
+        asyncio.run(_run_episodes(todo, factories, policy, renderer, config, finished))
     trajectories = [done[k] for k in sorted(done)]
     results = summarize_run(trajectories, run["k"])
     (out / "results.json").write_text(json.dumps(results, indent=2))
@@ -123,11 +111,10 @@ def _episodes(entries: Sequence[SuiteEntry], envs: dict[str, TextEnv], n_samples
     return episodes
 
 
-async def _run_episodes(todo: Sequence[_Episode], entries: Sequence[SuiteEntry], policy: Policy,
+async def _run_episodes(todo: Sequence[_Episode], factories: dict[str, Engines], policy: Policy,
                         renderer: Renderer, config: RolloutConfig,
                         finished: Callable[[_Episode, Trajectory], None]) -> None:
-    engines = {e.name: RolloutEngine(lambda e=e: make(e.env, split=e.split, **e.env_kwargs), policy, renderer,
-                                     config) for e in entries}
+    engines = {name: factory(policy, renderer, config) for name, factory in factories.items()}
     gate = asyncio.Semaphore(config.concurrency)
 
     async def one(ep: _Episode) -> None:
@@ -143,7 +130,7 @@ async def _run_episodes(todo: Sequence[_Episode], entries: Sequence[SuiteEntry],
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for engine in engines.values():
-            engine.close()
+            await engine.aclose()
 
 
 def _read_finished(path: Path) -> dict[tuple[str, str, int], Trajectory]:

@@ -8,8 +8,9 @@ its agent on `task.data`, and returns the reward, or posts it to the session (`P
 replaced by `/reward`) and returns None. A program that raises, times out or ends without a reward gives `error`
 trajectories with the reason.
 
-`AgentEngine` has the rollout engine's interface (`run`, `run_group`, `close`), so the training loop, synchronous
-or asynchronous, takes its groups as it takes env groups (`AgentEngines`).
+`AgentEngine` has the rollout engine's interface (`run`, `run_group`, `run_episode`, `close`, `aclose`), so the
+training loop, synchronous or asynchronous, takes its groups as it takes env groups (`AgentEngines`), and held-out
+evaluation (`agentrl.eval.run.run_suite`) its episodes.
 """
 
 from __future__ import annotations
@@ -116,11 +117,18 @@ class AgentEngine:
             await self._serving
             self._server = self._serving = None
 
-    async def run_episode(self, task: Task, env_seed: int, sample: int, group: int) -> tuple[Trajectory, ...]:
-        """One run of the program: its session's segments (error trajectories if the run failed)."""
+    async def run_episode(self, task: Task, env_seed: int, sample_seed: int, group: int = 0) -> Trajectory:
+        """One run of the program as one episode, for evaluation: its first segment stands for the run (every
+        segment of a session carries the session's reward and status)."""
+        await self._serve()
+        return (await self.run_session(task, env_seed, group, sample=group, seed=sample_seed))[0]
+
+    async def run_session(self, task: Task, env_seed: int, group: int, sample: int, seed: int
+                          ) -> tuple[Trajectory, ...]:
+        """One run of the program: its session's segments (error trajectories if the run failed); `seed` seeds its
+        calls' sampling (with `seeded_sampling`)."""
         session = self.gateway.open(task.id, group, {"sample": sample, "seed": env_seed},
-                                    seed=env_seed * self.config.group_size + sample if self.config.seeded_sampling
-                                    else None)
+                                    seed=seed if self.config.seeded_sampling else None)
         base_url = f"{self.url}/sessions/{session.id}/v1"
         reward, error = await _captured(_within(self.agent.timeout, self._call(task, base_url), ProgramError(
             f"the agent program took more than {self.agent.timeout:g}s (agent.timeout)")))
@@ -152,7 +160,7 @@ class AgentEngine:
 
         async def one(k: int) -> tuple[Trajectory, ...]:
             async with gate:
-                return await self.run_episode(task, env_seed, k, group)
+                return await self.run_session(task, env_seed, group, k, env_seed * self.config.group_size + k)
 
         runs = await asyncio.gather(*(one(k) for k in range(self.config.group_size)))
         return Group(task, tuple(t for run in runs for t in run))
@@ -171,6 +179,10 @@ class AgentEngine:
         """Ask a server still running (in an asynchronous source's loop) to stop."""
         if self._server is not None:
             self._server.should_exit = True
+
+    async def aclose(self) -> None:
+        """Stop the server, on the loop it runs on, and wait until it has."""
+        await self._stop()
 
 
 @dataclass(frozen=True)

@@ -330,10 +330,15 @@ class RolloutEngine:
         """Shut the env thread pool down, cancelling env calls not yet started."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    async def aclose(self) -> None:
+        """`close`, from a loop (as agent engines, which stop their server, need)."""
+        self.close()
+
 
 class Engines(Protocol):
-    """What the training loop and evaluation make engines with (`run`, `run_group`, `close`, as `RolloutEngine`'s):
-    `EnvEngines` for envs, `agentrl.gateway.agents.AgentEngines` for agent programs."""
+    """What the training loop and evaluation make engines with (`run`, `run_group`, `run_episode`, `close` and
+    `aclose`, as `RolloutEngine`'s): `EnvEngines` for envs, `agentrl.gateway.agents.AgentEngines` for agent
+    programs."""
 
     @property
     def max_reward(self) -> float:
