@@ -91,6 +91,7 @@ def test_eval_rollout_starts_from_the_rl_rollout_greedy_and_keeps_what_it_sets()
     rl = {"max_turns": 3, "max_total_tokens": 700, "step_timeout": 9.0, "group_size": 4,
           "sampling": {"max_tokens": 48, "temperature": 0.9, "stop": ["</answer>"]}}
     inherited = load_config(TrainJob, {**TRAIN, "grpo": {"rollout": rl}}).eval.rollout
+    assert load_config(TrainJob, {**TRAIN, "grpo": {"rollout": rl}, "eval": {"n": 5}}).eval.rollout == inherited
     assert (inherited.max_turns, inherited.max_total_tokens, inherited.step_timeout) == (3, 700, 9.0)
     assert (inherited.sampling.max_tokens, inherited.sampling.stop) == (48, ("</answer>",))
     assert (inherited.group_size, inherited.sampling.temperature) == (1, 0.0)  # one greedy episode per task

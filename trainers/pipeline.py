@@ -173,7 +173,7 @@ class TrainJob:
         rl = json.loads(json.dumps({k: v for k, v in rl.items() if k != "group_size"}))  # a copy
         if isinstance(rl.get("sampling"), dict):
             rl["sampling"].pop("temperature", None)
-        own = table(evaluation, "rollout") if evaluation else {}
+        own = evaluation.get("rollout", {}) if evaluation else {}
         return merge(recipe, {"eval": {"rollout": merge(rl, own) if isinstance(own, dict) else own}})
 
     def _check_asynchronous(self) -> None:
