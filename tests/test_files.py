@@ -1,4 +1,4 @@
-"""`agentrl.files.write_folder`: a folder is replaced whole or not at all, and a killed writer's leftovers go."""
+"""`agentrl.system.files.write_folder`: a folder is replaced whole or not at all, and a killed writer's leftovers go."""
 
 import os
 import subprocess
@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from agentrl import files
-from agentrl.files import write_folder
+from agentrl.system import files
+from agentrl.system.files import write_folder
 
 
 def test_a_folder_is_replaced_whole_or_not_at_all(tmp_path):

@@ -1,6 +1,6 @@
 """The layer rule of DESIGN.md ("Layers"), read from every module's imports (lazy ones inside functions too).
 
-Lower layers never import higher ones: types/config -> tools -> renderer, models -> policy -> env -> rollout ->
+Lower layers never import higher ones: types/config/system -> tools -> renderer, models -> policy -> env -> rollout ->
 eval, gateway -> trainers -> cli. The core never imports a particular environment (`agentrl.envs`) or a trainer; env
 families use only the env API, the tools and the types.
 """
@@ -19,7 +19,7 @@ PACKAGE_DIR = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setu
 FOLDERS = {package: folder for package, folder in PACKAGE_DIR.items() if package != "agentrl.containers"}
 # The layer of each part of the namespace (longest prefix wins), lowest first.
 LAYER = {
-    "agentrl.types": 0, "agentrl.config": 0, "agentrl.lifetime": 0, "agentrl.files": 0,
+    "agentrl.types": 0, "agentrl.config": 0, "agentrl.system": 0,
     "agentrl.tools": 1,
     "agentrl.renderer": 2, "agentrl.models": 2,
     "agentrl.policy": 3,
@@ -30,7 +30,7 @@ LAYER = {
     "agentrl.trainers": 8,
     "agentrl.cli": 9,
 }
-ENVS_MAY_IMPORT = {"agentrl", "agentrl.types", "agentrl.config", "agentrl.files", "agentrl.tools", "agentrl.env",
+ENVS_MAY_IMPORT = {"agentrl", "agentrl.types", "agentrl.config", "agentrl.system", "agentrl.tools", "agentrl.env",
                    "agentrl.envs"}
 
 

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.lifetime import ProcessGroup
+from agentrl.system.lifetime import ProcessGroup
 
 # An owner prints "ready" once what it started is up, then waits to be killed.
 GROUP_OWNER = """
 import sys, threading, time
-from agentrl.lifetime import ProcessGroup
+from agentrl.system.lifetime import ProcessGroup
 groups = []
 # started from a thread that ends at once: the group must outlive it (a parent-death signal would not)
 starter = threading.Thread(target=lambda: groups.append(ProcessGroup(

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from agentrl.trainers.fsdp import data_parallel, load_full_state_dict, load_optimizer_state
 from agentrl.trainers.lora import ADAPTER_FILE, has_lora, load_adapter, save_adapter
-from agentrl.files import write_folder
+from agentrl.system.files import write_folder
 from agentrl.policy.weights import save_full
 
 

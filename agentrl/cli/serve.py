@@ -104,7 +104,7 @@ def retriever(
 def _interrupt_on_signals() -> None:
     """Ctrl-C, `kill` and a closed terminal all stop the server in order: it runs in its own process group, so
     they do not reach it. (A SIGKILL, which no handler sees, leaves it to the server's watchdog, in
-    `agentrl.lifetime`. A process started in the background with `&` ignores SIGINT unless it asks for it.)"""
+    `agentrl.system.lifetime`. A process started in the background with `&` ignores SIGINT unless it asks for it.)"""
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 

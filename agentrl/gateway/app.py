@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.gateway.openai_api import ChatRequest, chunks, completion
 from agentrl.gateway.sessions import Gateway, GatewayError
-from agentrl.http_limits import BodyLimit
+from agentrl.system.http_limits import BodyLimit
 
 MAX_BODY_BYTES = 32 << 20  # a long agent conversation is a few MB of JSON
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from agentrl.files import write_folder
+from agentrl.system.files import write_folder
 from agentrl.models.record import changed_files, sha256, write_record
 
 MODELS_DIR = Path("~/.cache/agentrl/models")

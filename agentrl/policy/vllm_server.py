@@ -2,7 +2,7 @@
 
 The server runs `python -m vllm.entrypoints.openai.api_server` from this Python, in its own process
 group (so that stopping it also stops its engine-core child) that ends with this process even when it is
-SIGKILLed (`agentrl.lifetime.ProcessGroup`), with its output streamed to a log file.
+SIGKILLed (`agentrl.system.lifetime.ProcessGroup`), with its output streamed to a log file.
 The flags are the ones the rest of the package relies on (docs/vllm.md has the checked CPU facts):
 
 - `--logprobs-mode raw_logprobs`: returned logprobs are the model's temperature-1 log-softmax, before
@@ -41,7 +41,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from agentrl.config import STRICT
-from agentrl.lifetime import ProcessGroup
+from agentrl.system.lifetime import ProcessGroup
 
 _console = Console(stderr=True)
 

@@ -41,7 +41,7 @@ import Stemmer
 from bm25s.stopwords import STOPWORDS_EN
 from tqdm.auto import tqdm
 
-from agentrl.files import write_folder
+from agentrl.system.files import write_folder
 
 FORMAT_VERSION = 1
 _WORD = re.compile(r"(?u)\b\w\w+\b")  # bm25s's token pattern: runs of 2+ unicode word characters

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 from agentrl.envs.search.bm25 import SearchHit, _Documents, _load_array, _Strings
-from agentrl.files import write_folder
+from agentrl.system.files import write_folder
 from tqdm.auto import tqdm
 
 FORMAT_VERSION = 1

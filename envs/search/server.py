@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.envs.search.retriever import MAX_RESULTS, Retriever
-from agentrl.http_limits import BodyLimit
+from agentrl.system.http_limits import BodyLimit
 
 MAX_TOPK = 1000
 MAX_QUERIES = 4096

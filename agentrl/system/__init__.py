@@ -1,0 +1,2 @@
+"""What every layer needs from the operating system, below everything else: folders written whole (`files`), child
+processes that end with their owner (`lifetime`), HTTP request bodies bounded (`http_limits`)."""
