@@ -24,7 +24,7 @@ from agentrl.trainers.batch import make_batch
 from agentrl.policy.logprobs import token_logprobs
 from agentrl.policy.precision import autocast
 from agentrl.trainers.losses import dpo_loss
-from agentrl.trainers.supervised import fit
+from agentrl.trainers.supervised import fit, shuffled
 from agentrl.trainers.rewards import RewardConfig, group_rewards
 
 
@@ -82,15 +82,8 @@ def train_dpo(model: torch.nn.Module, pairs: Sequence[tuple[Trajectory, Trajecto
     rows = [t for pair in pairs for t in pair]  # chosen, rejected, chosen, rejected, ...
     batch = make_batch(rows, [0.0] * len(rows))
     device = next(model.parameters()).device
-    generator = torch.Generator().manual_seed(cfg.seed)
-
-    def batches():
-        for epoch in range(cfg.epochs):
-            order = torch.randperm(len(pairs), generator=generator)
-            for start in range(0, len(pairs), cfg.pairs_per_step):
-                pair_ids = order[start:start + cfg.pairs_per_step]
-                row_ids = torch.stack([2 * pair_ids, 2 * pair_ids + 1], dim=1).flatten()  # keep pairs adjacent
-                yield epoch, batch.select(row_ids).to(device)
+    batches = ((epoch, batch.select(torch.stack([2 * ids, 2 * ids + 1], dim=1).flatten()).to(device))  # pairs adjacent
+               for epoch, ids in shuffled(len(pairs), cfg.pairs_per_step, cfg.epochs, cfg.seed))
 
     def loss_of(epoch_and_batch):
         epoch, mb = epoch_and_batch
@@ -101,4 +94,4 @@ def train_dpo(model: torch.nn.Module, pairs: Sequence[tuple[Trajectory, Trajecto
         loss, metrics = dpo_loss(logp_BT, ref_logp_BT, mb.mask_BT, beta=cfg.beta, label_smoothing=cfg.label_smoothing)
         return loss, {"epoch": epoch, **metrics}
 
-    return fit(model, batches(), loss_of, lr=cfg.lr, name="DPO", max_grad_norm=cfg.max_grad_norm, on_step=on_step)
+    return fit(model, batches, loss_of, lr=cfg.lr, name="DPO", max_grad_norm=cfg.max_grad_norm, on_step=on_step)

@@ -14,7 +14,7 @@ from pydantic import with_config
 from agentrl.config import STRICT
 from agentrl.types import Status, Trajectory
 from agentrl.trainers.batch import make_batch
-from agentrl.trainers.supervised import fit
+from agentrl.trainers.supervised import fit, shuffled
 from agentrl.policy.logprobs import token_logprobs
 from agentrl.policy.precision import autocast
 
@@ -56,13 +56,8 @@ def sft(model: torch.nn.Module, trajectories: Sequence[Trajectory], cfg: SFTConf
         kept = [last_turn_only(t) for t in kept]
     batch = make_batch(kept, [0.0] * len(kept))
     device = next(model.parameters()).device
-    generator = torch.Generator().manual_seed(cfg.seed)
-
-    def batches():
-        for epoch in range(cfg.epochs):
-            order = torch.randperm(len(batch), generator=generator)
-            for start in range(0, len(batch), cfg.batch_size):
-                yield epoch, batch.select(order[start:start + cfg.batch_size]).to(device)
+    batches = ((epoch, batch.select(rows).to(device))
+               for epoch, rows in shuffled(len(batch), cfg.batch_size, cfg.epochs, cfg.seed))
 
     def loss_of(epoch_and_batch):
         epoch, mb = epoch_and_batch
@@ -71,4 +66,4 @@ def sft(model: torch.nn.Module, trajectories: Sequence[Trajectory], cfg: SFTConf
         loss = -(logp_BT * mb.mask_BT).sum() / mb.mask_BT.sum()  # token-mean NLL of assistant tokens
         return loss, {"epoch": epoch, "kept": len(kept)}
 
-    return fit(model, batches(), loss_of, lr=cfg.lr, name="SFT", max_grad_norm=cfg.max_grad_norm, on_step=on_step)
+    return fit(model, batches, loss_of, lr=cfg.lr, name="SFT", max_grad_norm=cfg.max_grad_norm, on_step=on_step)

@@ -5,7 +5,7 @@ batches are drawn and what the loss is; each passes those in.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, TypeVar
+from typing import Callable, Iterable, Iterator, TypeVar
 
 import torch
 
@@ -37,3 +37,12 @@ def fit(model: torch.nn.Module, batches: Iterable[B], loss_of: Callable[[B], tup
             on_step(row)
     model.eval()
     return history
+
+
+def shuffled(n: int, size: int, epochs: int, seed: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """(epoch, indices) of `epochs` passes over `n` items, each pass in a fresh seeded order, `size` at a time."""
+    generator = torch.Generator().manual_seed(seed)
+    for epoch in range(epochs):
+        order = torch.randperm(n, generator=generator)
+        for start in range(0, n, size):
+            yield epoch, order[start:start + size]
