@@ -16,7 +16,6 @@ import copy
 import json
 import os
 import random
-import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -39,14 +38,15 @@ from agentrl.policy.vllm_client import VLLMPolicy
 from agentrl.rollout.ray_pool import RayConfig, env_factory
 from agentrl.env.registry import make
 from agentrl.renderer import Renderer
-from agentrl.rollout.engine import EnvEngines, RolloutConfig, RolloutEngine
-from agentrl.rollout.jsonl import JsonlWriter, read_jsonl, read_records
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.rollout.jsonl import JsonlWriter, read_records
 from agentrl.policy.scripted import ScriptedPolicy, playing
 from agentrl.models.tokenizer import chat_template_text, load_tokenizer
 from agentrl.trainers import fsdp, tango
 from agentrl.trainers.checkpoint import latest_checkpoint, load_model, save_checkpoint, save_model, write_folder
 from agentrl.trainers.dpo import DPOConfig, preference_pairs, train_dpo
 from agentrl.trainers.grpo import GRPOConfig, train as train_grpo
+from agentrl.trainers.heldout import heldout
 from agentrl.trainers.lora import LoraSettings, add_lora
 from agentrl.trainers.ppo import PPOConfig, train as train_ppo
 from agentrl.trainers.pretrain import CopyWarmup, alphabet, copy_in_context, copy_warmup, vocabulary
@@ -482,36 +482,6 @@ def demonstrations(make_env, tasks: list, renderer: Renderer, rollout: RolloutCo
         groups = asyncio.run(engine.run(tasks, on_episode=writer.write))
     engine.close()
     return [t for g in groups for t in g.trajectories]
-
-
-def heldout(job: TrainJob, policy, renderer, make_env, log, label: str, engines=None) -> tuple[dict[str, Any], list]:
-    """(metrics, trajectories) of the held-out evaluation `label`: each split of the job's env an entry of one suite,
-    run by `run_suite` as `agentrl eval` runs suites (the env's episodes in the job's envs, or `engines`' agent
-    runs), into OUT/heldout/LABEL (run.json, trajectories.jsonl, results.json). The metrics are pooled over the
-    splits, with the counts behind each rate, and per split under `suites` when there are several."""
-    splits = [job.eval.split] if isinstance(job.eval.split, str) else job.eval.split
-    suite = Suite(f"{job.env} held-out", entries=tuple(SuiteEntry(job.env, split, job.eval.n, job.env_kwargs)
-                                                      for split in splits))
-    out = Path(os.path.expanduser(job.out_dir)) / "heldout" / label.replace(" ", "_")
-    shutil.rmtree(out, ignore_errors=True)  # evaluated once per label: an earlier run's episodes are not resumed
-    results = run_suite(suite, policy, renderer, out, job.model, config=replace(job.eval.rollout, group_size=1),
-                        engines=lambda entry: engines or EnvEngines(lambda: make_env(entry.split)))
-    suites = {entry.split: heldout_metrics(results["entries"][entry.name]) for entry in suite.entries}
-    for split, m in suites.items():
-        log(f"held-out ({split}, {m['episodes']} tasks) {label}: success {m['success']:.3f}, "
-            f"mean reward {m['mean_reward']:.3f}")
-    trajectories = read_jsonl(out / "trajectories.jsonl")
-    metrics = heldout_metrics(results["all"])
-    return (metrics if len(suites) == 1 else {**metrics, "suites": suites}), trajectories
-
-
-def heldout_metrics(entry: dict[str, Any]) -> dict[str, Any]:
-    """What a training run's summary keeps of `run_suite`'s results for one entry (or all pooled): success and
-    mean reward over the non-error episodes, with their counts (`agentrl compare` tests on them)."""
-    return {"success": entry["success"]["rate"], "successes": entry["success"]["successes"],
-            "valid": entry["valid"], "episodes": entry["episodes"], "errors": entry["errors"]["count"],
-            "truncated": entry["truncated"]["count"], "mean_reward": entry["reward"]["mean"],
-            "mean_turns": entry["mean_turns"]}
 
 
 def _save_stage(model, tokenizer, path: Path) -> None:

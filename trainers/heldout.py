@@ -1,0 +1,45 @@
+"""A training run's held-out evaluations: each split of the job's env an entry of one suite, run by `run_suite` as
+`agentrl eval` runs suites, and what the run's summary keeps of it (the counts behind each rate)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from agentrl.env.suites import Suite, SuiteEntry
+from agentrl.eval.run import run_suite
+from agentrl.rollout.engine import EnvEngines
+from agentrl.rollout.jsonl import read_jsonl
+
+
+def heldout(job: Any, policy, renderer, make_env, log, label: str, engines=None) -> tuple[dict[str, Any], list]:
+    """(metrics, trajectories) of the held-out evaluation `label`: each split of the job's env an entry of one suite,
+    run by `run_suite` as `agentrl eval` runs suites (the env's episodes in the job's envs, or `engines`' agent
+    runs), into OUT/heldout/LABEL (run.json, trajectories.jsonl, results.json). The metrics are pooled over the
+    splits, with the counts behind each rate, and per split under `suites` when there are several."""
+    splits = [job.eval.split] if isinstance(job.eval.split, str) else job.eval.split
+    suite = Suite(f"{job.env} held-out", entries=tuple(SuiteEntry(job.env, split, job.eval.n, job.env_kwargs)
+                                                      for split in splits))
+    out = Path(os.path.expanduser(job.out_dir)) / "heldout" / label.replace(" ", "_")
+    shutil.rmtree(out, ignore_errors=True)  # evaluated once per label: an earlier run's episodes are not resumed
+    results = run_suite(suite, policy, renderer, out, job.model, config=replace(job.eval.rollout, group_size=1),
+                        engines=lambda entry: engines or EnvEngines(lambda: make_env(entry.split)))
+    suites = {entry.split: heldout_metrics(results["entries"][entry.name]) for entry in suite.entries}
+    for split, m in suites.items():
+        log(f"held-out ({split}, {m['episodes']} tasks) {label}: success {m['success']:.3f}, "
+            f"mean reward {m['mean_reward']:.3f}")
+    trajectories = read_jsonl(out / "trajectories.jsonl")
+    metrics = heldout_metrics(results["all"])
+    return (metrics if len(suites) == 1 else {**metrics, "suites": suites}), trajectories
+
+
+def heldout_metrics(entry: dict[str, Any]) -> dict[str, Any]:
+    """What a training run's summary keeps of `run_suite`'s results for one entry (or all pooled): success and
+    mean reward over the non-error episodes, with their counts (`agentrl compare` tests on them)."""
+    return {"success": entry["success"]["rate"], "successes": entry["success"]["successes"],
+            "valid": entry["valid"], "episodes": entry["episodes"], "errors": entry["errors"]["count"],
+            "truncated": entry["truncated"]["count"], "mean_reward": entry["reward"]["mean"],
+            "mean_turns": entry["mean_turns"]}
