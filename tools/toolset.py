@@ -1,21 +1,29 @@
-"""`ToolSet`: the tools one environment offers, and the checks that turn the model's mistakes into messages."""
+"""`ToolSet`: the tools one environment offers, and the checks that turn the model's mistakes into messages.
+
+A tool is a `Tool` (`@tool`) or anything with its interface: `name`, `schema`, `validate(arguments)`,
+`run(arguments)`, as the tools of MCP servers (`mcp.McpTool`), which also have `new_episode()` and `close()` for
+servers that live as long as an episode or an env."""
 
 from __future__ import annotations
 
 import copy
 import difflib
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.tools.errors import ToolArgumentError
 from agentrl.tools.tool import Tool
 from agentrl.types import ToolCall
 
+if TYPE_CHECKING:
+    from agentrl.tools.mcp import McpTool
+
 
 class ToolSet:
-    """Tools by name. `check` finds the model's mistakes in a turn's calls; `run` executes one call."""
+    """Tools by name. `check` finds the model's mistakes in a turn's calls; `run` executes one call; `new_episode`
+    and `close` pass the env's lifecycle to the tools that hold servers."""
 
-    def __init__(self, tools: Sequence[Tool], max_calls_per_turn: int | None = 1):
+    def __init__(self, tools: Sequence[Tool | McpTool], max_calls_per_turn: int | None = 1):
         if max_calls_per_turn is not None and max_calls_per_turn < 1:
             raise ValueError(f"max_calls_per_turn must be >= 1 or None (no limit), got {max_calls_per_turn}")
         self._tools: dict[str, Tool] = {}
@@ -24,6 +32,7 @@ class ToolSet:
                 raise ValueError(f"two tools are named '{t.name}'; tool names must be unique")
             self._tools[t.name] = t
         self.max_calls_per_turn = max_calls_per_turn
+        self._with_servers = [t for t in self._tools.values() if hasattr(t, "close")]
 
     @property
     def names(self) -> list[str]:
@@ -70,6 +79,16 @@ class ToolSet:
     def run(self, call: ToolCall) -> str:
         """Runs one call (see `Tool.run` for what it raises). Call `check` first to catch the model's mistakes."""
         return self.get(call.name).run(call.arguments)
+
+    def new_episode(self) -> None:
+        """An env starts an episode: tools whose servers must not outlive one restart them."""
+        for t in self._with_servers:
+            t.new_episode()
+
+    def close(self) -> None:
+        """The env closes: tools stop the servers they started for it."""
+        for t in self._with_servers:
+            t.close()
 
     def _unknown_tool_message(self, name: str) -> str:
         available = ", ".join(self._tools) or "none"

@@ -220,6 +220,14 @@ class ToolEnv(TextEnv):
     def tool_schemas(self) -> list[dict[str, Any]]:
         return self.toolset.schemas
 
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):
+        self.toolset.new_episode()  # servers of the last episode that must not serve the next one stop here
+        return super().reset(seed=seed, options=options)
+
+    def close(self) -> None:
+        self.toolset.close()
+        super().close()
+
     def on_reset(self, task: Task) -> None:
         self.transcript, self.invalid_in_a_row = [], 0
 

@@ -3,6 +3,8 @@
     group = ProcessGroup(["vllm", "serve", ...], stdout=log)   # subprocess.Popen's arguments
     group.process                                             # the Popen of the command
     group.stop()                                              # SIGTERM the group, SIGKILL what is left
+    owned(["node", "server.js"])    # the same, as a command line for code that spawns processes itself
+
 
 The command leads a new session, so its process group holds everything it starts (vLLM's engine core) and a
 Ctrl-C meant for the owner does not reach it. A watchdog, a few lines of Python in a session of their own,
@@ -46,6 +48,48 @@ while signal_group(0) and time.monotonic() < deadline:
     time.sleep(0.1)
 signal_group(signal.SIGKILL)
 """
+
+
+# `owned`'s launcher: the command in a process group of its own, whose stdin/stdout it leaves to the command (so the
+# pipes close when the command exits), ended with the owner, on SIGTERM, and when the command itself exits.
+_LAUNCHER = """
+import os, signal, subprocess, sys
+owner, grace, args = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3:]
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the owner's to handle; the owner ends this
+child = subprocess.Popen(args, start_new_session=True)
+null = os.open(os.devnull, os.O_RDWR)
+os.dup2(null, 0)
+os.dup2(null, 1)
+def signal_group(sig):
+    try:
+        os.killpg(child.pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+def end(*_):
+    signal_group(signal.SIGTERM)
+    try:
+        child.wait(grace)
+    except subprocess.TimeoutExpired:
+        pass
+    signal_group(signal.SIGKILL)
+    os._exit(child.poll() if child.poll() is not None else 1)
+signal.signal(signal.SIGTERM, end)
+while os.getppid() == owner:
+    try:
+        child.wait(0.25)
+        end()
+    except subprocess.TimeoutExpired:
+        pass
+end()
+"""
+
+
+def owned(args: Sequence[str], grace: float = 5.0) -> list[str]:
+    """A command line that runs `args` as `ProcessGroup` would, for code that spawns the process itself (an SDK
+    that takes a command): the process group of `args` ends when this process dies, when the launcher is sent
+    SIGTERM, and when `args` exits (its own children with it). stdin, stdout and stderr pass through."""
+    return [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(os.getpid()), str(grace), *args]
 
 
 class ProcessGroup:
