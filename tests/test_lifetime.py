@@ -33,6 +33,13 @@ starter.start(); starter.join(); time.sleep(1.0)
 assert groups[0].alive()
 print("ready", flush=True); time.sleep(600)
 """
+MCP_OWNER = """
+import sys
+from agentrl.tools.mcp import McpTools
+tools = {t.name: t for t in McpTools([{"name": "testing", "command": [sys.executable, sys.argv[1]]}])}
+server, child = tools["spawn"].run({}).split()  # the server starts a child of its own
+print("ready", server, child, flush=True); import time; time.sleep(600)
+"""
 RETRIEVER_OWNER = """
 import socket, sys, threading, time
 from typer.main import get_command
@@ -179,6 +186,15 @@ def test_a_group_ends_with_its_sigkilled_owner_even_when_it_ignores_sigterm(tmp_
 
 
 # ----------------------------------------------------------------------------------------------- servers
+def test_an_mcp_server_and_its_children_end_with_the_sigkilled_owner(tmp_path):
+    """The SDK starts a stdio server itself; `owned` puts it in a group that ends with the owner. The server would
+    exit when its stdin closes, but the child it started would not: the group's end takes both."""
+    server_file = Path(__file__).parent / "data" / "mcp_server.py"
+    owner, (server, child) = start_owner(tmp_path, [sys.executable, "-c", MCP_OWNER, str(server_file)], timeout=60)
+    below, seconds = kill_and_check(owner, within=10)
+    assert {int(server), int(child)} <= below and seconds < 10
+
+
 def test_the_retriever_leaves_nothing_when_sigkilled(tmp_path):
     """`agentrl serve retriever` is a process of its own with no children: its kill ends everything."""
     with socket.socket() as s:

@@ -1,8 +1,8 @@
 """An MCP server for the tests of `agentrl.tools.mcp`, written with the official SDK: tools that answer, fail, hang,
 flood, keep state, start a child process, and kill their own server.
 
-    python tests/mcp/servers.py                # stdio
-    python tests/mcp/servers.py --port 8000    # streamable HTTP
+    python tests/data/mcp_server.py                # stdio
+    python tests/data/mcp_server.py --port 8000    # streamable HTTP
 """
 
 import argparse
