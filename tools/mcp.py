@@ -30,6 +30,7 @@ import atexit
 import concurrent.futures
 import json
 import os
+import sys
 import threading
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -50,7 +51,7 @@ class McpServer:
     """How to reach one MCP server: `command` (stdio: the command is started here) or `url` (streamable HTTP)."""
 
     name: str
-    command: tuple[str, ...] = ()  # e.g. ("python", "calculator_server.py"); with `env` and `cwd`
+    command: tuple[str, ...] = ()  # e.g. ("python", "server.py"): a bare "python" is this process's interpreter
     url: str = ""  # e.g. "http://127.0.0.1:8000/mcp"
     env: Mapping[str, str] = field(default_factory=dict)  # added to the few variables the SDK passes on
     cwd: str = ""
@@ -128,7 +129,8 @@ class _Session:
         from mcp.client.stdio import StdioServerParameters, stdio_client
 
         if self.server.command:
-            command, *args = owned(self.server.command)
+            program, *rest = self.server.command
+            command, *args = owned([sys.executable if program == "python" else program, *rest])
             params = StdioServerParameters(command=command, args=args, env=self.server.env or None,
                                            cwd=self.server.cwd or None)
             _log_path(self.server).parent.mkdir(parents=True, exist_ok=True)

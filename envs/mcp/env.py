@@ -9,15 +9,18 @@ The task file is JSON Lines, one task per line:
      "solution": [{"name": "calculator", "arguments": {"expression": "6 * 7"}}], "reasoning": "6 * 7 = 42"}
 
 `split` defaults to "train"; `solution` (the gold tool calls, one per turn) and `reasoning` (the text of the gold
-final turn before its answer) are what `validate()` and SFT warm starts play; `difficulty` (a dict) feeds the
-evaluation's breakdowns. The reward is `outcome`: 1 when the final answer equals `answer` after stripping, folding
+final turn before its answer) are what `validate()` and SFT warm starts play; `mistakes` (a list of
+`{"reasoning", "answer"}`: plausible wrong answers without the tools) are what an imperfect expert plays instead,
+with probability `[sft] error_rate`; `difficulty` (a dict) feeds the evaluation's breakdowns. The reward is `outcome`: 1 when the final answer equals `answer` after stripping, folding
 case and collapsing whitespace, else 0. Servers are `agentrl.tools.mcp.McpServer`s (or their fields as tables);
-`tools` are `@tool` functions offered beside them.
+`tools` are `@tool` functions offered beside them. With `parser = "react"`, a tool whose one parameter is a string
+takes it as plain text (`Action: calculator[2 + 3]`).
 """
 
 from __future__ import annotations
 
 import json
+import random
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -47,6 +50,8 @@ def load_tasks(path: str | Path, split: str) -> tuple[Task, ...]:
             if not isinstance(record.get("question"), str) or not isinstance(record.get("answer"), str):
                 raise ValueError("needs a string 'question' and a string 'answer'")
             calls = [ToolCall(c["name"], dict(c["arguments"])) for c in record.get("solution", [])]
+            if not all(isinstance(m["answer"], str) for m in record.get("mistakes", [])):
+                raise ValueError("each of 'mistakes' needs a string 'answer'")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"{path}:{n}: not a task: {e}") from None
         splits.add(record.get("split", "train"))
@@ -62,6 +67,16 @@ def normalized(answer: str) -> str:
     return re.sub(r"\s+", " ", answer.strip()).casefold()
 
 
+def plain_arguments(schemas: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """Tool name -> its one parameter, for tools whose only parameter is a string: ReAct reads `calculator[2 + 3]`."""
+    plain = {}
+    for schema in schemas:
+        properties = schema["function"]["parameters"].get("properties", {})
+        if len(properties) == 1 and next(iter(properties.values())).get("type") == "string":
+            plain[schema["function"]["name"]] = next(iter(properties))
+    return plain
+
+
 class McpToolsEnv(ToolEnv):
     """Questions from `tasks` (a JSON Lines file), answered with the tools of `servers` (and `tools`)."""
 
@@ -73,8 +88,9 @@ class McpToolsEnv(ToolEnv):
         if not servers:
             raise ValueError("mcp/tools-v0 needs servers=[{name, command or url, ...}, ...]")
         self.task_file, self.system_prompt = tasks, system_prompt
-        super().__init__(ToolSet([*tools, *McpTools(servers)], max_calls_per_turn), PARSERS[parser](),
-                         split=split, max_turns=max_turns, max_invalid=max_invalid)
+        toolset = ToolSet([*tools, *McpTools(servers)], max_calls_per_turn)
+        parser_obj = PARSERS[parser](plain_arguments(toolset.schemas)) if parser == "react" else PARSERS[parser]()
+        super().__init__(toolset, parser_obj, split=split, max_turns=max_turns, max_invalid=max_invalid)
 
     def load_tasks(self, split: str) -> Sequence[Task]:
         return load_tasks(self.task_file, split)
@@ -91,5 +107,17 @@ class McpToolsEnv(ToolEnv):
         return dict(task.data.get("difficulty") or {})
 
     def gold_actions(self, task: Task) -> list[str]:
-        final = "\n".join(filter(None, [task.data.get("reasoning", ""), self.parser.format_answer(task.data["answer"])]))
+        final = self._final_turn(task.data.get("reasoning", ""), task.data["answer"])
         return [*(self.parser.format_call(call) for call in task.data["solution"]), final]
+
+    def demonstration(self, task: Task, rng: random.Random, error_rate: float = 0.0) -> list[str]:
+        """The gold solution; with probability `error_rate`, one of the task's `mistakes` instead (where it has any):
+        a wrong final answer given without the tools, for warm starts from an imperfect expert."""
+        mistakes = task.data.get("mistakes") or []
+        if not mistakes or rng.random() >= error_rate:
+            return self.gold_actions(task)
+        mistake = rng.choice(mistakes)
+        return [self._final_turn(mistake.get("reasoning", ""), mistake["answer"])]
+
+    def _final_turn(self, reasoning: str, answer: str) -> str:
+        return "\n".join(filter(None, [reasoning, self.parser.format_answer(answer)]))
