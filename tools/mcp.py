@@ -288,6 +288,7 @@ class McpTool:
 
     @property
     def timeout(self) -> float:
+        """Seconds one call may take: the server's `timeout`."""
         return self.server.timeout
 
     def validate(self, arguments: Any) -> dict[str, Any]:
@@ -307,9 +308,11 @@ class McpTool:
         return _capped(_as_text(result), self.server.max_result_chars)
 
     def new_episode(self) -> None:
+        """See `McpTools.new_episode` (each tool of a set passes it on; it is idempotent)."""
         self.owner.new_episode()
 
     def close(self) -> None:
+        """See `McpTools.close`."""
         self.owner.close()
 
 
@@ -362,6 +365,7 @@ class McpTools(Sequence[McpTool]):
             return session
 
     def call(self, server: McpServer, name: str, arguments: dict[str, Any]) -> Any:
+        """The raw result of tool `name` of `server` (its shared session, or this env's for a per-episode one)."""
         return self._pool.call(self._session(server), name, arguments)
 
     def new_episode(self) -> None:

@@ -64,6 +64,7 @@ def load_tasks(path: str | Path, split: str) -> tuple[Task, ...]:
 
 
 def normalized(answer: str) -> str:
+    """`answer` as the scorer compares it: stripped, whitespace runs as one space, case folded."""
     return re.sub(r"\s+", " ", answer.strip()).casefold()
 
 
