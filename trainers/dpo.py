@@ -25,7 +25,7 @@ from agentrl.policy.logprobs import token_logprobs
 from agentrl.policy.precision import autocast
 from agentrl.trainers.losses import dpo_loss
 from agentrl.trainers.supervised import fit, shuffled
-from agentrl.trainers.rewards import RewardConfig, group_rewards
+from agentrl.trainers.rewards import RewardConfig, rewarded
 
 
 @with_config(STRICT)
@@ -62,13 +62,13 @@ def preference_pairs(groups: Sequence[Group], reward: RewardConfig = RewardConfi
     equals), when their rewards differ by more than `min_margin`."""
     pairs = []
     for g in groups:
-        if len(g.valid) < 2:
+        trajectories, rewards = rewarded(g, reward)
+        if len(trajectories) < 2:
             continue
-        rewards = group_rewards(g, reward)
         best = max(range(len(rewards)), key=rewards.__getitem__)
         worst = min(range(len(rewards)), key=rewards.__getitem__)
         if rewards[best] - rewards[worst] > min_margin:
-            pairs.append((g.valid[best], g.valid[worst]))
+            pairs.append((trajectories[best], trajectories[worst]))
     return pairs
 
 

@@ -24,7 +24,7 @@ from agentrl.rollout.engine import Engines, RolloutConfig
 from agentrl.trainers import fsdp, loop
 from agentrl.trainers.advantages import ADVANTAGES
 from agentrl.trainers.batch import Batch, make_batch
-from agentrl.trainers.rewards import group_rewards, majority_vote_metrics
+from agentrl.trainers.rewards import group_rewards, reward_metrics
 from agentrl.types import Group, Task
 
 
@@ -54,15 +54,17 @@ def samples_of(group: Group) -> list[Any]:
     return [t.info.get("session", i) for i, t in enumerate(group.valid)]
 
 
-def to_batch(groups: list[Group], advantage: str, rewards: list[list[float]]) -> Batch:
+def to_batch(groups: list[Group], advantage: str, rewards: list[list[float | None]]) -> Batch:
     """Errors are left out entirely: they are neither in the baseline nor trained on. `rewards[i]` holds
-    the training reward of each of `groups[i]`'s valid trajectories. One call over the whole batch, so
+    the training reward of each of `groups[i]`'s valid trajectories (None: missing, left out too). One call over the whole batch, so
     batch-level estimators (REINFORCE++) see every group. The segments of one agent session (`info["session"]`,
     from the gateway) are one sample of the baseline, with their mean reward, and share its advantage."""
     trajectories, sample_of, sample_rewards, group_ids = [], [], [], []
     for gi, (group, rewards_of_group) in enumerate(zip(groups, rewards)):
         samples: dict[Any, int] = {}  # the group's samples: agent sessions, or single trajectories
         for t, r, sample in zip(group.valid, rewards_of_group, samples_of(group)):
+            if r is None:  # no training reward (a judge that never answered): not in the baseline, not trained
+                continue
             if sample not in samples:
                 samples[sample] = len(sample_rewards)
                 sample_rewards.append([])
@@ -83,18 +85,22 @@ class GRPO:
         self.ref = fsdp.frozen_copy(model) if cfg.kl_coef > 0 else None
 
     def keep(self, group: Group) -> bool:
-        """A group with a baseline (two valid episodes, or agent sessions) and, with dynamic sampling, rewards that
-        vary."""
-        return len(set(samples_of(group))) >= 2 and (not self.cfg.dynamic_sampling
-                                                     or len(set(group_rewards(group, self.cfg.reward))) > 1)
+        """A group with a baseline (two valid episodes, or agent sessions, with a training reward) and, with dynamic
+        sampling, rewards that vary."""
+        rewards = group_rewards(group, self.cfg.reward)
+        samples = {s for s, r in zip(samples_of(group), rewards) if r is not None}
+        varied = len({r for r in rewards if r is not None}) > 1
+        return len(samples) >= 2 and (not self.cfg.dynamic_sampling or varied)
 
     def train_step(self, kept: list[Group], collected: list[Group], step: int) -> dict:
-        """One policy update on the kept groups' advantages; the majority-vote metrics when that source is used."""
+        """One policy update on the kept groups' advantages; the reward sources' own metrics (majority vote,
+        judge)."""
         cfg = self.cfg
-        metrics = majority_vote_metrics(collected) if "majority_vote" in cfg.reward.terms else {}
+        metrics = reward_metrics(collected, cfg.reward)
         if kept:
             rewards = [group_rewards(g, cfg.reward) for g in kept]
-            metrics["train_reward"] = sum(map(sum, rewards)) / sum(map(len, rewards))
+            present = [r for rs in rewards for r in rs if r is not None]
+            metrics["train_reward"] = sum(present) / len(present)
             metrics.update(loop.update(self.model, self.ref, self.optimizer, to_batch(kept, cfg.advantage, rewards),
                                        cfg, torch.Generator().manual_seed(cfg.seed + step)))
         return metrics

@@ -37,7 +37,7 @@ from agentrl.trainers.batch import Batch, make_batch
 from agentrl.trainers.checkpoint import restore
 from agentrl.trainers.fsdp import data_parallel, frozen_copy, full_state_dict, load_full_state_dict, shard
 from agentrl.trainers.losses import kl_in_reward, masked_mean, value_loss
-from agentrl.trainers.rewards import group_rewards
+from agentrl.trainers.rewards import reward_metrics, rewarded
 from agentrl.types import Group, Task, Trajectory
 
 
@@ -171,22 +171,23 @@ class PPO:
         self.plain_critic = AutoModelForTokenClassification.from_config(
             self.critic.config, dtype=next(self.critic.parameters()).dtype) if world > 1 and rank == 0 else None
 
-    @staticmethod
-    def keep(group: Group) -> bool:
-        """A group (usually one episode) with a valid episode: the critic, not the group, is the baseline."""
-        return len(group.valid) >= 1
+    def keep(self, group: Group) -> bool:
+        """A group (usually one episode) with a valid episode that has a training reward: the critic, not the group,
+        is the baseline."""
+        return len(rewarded(group, self.cfg.reward)[0]) >= 1
 
     def train_step(self, kept: list[Group], collected: list[Group], step: int) -> dict:
         """GAE advantages from the critic as it was at collection, then the policy's and the critic's epochs."""
         if not kept:
             return {}
         cfg, generator = self.cfg, lambda: torch.Generator().manual_seed(self.cfg.seed + step)
-        trajectories = [t for g in kept for t in g.valid]
-        rewards_B = [r for g in kept for r in group_rewards(g, cfg.reward)]
+        scored = [rewarded(g, cfg.reward) for g in kept]
+        trajectories, rewards_B = [t for ts, _ in scored for t in ts], [r for _, rs in scored for r in rs]
         batch, values_BT, returns_BT, metrics = advantages(make_batch(trajectories, [0.0] * len(trajectories)),
                                                            trajectories, rewards_B, self.critic, self.ref, cfg,
                                                            policy=self.model)
         metrics["train_reward"] = sum(rewards_B) / len(rewards_B)
+        metrics.update(reward_metrics(collected, cfg.reward))
         metrics.update(loop.update(self.model, None, self.optimizer, batch, cfg, generator()))
         metrics.update(update_critic(self.critic, self.critic_optimizer, batch, values_BT, returns_BT, cfg,
                                      generator()))

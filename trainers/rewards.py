@@ -15,6 +15,9 @@ Sources (each in [0, 1]):
 - `random`: a fair coin per trajectory, seeded by (seed, task, sample): the spurious-reward control.
 - `inverted`: 1 - outcome: rewards wrong answers (a control that should make success fall).
 - `length`: sampled tokens / `length_norm`; give it a negative weight for a length penalty.
+- `judge`: a judge model's score (`trainers/judge.py`, settings in `RewardConfig.judge`). It may be missing for a
+  trajectory (the judge never gave a usable reply): that trajectory then has no training reward, is left out of its
+  group's baseline and is not trained on (`rewarded`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pydantic import with_config
 
 from agentrl.config import STRICT
 from agentrl.eval.metrics import majority_vote, normalize_answer
+from agentrl.trainers.judge import JudgeConfig, judge_for
 from agentrl.types import Group, Status, Trajectory
 
 
@@ -37,11 +41,15 @@ class RewardConfig:
     terms: dict[str, float] = field(default_factory=lambda: {"env": 1.0})  # source name -> weight
     length_norm: int = 1024  # `length` = sampled tokens / this
     seed: int = 0  # for `random`
+    judge: JudgeConfig | None = None  # for `judge`: the `[...reward.judge]` table
 
     def __post_init__(self) -> None:
         unknown = set(self.terms) - set(SOURCES)
         if unknown:
             raise ValueError(f"unknown reward sources {sorted(unknown)}; sources: {', '.join(SOURCES)}")
+        if ("judge" in self.terms) != (self.judge is not None):
+            raise ValueError("the judge source and the reward.judge table go together: give both (terms = {judge = "
+                             "1.0} and a [grpo.reward.judge] table with backend, model, ...) or neither")
         if not self.terms:
             raise ValueError("reward.terms is empty: name at least one source, e.g. {env = 1.0}")
         if self.length_norm < 1:
@@ -53,7 +61,8 @@ def _coin(seed: int, t: Trajectory, index: int) -> float:
     return float(digest[0] & 1)
 
 
-Source = Callable[[Sequence[Trajectory], RewardConfig], list[float]]  # a group's valid trajectories -> values
+# a group's valid trajectories -> their values (None: missing, for a source that can fail to give one)
+Source = Callable[[Sequence[Trajectory], RewardConfig], Sequence[float | None]]
 
 
 def _majority_vote(ts: Sequence[Trajectory], cfg: RewardConfig) -> list[float]:
@@ -70,18 +79,35 @@ SOURCES: dict[str, Source] = {
     "random": lambda ts, cfg: [_coin(cfg.seed, t, i) for i, t in enumerate(ts)],
     "inverted": lambda ts, cfg: [1.0 - t.reward_components.get("outcome", 0.0) for t in ts],
     "length": lambda ts, cfg: [t.num_sampled / cfg.length_norm for t in ts],
+    "judge": lambda ts, cfg: judge_for(cfg.judge).scores(ts),
 }
 
 
-def group_rewards(group: Group, cfg: RewardConfig) -> list[float]:
+def group_rewards(group: Group, cfg: RewardConfig) -> list[float | None]:
     """The training reward of each of the group's valid trajectories (errors get none: they are left
-    out of baselines and of training)."""
+    out of baselines and of training), None where a source gave no value."""
     valid = group.valid
-    totals = [0.0] * len(valid)
+    totals: list[float | None] = [0.0] * len(valid)
     for name, weight in cfg.terms.items():
         for i, value in enumerate(SOURCES[name](valid, cfg)):
-            totals[i] += weight * value
+            totals[i] = None if value is None or totals[i] is None else totals[i] + weight * value
     return totals
+
+
+def rewarded(group: Group, cfg: RewardConfig) -> tuple[list[Trajectory], list[float]]:
+    """The group's trajectories that have a training reward (valid, none missing), and those rewards: what its
+    baseline is made of and what is trained on."""
+    pairs = [(t, r) for t, r in zip(group.valid, group_rewards(group, cfg)) if r is not None]
+    return [t for t, _ in pairs], [r for _, r in pairs]
+
+
+def reward_metrics(groups: Sequence[Group], cfg: RewardConfig) -> dict[str, float]:
+    """What the sources in use report about themselves: the majority vote's label quality, the judge's counts
+    (`judge/missing` among them) and scores."""
+    metrics = majority_vote_metrics(groups) if "majority_vote" in cfg.terms else {}
+    if cfg.judge is not None:
+        metrics.update(judge_for(cfg.judge).metrics())
+    return metrics
 
 
 def majority_vote_metrics(groups: Sequence[Group]) -> dict[str, float]:
