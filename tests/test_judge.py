@@ -143,6 +143,8 @@ def test_settings_that_cannot_work_fail_at_load():
         JudgeConfig(backend="transformers", model="m", constrained=True)
     with pytest.raises(ValueError, match="does not rank"):
         JudgeConfig(backend="constant", mode="rank")
+    with pytest.raises(ValueError, match="reading 'probability' needs backend 'transformers' and mode 'score'"):
+        JudgeConfig(backend="transformers", model="m", mode="rank", reading="probability")
 
 
 def test_an_in_process_model_judges_in_batches(tiny_model_dir):
@@ -157,12 +159,19 @@ def test_an_in_process_model_judges_in_batches(tiny_model_dir):
 
 @pytest.mark.real_model
 def test_the_real_model_judges_in_process(smollm2_dir):
-    judge = Judge(JudgeConfig(backend="transformers", model=str(smollm2_dir), retries=2, max_tokens=12))
-    scores = judge.scores([trajectory("William Shakespeare", 0), trajectory("Paris", 1)])
-    metrics = judge.metrics()
-    assert metrics["judge/judged"] == 2 and metrics["judge/requests"] >= 2
-    assert all(s is None or 0.0 <= s <= 1.0 for s in scores)
-    assert metrics["judge/missing"] == sum(s is None for s in scores)
+    """SmolLM2-135M does not keep to `Score: X` (it writes "The answer is William Shakespeare."): read as a reply,
+    its verdicts are missing; read as the probabilities of "0" and "1" after "Score: ", each is a score in (0, 1),
+    equal to the one a single unbatched forward pass gives."""
+    ts = [trajectory("William Shakespeare", 0), trajectory("Paris", 1), trajectory("Christopher Marlowe", 2)]
+    replies = Judge(JudgeConfig(backend="transformers", model=str(smollm2_dir), retries=1, max_tokens=12))
+    assert replies.scores(ts) == [None] * 3 and replies.metrics()["judge/requests"] == 6
+    read = Judge(JudgeConfig(backend="transformers", model=str(smollm2_dir), reading="probability"))
+    scores = read.scores(ts)
+    assert all(0.0 < s < 1.0 for s in scores) and read.metrics()["judge/requests"] == 3
+    backend = read._ask
+    alone = backend._read_probability([backend.tokenizer.apply_chat_template(
+        score_prompt(read.cfg, ts[1]), tokenize=False, add_generation_prompt=True) + "Score: "])
+    assert parse_score(alone[0]) == pytest.approx(scores[1], abs=2e-3)  # left padding changes nothing
 
 
 @pytest.mark.vllm

@@ -17,10 +17,11 @@ answer length and its correlation with the score are logged beside the mean scor
 always answers `constant_score`, to show what a fully gamed judge looks like in the metrics.
 
 Backends: `openai` (any OpenAI-compatible endpoint, e.g. a second vLLM server: `base_url`, `model`; `constrained`
-has a vLLM server force the reply's format with its structured outputs), `transformers`
-(an in-process model folder, e.g. the policy's own starting checkpoint, greedy, batched) and `constant`. Replies are
-cached by the hash of the judge's settings and prompt, so a trajectory asked about twice (the GRPO keep rule, then
-the update) is judged once.
+has a vLLM server force the reply's format with its structured outputs), `transformers` (an in-process model folder,
+e.g. the policy's own starting checkpoint, batched; `reading = "probability"` reads the score off the probabilities
+of "0" and "1" after "Score: ", for judges too small to keep to the format) and `constant`. Replies are cached by
+the hash of the judge's settings and prompt, so a trajectory asked about twice (the GRPO keep rule, then the update)
+is judged once.
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ class JudgeConfig:
     mode: str = "score"  # "score": each answer alone; "rank": the group's answers against each other
     show_tools: bool = False  # show the judge the trajectory's tool calls and results
     constrained: bool = False  # openai backend on a vLLM server: its structured outputs force the reply's format
+    # transformers backend, score mode: "reply" parses what the judge writes; "probability" reads the score off one
+    # forward pass instead, P("1") / (P("0") + P("1")) after the reply's "Score: " (G-Eval's probability-weighted
+    # score), for judges too small to keep to the format
+    reading: str = "reply"
     max_answer_chars: int = 4000  # longer answers are cut for the judge (the cut is said)
     max_tokens: int = 32  # the judge's reply
     temperature: float = 0.0
@@ -80,6 +85,10 @@ class JudgeConfig:
             problems.append("backend 'transformers' needs model, a model folder")
         if self.mode not in ("score", "rank"):
             problems.append(f"mode must be 'score' or 'rank', got {self.mode!r}")
+        if self.reading not in ("reply", "probability"):
+            problems.append(f"reading must be 'reply' or 'probability', got {self.reading!r}")
+        if self.reading == "probability" and (self.backend != "transformers" or self.mode != "score"):
+            problems.append("reading 'probability' needs backend 'transformers' and mode 'score'")
         if self.constrained and self.backend != "openai":
             problems.append("constrained needs backend 'openai' on a vLLM server (its structured outputs)")
         if self.backend == "constant" and self.mode == "rank":
@@ -309,12 +318,28 @@ class _TransformersBackend:
 
         texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
                  for c in conversations]
+        if self.cfg.reading == "probability":
+            return self._read_probability([text + "Score: " for text in texts])
         inputs = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
         with torch.no_grad():
             out = self.model.generate(**inputs, max_new_tokens=self.cfg.max_tokens,
                                       pad_token_id=self.tokenizer.pad_token_id, **sampling)
         return self.tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    def _read_probability(self, texts: list[str]) -> list[str]:
+        """`Score: p` with p = P("1") / (P("0") + P("1")) for the token after each prefilled text (left-padded, so
+        the last position is every row's next token)."""
+        import torch
+
+        zero, one = (self.tokenizer.encode(digit, add_special_tokens=False) for digit in "01")
+        if len(zero) != 1 or len(one) != 1:
+            raise ValueError(f"reading 'probability' needs '0' and '1' to be single tokens of {self.cfg.model}")
+        inputs = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            p = self.model(**inputs).logits[:, -1].float().softmax(-1)
+        return [f"Score: {one_p / (zero_p + one_p):.4f}" for zero_p, one_p in zip(p[:, zero[0]].tolist(),
+                                                                                  p[:, one[0]].tolist())]
 
 
 class _ConstantBackend:
