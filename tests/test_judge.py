@@ -181,6 +181,10 @@ def test_a_judge_behind_vllms_openai_server(vllm_server, tiny_model_dir):
     with `constrained`, vLLM's structured outputs make every reply a score."""
     ts = [trajectory(a, i) for i, a in enumerate(["Shakespeare", "Marlowe", "Bacon"])]
     base = {"backend": "openai", "base_url": f"{vllm_server.url}/v1", "model": str(tiny_model_dir), "max_tokens": 8}
+    with pytest.raises(ValueError, match=r"serves \[.*\], not model 'judge-7b'"):
+        Judge(JudgeConfig(**{**base, "model": "judge-7b"}))
+    with pytest.raises(ValueError, match="does not answer"):
+        Judge(JudgeConfig(**{**base, "base_url": "http://127.0.0.1:9/v1"}, timeout=5))
     free = Judge(JudgeConfig(**base, retries=1))
     assert free.scores(ts) == [None] * 3 and free.metrics()["judge/requests"] == 6
     constrained = Judge(JudgeConfig(**base, constrained=True))

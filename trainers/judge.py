@@ -30,6 +30,7 @@ import asyncio
 import hashlib
 import json
 import math
+import os
 import re
 import threading
 from collections.abc import Sequence
@@ -175,6 +176,8 @@ class Judge:
         self._loop = BackgroundLoop("agentrl-judge")
         self._ask = {"openai": _OpenAIBackend, "transformers": _TransformersBackend,
                      "constant": _ConstantBackend}[cfg.backend](cfg)
+        if isinstance(self._ask, _OpenAIBackend):  # an endpoint that cannot judge fails now, not mid-run
+            self._loop.run(self._ask.check(), cfg.timeout + 5)
         self._cache: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._counts = {"requests": 0, "cache_hits": 0, "retries": 0, "missing": 0, "judged": 0}
@@ -263,6 +266,16 @@ class _OpenAIBackend:
         form = r"Score: (0(\.[0-9]{1,3})?|1(\.0)?)" if cfg.mode == "score" else r"Ranking: [0-9]{1,3}(, [0-9]{1,3}){0,63}"
         self.extra = {"structured_outputs": {"regex": form}} if cfg.constrained else None
 
+    async def check(self) -> None:
+        """ValueError unless the endpoint answers and serves `model`."""
+        try:
+            served = [m.id async for m in self.client.models.list()]
+        except Exception as e:
+            raise ValueError(f"[judge] the endpoint {self.cfg.base_url} does not answer ({type(e).__name__}: {e}); "
+                             f"start the judge's server first, or fix base_url") from None
+        if self.cfg.model not in served:
+            raise ValueError(f"[judge] {self.cfg.base_url} serves {served}, not model {self.cfg.model!r}")
+
     async def __call__(self, messages: list[dict[str, str]], temperature: float) -> str:
         self.slots = self.slots or asyncio.Semaphore(self.cfg.concurrency)  # made on the judge's loop
         async with self.slots:
@@ -279,10 +292,10 @@ class _TransformersBackend:
     def __init__(self, cfg: JudgeConfig):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.cfg = cfg
-        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model, padding_side="left")
+        self.cfg, folder = cfg, os.path.expanduser(cfg.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
         self.tokenizer.pad_token = self.tokenizer.pad_token or self.tokenizer.eos_token
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(folder).eval()
         self.waiting: list[tuple[list[dict[str, str]], float, asyncio.Future]] = []
         self.flushing = False
 

@@ -51,6 +51,7 @@ from agentrl.trainers.lora import LoraSettings, add_lora
 from agentrl.trainers.ppo import PPOConfig, train as train_ppo
 from agentrl.trainers.pretrain import CopyWarmup, alphabet, copy_in_context, copy_warmup, vocabulary
 from agentrl.trainers.progress import mean_of_last, progress_line, stage_progress, tango_line
+from agentrl.trainers.judge import judge_for
 from agentrl.trainers.rewards import RewardConfig
 from agentrl.trainers.sft import SFTConfig, sft
 from agentrl.trainers.tandem import TandemConfig, TandemPolicy, junior_cross_entropy
@@ -255,6 +256,8 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
 
     if isinstance(policy, VLLMPolicy):  # a sync that cannot work fails now, not after the baseline evaluation
         asyncio.run(policy.prepare_sync(model, job.context))
+    if job.rl.reward.judge is not None:  # so does a judge that cannot judge (loaded or reached once, here)
+        judge_for(job.rl.reward.judge)
     save = lambda: summary_path.write_text(json.dumps(summary, indent=2))  # noqa: E731
     warm_start(job, model, tokenizer, policy, renderer, make_env, tasks, summary, save, log)
     handoff = Handoff(job, policy, tokenizer, model) if job.tandem else None
