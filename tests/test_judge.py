@@ -91,6 +91,17 @@ def test_malformed_replies_are_retried_then_the_reward_is_missing():
     assert judge.metrics()["judge/requests"] == 0  # counts since the last call
 
 
+def test_rank_mode_asks_once_per_group_and_a_bad_ranking_leaves_the_whole_group_missing():
+    judge, backend = judge_with(["Ranking: 3, 1, 2", "Ranking: 1, 1, 2", "Ranking: 2, 3", "no"], mode="score")
+    object.__setattr__(judge.cfg, "mode", "rank")  # the constant backend refuses rank; the scripted one ranks
+    group = [trajectory(a, i) for i, a in enumerate(["Shakespeare", "Marlowe", "Bacon"])]
+    assert judge.scores(group) == [0.5, 0.0, 1.0] and len(backend.asked) == 1
+    assert "<answer 3>\nBacon\n</answer 3>" in backend.asked[0][0][1]["content"]
+    other = [trajectory(a, i) for i, a in enumerate(["Kyd", "Jonson", "Greene"])]
+    assert judge.scores(other) == [None, None, None] and len(backend.asked) == 4  # three malformed: all missing
+    assert judge.metrics()["judge/missing"] == 3
+
+
 def test_replies_are_cached_by_content():
     judge, backend = judge_with(["Score: 1", "Score: 0"])
     first = judge.scores([trajectory("Shakespeare", 0), trajectory("Marlowe", 1)])
