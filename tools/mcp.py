@@ -4,8 +4,8 @@
                McpServer("docs", url="http://127.0.0.1:8000/mcp", timeout=30)]    # streamable HTTP: already up
     env = ArithmeticEnv(extra_tools=McpTools(servers))                             # or ToolSet([*mine, *McpTools(...)])
 
-`McpTools` connects to each server through the official `mcp` SDK when it is built (so an env can put the tool
-schemas in its first prompt), lists the server's tools and turns each into an `McpTool`: its schema is the server's
+`McpTools` lists each server's tools through the official `mcp` SDK when it is built (once per process and server,
+so that an env can put the tool schemas in its first prompt) and turns each into an `McpTool`: its schema is the server's
 input schema in the OpenAI function format that chat templates render, its arguments are checked against that
 schema before anything is sent (the model's mistakes become corrective observations, as with `@tool`), every call
 has a timeout, and a result longer than `max_result_chars` is cut with a note saying so.
@@ -27,16 +27,16 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
 import json
 import os
 import sys
 import threading
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, TextIO
 
+from agentrl.system.background import BackgroundLoop
 from agentrl.system.lifetime import owned
 from agentrl.tools.arguments import lone_surrogate
 from agentrl.tools.errors import ToolArgumentError, ToolError, ToolTimeout
@@ -94,22 +94,6 @@ class McpServer:
             raise ValueError(f"MCP server {spec.get('name', '?')!r}: unknown keys {sorted(unknown)}; "
                              f"known: {sorted(known)}")
         return cls(**spec)
-
-
-class _Loop:
-    """The process's event loop for MCP sessions, in a daemon thread; `run` waits on it from any other thread."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="agentrl-mcp", daemon=True).start()
-
-    def run(self, coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError from None
 
 
 class _Session:
@@ -202,7 +186,7 @@ class _Pool:
     """Sessions shared by every env of this process, one per server, reopened when one breaks."""
 
     def __init__(self) -> None:
-        self.loop = _Loop()
+        self.loop = BackgroundLoop("agentrl-mcp")
         self.shared: dict[McpServer, _Session] = {}
         self.listings: dict[McpServer, list[Any]] = {}
         self._locks: dict[McpServer, threading.Lock] = {}
@@ -229,10 +213,10 @@ class _Pool:
                 session = self.shared[server] = self.open(server)
             return session
 
-    def listing(self, server: McpServer, session: _Session) -> list[Any]:
-        """The server's tools, listed once per process."""
+    def listing(self, server: McpServer, session: Callable[[], _Session]) -> list[Any]:
+        """The server's tools, listed once per process (through `session()`, called only then)."""
         if server not in self.listings:
-            self.listings[server] = self.loop.run(session.list_tools(), server.connect_timeout)
+            self.listings[server] = self.loop.run(session().list_tools(), server.connect_timeout)
         return self.listings[server]
 
     def call(self, session: _Session, name: str, arguments: dict[str, Any]) -> Any:
@@ -319,8 +303,9 @@ class McpTool:
 class McpTools(Sequence[McpTool]):
     """The tools of `servers` (`McpServer`s or a recipe's tables of their fields), for one env.
 
-    Building it connects to each server (shared servers once per process) and lists its tools; tool names must
-    be unique across servers (`prefix` makes them so). `new_episode` and `close` stop the env's `per_episode`
+    The first set built in a process connects to each server and lists its tools (later ones reuse the listing,
+    and a per-episode server starts at its episode's first call); tool names must be unique across servers
+    (`prefix` makes them so). `new_episode` and `close` stop the env's `per_episode`
     servers; `ToolSet` calls them when the env resets and closes."""
 
     def __init__(self, servers: Sequence[McpServer | Mapping[str, Any]]):
@@ -341,7 +326,7 @@ class McpTools(Sequence[McpTool]):
     def _tools_of(self, server: McpServer) -> list[McpTool]:
         from jsonschema import Draft202012Validator
 
-        listed = {t.name: t for t in self._pool.listing(server, self._session(server, use=False))}
+        listed = {t.name: t for t in self._pool.listing(server, lambda: self._session(server, use=False))}
         if missing := [n for n in server.tools if n not in listed]:
             raise ValueError(f"MCP server {server.name!r} has no tools {missing}; it offers {sorted(listed)}")
         tools = []
