@@ -26,7 +26,7 @@ from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.system.lifetime import ProcessGroup
 from agentrl.tools import ToolArgumentError, ToolError, ToolSet, ToolTimeout
-from agentrl.tools.mcp import McpServer, McpTools, pool
+from agentrl.tools.mcp import McpServer, McpTools, close_pooled, pool
 from agentrl.types import Status, ToolCall
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,6 +115,9 @@ def test_envs_in_one_process_share_a_server_and_per_episode_servers_start_fresh(
     shared_a = {t.name: t for t in McpTools([spec(name="shared")])}
     shared_b = {t.name: t for t in McpTools([spec(name="shared")])}
     assert [int(shared_a["count"].run({})), int(shared_b["count"].run({}))] == [1, 2]  # one server process
+    server = int(shared_a["spawn"].run({}).split()[0])
+    close_pooled()  # what the process's exit does: the shared servers end
+    assert gone(server) and shared_b["count"].run({}) == "1"  # and the next call starts a fresh one
 
     env = ArithmeticEnv(n_tasks=2, extra_tools=McpTools([spec(name="fresh", per_episode=True)]))
     counts, servers = [], set()
@@ -123,12 +126,15 @@ def test_envs_in_one_process_share_a_server_and_per_episode_servers_start_fresh(
         counts += [env.toolset.run(ToolCall("count", {})) for _ in range(2)]
         servers.add(env.toolset.run(ToolCall("spawn", {})).split()[0])
     assert counts == ["1", "2"] * 3 and len(servers) == 3  # a new server each episode
-    pids = [int(p) for p in servers]
     env.close()
-    deadline = time.monotonic() + 10
-    while any(Path(f"/proc/{p}").exists() for p in pids) and time.monotonic() < deadline:
+    assert all(gone(int(p)) for p in servers), "a per-episode server outlived its env"
+
+
+def gone(pid: int, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(Path(f"/proc/{p}").exists() for p in pids), "a per-episode server outlived its env"
+    return not Path(f"/proc/{pid}").exists()
 
 
 def test_a_server_that_dies_mid_episode_ends_it_as_error_and_the_next_episode_reconnects(tiny_model_dir):
