@@ -5,6 +5,7 @@ behind vLLM's OpenAI-compatible server (with and without its structured outputs)
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -139,8 +140,12 @@ def test_the_constant_control_always_says_1_and_length_is_reported_beside_it():
     assert metrics["judge/score"] == 1.0 and metrics["judge/answer_chars"] == 185.0
     assert math.isnan(metrics["judge/score_length_corr"])  # no spread in the scores: no correlation to report
     judge, _ = judge_with(["Score: 0", "Score: 0.5", "Score: 1"])
-    judge.scores(ts)
-    assert judge.metrics()["judge/score_length_corr"] == pytest.approx(0.9042, abs=1e-4)
+    judge.scores([replace(t, reward=r) for t, r in zip(ts, [0.0, 0.0, 1.0])])
+    metrics = judge.metrics()
+    # scores (0, .5, 1) against lengths (5, 50, 500): covariance 247.5 / sqrt(0.5 * 149850) = 0.9042
+    assert metrics["judge/score_length_corr"] == pytest.approx(0.9042, abs=1e-4)
+    # against the env's rewards (0, 0, 1): 0.5 / sqrt(0.5 * 2/3) = 0.8660
+    assert metrics["judge/env_reward_corr"] == pytest.approx(0.8660, abs=1e-4)
 
 
 def test_settings_that_cannot_work_fail_at_load():

@@ -13,7 +13,8 @@ trained on, never scored 0. A failed or timed-out request counts as a malformed 
 Guards against a policy that games its judge: the question, tool results and answer are data between tags, with
 any copy of those tags inside them defused, and the rubric tells the judge to ignore instructions there; the mean
 answer length and its correlation with the score are logged beside the mean score (`judge/answer_chars`,
-`judge/score_length_corr`), so a judge that rewards length shows. `backend = "constant"` is the control: a judge that
+`judge/score_length_corr`), so a judge that rewards length shows, and so is the score's correlation with the env's
+own reward where there is one (`judge/env_reward_corr`: how far the judge agrees with a verifier). `backend = "constant"` is the control: a judge that
 always answers `constant_score`, to show what a fully gamed judge looks like in the metrics.
 
 Backends: `openai` (any OpenAI-compatible endpoint, e.g. a second vLLM server: `base_url`, `model`; `constrained`
@@ -181,24 +182,22 @@ class Judge:
         self._cache: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._counts = {"requests": 0, "cache_hits": 0, "retries": 0, "missing": 0, "judged": 0}
-        self._scored: list[tuple[float, int]] = []  # (score, answer chars) since the last `metrics`
+        self._scored: list[tuple[float, int, float]] = []  # (score, answer chars, env reward) since `metrics`
 
     def scores(self, ts: Sequence[Trajectory]) -> list[float | None]:
         """One score in [0, 1] per trajectory, or None where the judge gave no usable reply (`rank`: the group's)."""
         if not ts:
             return []
-        chars = [len(str(t.info.get("answer") or "")) for t in ts]
         if self.cfg.mode == "rank":
-            asks = [self._verdict(rank_prompt(self.cfg, ts), lambda r: parse_ranking(r, len(ts)), chars)]
+            asks = [self._verdict(rank_prompt(self.cfg, ts), lambda r: parse_ranking(r, len(ts)), ts)]
         else:
-            asks = [self._verdict(score_prompt(self.cfg, t), lambda r: _one(parse_score(r)), [n])
-                    for t, n in zip(ts, chars)]
+            asks = [self._verdict(score_prompt(self.cfg, t), lambda r: _one(parse_score(r)), [t]) for t in ts]
         budget = self.cfg.timeout * (self.cfg.retries + 1) * (len(asks) // self.cfg.concurrency + 1) + 30
         verdicts = self._loop.run(_gathered(asks), budget)
         return [score for verdict in verdicts for score in verdict]
 
-    async def _verdict(self, messages: list[dict[str, str]], parse, chars: list[int]) -> list[float | None]:
-        """The parsed reply (a score per answer the prompt shows), asked again while malformed, then all None."""
+    async def _verdict(self, messages: list[dict[str, str]], parse, ts: Sequence[Trajectory]) -> list[float | None]:
+        """The parsed reply (a score per answer the prompt shows: `ts`'), asked again while malformed, then all None."""
         key = hashlib.sha256(json.dumps([asdict(self.cfg), messages], sort_keys=True).encode()).hexdigest()
         with self._lock:
             if key in self._cache:
@@ -216,26 +215,29 @@ class Judge:
                 continue
             if (verdict := parse(reply)) is not None:
                 break
-        verdict = verdict or [None] * len(chars)
+        verdict = verdict or [None] * len(ts)
         with self._lock:
             self._cache[key] = verdict
-            self._counts["judged"] += len(chars)
+            self._counts["judged"] += len(ts)
             self._counts["missing"] += sum(v is None for v in verdict)
-            self._scored += [(v, n) for v, n in zip(verdict, chars) if v is not None]
+            self._scored += [(v, len(str(t.info.get("answer") or "")), t.reward)
+                             for v, t in zip(verdict, ts) if v is not None]
         return verdict
 
     def metrics(self) -> dict[str, float]:
-        """`judge/*`: requests, cache hits, retries, missing and judged counts since the last call; the mean score,
-        the mean answer length and their correlation (a judge that rewards length shows there)."""
+        """`judge/*`: requests, cache hits, retries, missing and judged counts since the last call; the mean score;
+        the mean answer length and its correlation with the score (a judge that rewards length shows there); the
+        score's correlation with the env's own reward (how far the judge agrees with a verifier, where there is one)."""
         with self._lock:
             counts, scored = dict(self._counts), self._scored
             self._counts, self._scored = dict.fromkeys(self._counts, 0), []
         out = {f"judge/{k}": float(v) for k, v in counts.items()}
         if scored:
-            s, n = [x for x, _ in scored], [float(y) for _, y in scored]
-            out["judge/score"] = sum(s) / len(s)
-            out["judge/answer_chars"] = sum(n) / len(n)
-            out["judge/score_length_corr"] = _correlation(s, n)
+            score, chars, env = ([float(row[i]) for row in scored] for i in range(3))
+            out["judge/score"] = sum(score) / len(score)
+            out["judge/answer_chars"] = sum(chars) / len(chars)
+            out["judge/score_length_corr"] = _correlation(score, chars)
+            out["judge/env_reward_corr"] = _correlation(score, env)
         return out
 
 
