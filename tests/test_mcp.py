@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing
+import random
 import subprocess
 import sys
 import time
@@ -26,7 +27,7 @@ from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.system.lifetime import ProcessGroup
 from agentrl.tools import ToolArgumentError, ToolError, ToolSet, ToolTimeout
-from agentrl.tools.mcp import McpServer, McpTools, close_pooled, pool
+from agentrl.tools.mcp import McpServer, McpTools, close_pooled, pool, untitled
 from agentrl.types import Status, ToolCall
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +68,16 @@ def test_the_server_tools_are_listed_with_their_schemas_in_openai_format(tools):
     assert function["description"] == "Add two integers."
     assert function["parameters"]["properties"]["a"]["type"] == "integer"
     assert function["parameters"]["required"] == ["a", "b"]
+    assert "title" not in function["parameters"] and "title" not in function["parameters"]["properties"]["a"]
+
+
+def test_title_annotations_leave_the_prompt_but_properties_named_title_stay():
+    schema = {"title": "Args", "type": "object", "required": ["title"],
+              "properties": {"title": {"title": "Title", "type": "string"},
+                             "tags": {"type": "array", "items": {"title": "Tag", "type": "string"}}}}
+    assert untitled(schema) == {"type": "object", "required": ["title"],
+                                "properties": {"title": {"type": "string"},
+                                               "tags": {"type": "array", "items": {"type": "string"}}}}
 
 
 def test_the_schemas_reach_the_prompt_through_the_chat_template(tiny_model_dir):
@@ -189,6 +200,11 @@ def test_mcp_tools_env_checks_with_the_calculator_server(tmp_path):
     assert obs[0].content == "7"  # exact fractions, as math/arith-v0's own calculator
     obs, *_ = env.step(env.parser.format_call(ToolCall("calculator", {"expression": "2 ** 0.5"})))
     assert obs[0].content == "Error executing tool calculator: exponents must be whole numbers up to 8"
+    task = env.tasks[0]
+    assert env.demonstration(task, random.Random(0), error_rate=0.0) == env.gold_actions(task)
+    [slip] = env.demonstration(task, random.Random(0), error_rate=1.0)  # one of the task's mistakes, no tool call
+    wrong = {m["answer"] for m in task.data["mistakes"]}
+    assert slip.splitlines()[-1].removeprefix("<answer>").removesuffix("</answer>") in wrong
 
 
 def test_task_files_with_mistakes_are_named_with_the_line(tmp_path):

@@ -333,7 +333,7 @@ class McpTools(Sequence[McpTool]):
         for t in (listed[n] for n in (server.tools or listed)):
             name = server.prefix + t.name
             schema = {"type": "function", "function": {"name": name, "description": t.description or "",
-                                                       "parameters": t.input_schema}}
+                                                       "parameters": untitled(t.input_schema)}}
             tools.append(McpTool(name, t.name, t.description or "", schema, server, self,
                                  Draft202012Validator(t.input_schema)))
         return tools
@@ -376,6 +376,22 @@ class McpTools(Sequence[McpTool]):
 
     def __iter__(self) -> Iterator[McpTool]:
         return iter(self._tools)
+
+
+def untitled(schema: Any) -> Any:
+    """`schema` without its `title` annotations (pydantic names every schema and property with one): the prompt
+    shows what `@tool` schemas show, in fewer tokens. Properties named "title" stay; validation uses the original."""
+    if not isinstance(schema, dict):
+        return [untitled(s) for s in schema] if isinstance(schema, list) else schema
+    out = {}
+    for key, value in schema.items():
+        if key == "title" and isinstance(value, str):
+            continue
+        if key in ("properties", "$defs", "definitions", "patternProperties") and isinstance(value, dict):
+            out[key] = {name: untitled(sub) for name, sub in value.items()}
+        else:
+            out[key] = untitled(value)
+    return out
 
 
 def _as_text(result: Any) -> str:
