@@ -135,6 +135,7 @@ def question_of(t: Trajectory) -> str:
 
 
 def answer_of(t: Trajectory, limit: int) -> str:
+    """The trajectory's final answer, cut to `limit` characters (the cut is said)."""
     answer = str(t.info.get("answer") or "")
     return answer if len(answer) <= limit else f"{answer[:limit]}\n[... {len(answer) - limit} more characters cut]"
 
