@@ -274,9 +274,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
 
     summary["method"] = job.method
     if not job.dpo and job.rl.reward != RewardConfig():
-        judge = job.rl.reward.judge
-        summary["method"] += " (" + ", ".join(f"{k} {w:g}" + (f" [{judge.backend}]" if k == "judge" else "")
-                                              for k, w in job.rl.reward.terms.items()) + ")"
+        summary["method"] += f" ({job.rl.reward.describe()})"
     started = time.perf_counter()
     if not (job.dpo or job.tango or job.rl.steps):
         log("No RL stage (steps = 0).")

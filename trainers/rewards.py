@@ -55,6 +55,11 @@ class RewardConfig:
         if self.length_norm < 1:
             raise ValueError(f"length_norm must be >= 1, got {self.length_norm}")
 
+    def describe(self) -> str:
+        """The sources and weights, as a run's summary names them: `majority_vote 1, length -0.1`, `judge 1 [openai]`."""
+        return ", ".join(f"{k} {w:g}" + (f" [{self.judge.backend}]" if k == "judge" else "")
+                         for k, w in self.terms.items())
+
 
 def _coin(seed: int, t: Trajectory, index: int) -> float:
     digest = hashlib.sha256(f"{seed}/{t.task_id}/{t.seed}/{index}".encode()).digest()
