@@ -1,7 +1,7 @@
 """`ToolSet`: the tools one environment offers, and the checks that turn the model's mistakes into messages.
 
 A tool is a `Tool` (`@tool`) or anything with its interface: `name`, `schema`, `validate(arguments)`,
-`run(arguments)`, as the tools of MCP servers (`mcp.McpTool`), which also have `new_episode()` and `close()` for
+`run(arguments)`, such as the tools of MCP servers (`mcp.McpTool`), which also have `new_episode()` and `close()` for
 servers that live as long as an episode or an env."""
 
 from __future__ import annotations
