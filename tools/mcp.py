@@ -4,11 +4,11 @@
                McpServer("docs", url="http://127.0.0.1:8000/mcp", timeout=30)]    # streamable HTTP: already up
     env = ArithmeticEnv(extra_tools=McpTools(servers))                             # or ToolSet([*mine, *McpTools(...)])
 
-`McpTools` lists each server's tools through the official `mcp` SDK when it is built (once per process and server,
-so that an env can put the tool schemas in its first prompt) and turns each into an `McpTool`: its schema is the server's
-input schema in the OpenAI function format that chat templates render, its arguments are checked against that
-schema before anything is sent (the model's mistakes become corrective observations, as with `@tool`), every call
-has a timeout, and a result longer than `max_result_chars` is cut with a note saying so.
+`McpTools` lists each server's tools through the official `mcp` SDK when it is built (once per process and
+server, so that an env can put the tool schemas in its first prompt) and turns each into an `McpTool`: its schema
+is the server's input schema in the OpenAI function format that chat templates render, its arguments are checked
+against that schema before anything is sent (the model's mistakes become corrective observations, as with `@tool`),
+every call has a timeout, and a result longer than `max_result_chars` is cut with a note saying so.
 
 What becomes what:
 - a result the server marks `isError` (the tool said it failed, e.g. bad input): an observation, `Error: ...`;
@@ -280,7 +280,8 @@ class McpTool:
         if not isinstance(arguments, dict):
             raise ToolArgumentError(f"{self.name}: arguments must be a JSON object (got {type(arguments).__name__})")
         if half := lone_surrogate(arguments):
-            raise ToolArgumentError(f"{self.name}: the arguments hold {half}, half of a surrogate pair, not a character")
+            raise ToolArgumentError(f"{self.name}: the arguments hold {half}, half of a surrogate pair, not a "
+                                    "character")
         problems = sorted(self._validator.iter_errors(arguments), key=lambda e: list(e.absolute_path))
         if problems:
             raise ToolArgumentError(f"{self.name}: " + "; ".join(_describe(e) for e in problems[:5]))

@@ -11,11 +11,12 @@ trajectory's training reward is missing: it is counted (`judge/missing`), left o
 trained on, never scored 0. A failed or timed-out request counts as a malformed reply.
 
 Guards against a policy that games its judge: the question, tool results and answer are data between tags, with
-any copy of those tags inside them defused, and the rubric tells the judge to ignore instructions there; the mean
-answer length and its correlation with the score are logged beside the mean score (`judge/answer_chars`,
+any copy of those tags inside them defused, and the system prompt tells the judge to ignore instructions there; the
+mean answer length and its correlation with the score are logged beside the mean score (`judge/answer_chars`,
 `judge/score_length_corr`), so a judge that rewards length shows, and so is the score's correlation with the env's
-own reward where there is one (`judge/env_reward_corr`: how far the judge agrees with a verifier). `backend = "constant"` is the control: a judge that
-always answers `constant_score`, to show what a fully gamed judge looks like in the metrics.
+own reward where there is one (`judge/env_reward_corr`: how far the judge agrees with a verifier). `backend =
+"constant"` is the control: a judge that always answers `constant_score`, to show what a fully gamed judge looks like
+in the metrics.
 
 Backends: `openai` (any OpenAI-compatible endpoint, e.g. a second vLLM server: `base_url`, `model`; `constrained`
 has a vLLM server force the reply's format with its structured outputs), `transformers` (an in-process model folder,
@@ -266,7 +267,8 @@ class _OpenAIBackend:
         self.cfg = cfg
         self.client = AsyncOpenAI(base_url=cfg.base_url, api_key=cfg.api_key, timeout=cfg.timeout, max_retries=0)
         self.slots: asyncio.Semaphore | None = None
-        form = r"Score: (0(\.[0-9]{1,3})?|1(\.0)?)" if cfg.mode == "score" else r"Ranking: [0-9]{1,3}(, [0-9]{1,3}){0,63}"
+        form = (r"Score: (0(\.[0-9]{1,3})?|1(\.0)?)" if cfg.mode == "score"
+                else r"Ranking: [0-9]{1,3}(, [0-9]{1,3}){0,63}")
         self.extra = {"structured_outputs": {"regex": form}} if cfg.constrained else None
 
     async def check(self) -> None:

@@ -56,7 +56,7 @@ class RewardConfig:
             raise ValueError(f"length_norm must be >= 1, got {self.length_norm}")
 
     def describe(self) -> str:
-        """The sources and weights, as a run's summary names them: `majority_vote 1, length -0.1`, `judge 1 [openai]`."""
+        """The sources and weights as a run's summary names them: `majority_vote 1, length -0.1`, `judge 1 [openai]`."""
         return ", ".join(f"{k} {w:g}" + (f" [{self.judge.backend}]" if k == "judge" else "")
                          for k, w in self.terms.items())
 

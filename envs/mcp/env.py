@@ -11,10 +11,11 @@ The task file is JSON Lines, one task per line:
 `split` defaults to "train"; `solution` (the gold tool calls, one per turn) and `reasoning` (the text of the gold
 final turn before its answer) are what `validate()` and SFT warm starts play; `mistakes` (a list of
 `{"reasoning", "answer"}`: plausible wrong answers without the tools) are what an imperfect expert plays instead,
-with probability `[sft] error_rate`; `difficulty` (a dict) feeds the evaluation's breakdowns. The reward is `outcome`: 1 when the final answer equals `answer` after stripping, folding
-case and collapsing whitespace, else 0. Servers are `agentrl.tools.mcp.McpServer`s (or their fields as tables);
-`tools` are `@tool` functions offered beside them. With `parser = "react"`, a tool whose one parameter is a string
-takes it as plain text (`Action: calculator[2 + 3]`).
+with probability `[sft] error_rate`; `difficulty` (a dict) feeds the evaluation's breakdowns. The reward is
+`outcome`: 1 when the final answer equals `answer` after stripping, folding case and collapsing whitespace, else 0.
+Servers are `agentrl.tools.mcp.McpServer`s (or their fields as tables); `tools` are `@tool` functions offered beside
+them. With `parser = "react"`, a tool whose one parameter is a string takes it as plain text
+(`Action: calculator[2 + 3]`).
 """
 
 from __future__ import annotations
