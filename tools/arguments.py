@@ -40,11 +40,7 @@ class ArgumentValidator:
 
     def __call__(self, arguments: Any) -> dict[str, Any]:
         """Returns the validated arguments (only those given; the function's defaults fill the rest)."""
-        if not isinstance(arguments, dict):
-            raise ToolArgumentError(f"{self.tool_name}: arguments must be a JSON object (got {_describe(arguments)})")
-        if half := lone_surrogate(arguments):
-            raise ToolArgumentError(f"{self.tool_name}: the arguments hold {half}, half of a surrogate pair, not a "
-                                    "character")
+        check_json_object(self.tool_name, arguments)
         try:
             return dict(self._adapter.validate_python(arguments))
         except pydantic.ValidationError as e:
@@ -59,6 +55,15 @@ class ArgumentValidator:
             expected = ", ".join(self.names) or "none"
             return f"unexpected argument '{path}' (arguments: {expected})"
         return f"argument '{path}' {_readable(err['msg'])} (got {_describe(err['input'])})"
+
+
+def check_json_object(tool_name: str, arguments: Any) -> None:
+    """`ToolArgumentError` unless `arguments` is a JSON object whose strings are all characters (what every tool,
+    `@tool` or MCP, needs before its own checks)."""
+    if not isinstance(arguments, dict):
+        raise ToolArgumentError(f"{tool_name}: arguments must be a JSON object (got {_describe(arguments)})")
+    if half := lone_surrogate(arguments):
+        raise ToolArgumentError(f"{tool_name}: the arguments hold {half}, half of a surrogate pair, not a character")
 
 
 def lone_surrogate(value: Any) -> str | None:

@@ -38,7 +38,7 @@ from typing import Any, TextIO
 
 from agentrl.system.background import BackgroundLoop
 from agentrl.system.lifetime import owned
-from agentrl.tools.arguments import lone_surrogate
+from agentrl.tools.arguments import check_json_object
 from agentrl.tools.errors import ToolArgumentError, ToolError, ToolTimeout
 from agentrl.tools.tool import DEFAULT_TIMEOUT
 
@@ -277,11 +277,7 @@ class McpTool:
 
     def validate(self, arguments: Any) -> dict[str, Any]:
         """`arguments` if the tool's input schema accepts them, else `ToolArgumentError` written for the model."""
-        if not isinstance(arguments, dict):
-            raise ToolArgumentError(f"{self.name}: arguments must be a JSON object (got {type(arguments).__name__})")
-        if half := lone_surrogate(arguments):
-            raise ToolArgumentError(f"{self.name}: the arguments hold {half}, half of a surrogate pair, not a "
-                                    "character")
+        check_json_object(self.name, arguments)
         problems = sorted(self._validator.iter_errors(arguments), key=lambda e: list(e.absolute_path))
         if problems:
             raise ToolArgumentError(f"{self.name}: " + "; ".join(_describe(e) for e in problems[:5]))
