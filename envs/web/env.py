@@ -33,6 +33,9 @@ SYSTEM_PROMPT = (
     "page are numbered like [3]; use these numbers in click, fill and select. When the task is complete, call "
     "done (or answer, if the task asks for an answer).\n{fmt}"
 )
+# The task's own page, opened at reset, may take longer than a model's action may (a busy machine, several
+# episodes loading at once): its timeout is not the model's to spend.
+START_TIMEOUT = 30.0
 _episodes = itertools.count()
 
 

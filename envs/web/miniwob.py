@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from agentrl.env.api import Score
-from agentrl.envs.web.env import WebEnv, find_one
+from agentrl.envs.web.env import START_TIMEOUT, WebEnv, find_one
 from agentrl.tools import ParsedAction
 from agentrl.tools.browser import PageState, Site
 from agentrl.types import Task, ToolCall
@@ -163,7 +163,7 @@ class MiniWoBEnv(WebEnv):
     def start(self, task: Task) -> None:
         name, seed = task.data["name"], task.data["seed"]
         session = self.session
-        session.goto(self.page_url(task))
+        session.goto(self.page_url(task), timeout=START_TIMEOUT)
         session.evaluate(f"() => {{ const s = document.createElement('style'); s.textContent = "
                          f"{HIDE_CORE_DISPLAY!r}; document.head.appendChild(s); }}")
         if not session.evaluate(START_JS, f"{name}-{seed}"):

@@ -294,8 +294,9 @@ class Session:
         return self._call(self.page.screenshot(type="png"))
 
     # ---- acting ----
-    def goto(self, url: str) -> None:
-        """Opens `url` and waits for its load event; ActionError if it is off the site or does not load."""
+    def goto(self, url: str, timeout: float | None = None) -> None:
+        """Opens `url` and waits up to `timeout` s (default: the action timeout) for its load event; ActionError if
+        it is off the site or does not load."""
         if self.site is None and not is_local(url):
             raise ActionError(f"{url} is not a local page; only file:// and localhost URLs can be opened")
         if self.site is not None and not self.site.navigate:
@@ -307,14 +308,15 @@ class Session:
         async def goto():
             self._refused_navigation = False
             try:
-                await self.page.goto(url, wait_until="load")
+                await self.page.goto(url, wait_until="load", timeout=load_timeout * 1000)
             except Exception as e:  # a missing file, a refused port, a slow page, a refused request
                 if not self.browser.connected:
                     raise
                 if self._refused_navigation:
                     raise ActionError(f"{url} is not on this task's site ({self.site})") from e
                 raise ActionError(f"could not open {url}: {str(e).splitlines()[0]}") from e
-        self._call(goto())
+        load_timeout = timeout if timeout is not None else self.browser.action_timeout
+        self._call(goto(), load_timeout + 30.0)
 
     def click(self, id: int) -> None:
         """Clicks element [`id`]; ActionError if there is none or the click fails."""
@@ -377,11 +379,11 @@ class Session:
             return self.site.navigate and self.site.allows(url)
         return self.site.allows(url) or urlsplit(url).scheme in ("data", "blob")
 
-    def _call(self, coroutine: Coroutine) -> Any:
+    def _call(self, coroutine: Coroutine, timeout: float | None = None) -> Any:
         if self.closed:
             coroutine.close()
             raise BrowserError("this browser session is closed")
-        return self.browser.call(coroutine)
+        return self.browser.call(coroutine, timeout)
 
     def _act(self, id: int, method: str, *args: Any, **kwargs: Any) -> None:
         async def act():

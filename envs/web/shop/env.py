@@ -13,7 +13,7 @@ import uuid
 from typing import Iterator, Sequence
 
 from agentrl.env.api import Score
-from agentrl.envs.web.env import WebEnv, find_one
+from agentrl.envs.web.env import START_TIMEOUT, WebEnv, find_one
 from agentrl.envs.web.shop.app import ShopServer
 from agentrl.envs.web.shop.catalog import Goal, generate_catalog, generate_goals, reward
 from agentrl.tools import ParsedAction
@@ -63,7 +63,7 @@ class ShopEnv(WebEnv):
     def start(self, task: Task) -> None:
         self.server.orders.pop(self._shop_session, None)  # an order of an episode cut short
         self._shop_session = uuid.uuid4().hex[:12]
-        self.session.goto(self.server.url(self._shop_session))
+        self.session.goto(self.server.url(self._shop_session), timeout=START_TIMEOUT)
 
     def instruction(self, task: Task) -> str:
         return task.data["instruction"]
