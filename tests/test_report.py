@@ -220,6 +220,24 @@ def test_report_with_a_timeline(runs):
     assert len(pngs) == 4  # success, hops, reward curve, timeline
 
 
+def test_report_with_the_entropy_law(runs):
+    """A run evaluated during training (`[eval] every`) gets the law's panel; one without (`runs`) does not."""
+    from test_entropy_law import run_rows
+
+    run_a, _, train, _ = runs
+    assert "Entropy–performance law" not in write_report(run_a, train_dir=train)[0].read_text()
+    evaluated = train.parent / "train_evaluated"
+    evaluated.mkdir()
+    (evaluated / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in run_rows()))
+    (evaluated / "summary.json").write_text(json.dumps({"after": {"success": 0.74, "mean_reward": 0.74}}))
+    md_path, html_path = write_report(run_a, train_dir=evaluated)
+    md, html = md_path.read_text(), html_path.read_text()
+    assert "### Entropy–performance law" in md and "](report_files/entropy_law.png)" in md
+    assert "Final held-out success 0.740" in md and "at 5 evaluations" in md and "| 20 | 0." in md
+    assert is_png((run_a / "report_files" / "entropy_law.png").read_bytes())
+    assert '<h3 id="entropy-law">' in html and 'id="entropy-law-table"' in html
+
+
 def test_report_comparison_markdown(runs):
     run_a, run_b, _, _ = runs
     md = write_report(run_a, vs=run_b)[0].read_text()

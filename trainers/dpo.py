@@ -25,6 +25,7 @@ from agentrl.policy.logprobs import token_logprobs
 from agentrl.policy.precision import autocast
 from agentrl.trainers.losses import dpo_loss
 from agentrl.trainers.supervised import fit, shuffled
+from agentrl.trainers.confidence import score_confidence
 from agentrl.trainers.rewards import RewardConfig, rewarded
 
 
@@ -56,10 +57,15 @@ class DPOConfig:
             raise ValueError(f"label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
 
 
-def preference_pairs(groups: Sequence[Group], reward: RewardConfig = RewardConfig(),
-                     min_margin: float = 1e-6) -> list[tuple[Trajectory, Trajectory]]:
+def preference_pairs(groups: Sequence[Group], reward: RewardConfig = RewardConfig(), min_margin: float = 1e-6,
+                     model: torch.nn.Module | None = None) -> list[tuple[Trajectory, Trajectory]]:
     """(preferred, rejected) per group: its highest- and lowest-reward valid trajectories (the first of
-    equals), when their rewards differ by more than `min_margin`."""
+    equals), when their rewards differ by more than `min_margin`. `model` scores the policy's confidence, for the
+    sources that need it."""
+    if reward.confident:
+        if model is None:
+            raise ValueError(f"the reward {reward.describe()} needs the policy's model to score its confidence")
+        score_confidence(model, groups)
     pairs = []
     for g in groups:
         trajectories, rewards = rewarded(g, reward)

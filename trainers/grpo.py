@@ -24,6 +24,7 @@ from agentrl.rollout.engine import Engines, RolloutConfig
 from agentrl.trainers import fsdp, loop
 from agentrl.trainers.advantages import ADVANTAGES
 from agentrl.trainers.batch import Batch, make_batch
+from agentrl.trainers.confidence import CONFIDENCE_SOURCES, score_confidence
 from agentrl.trainers.rewards import group_rewards, reward_metrics
 from agentrl.types import Group, Task
 
@@ -87,16 +88,19 @@ class GRPO:
 
     def keep(self, group: Group) -> bool:
         """A group with a baseline (two valid episodes, or agent sessions, with a training reward) and, with dynamic
-        sampling, rewards that vary."""
-        rewards = group_rewards(group, self.cfg.reward)
+        sampling, rewards that vary. The policy's confidence is scored later, at training time: it never misses, and
+        varies whenever the responses do."""
+        rewards = group_rewards(group, self.cfg.reward, skip=CONFIDENCE_SOURCES)
         samples = {s for s, r in zip(samples_of(group), rewards) if r is not None}
-        varied = len({r for r in rewards if r is not None}) > 1
+        varied = len({r for r in rewards if r is not None}) > 1 or self.cfg.reward.confident
         return len(samples) >= 2 and (not self.cfg.dynamic_sampling or varied)
 
     def train_step(self, kept: list[Group], collected: list[Group], step: int) -> dict:
         """One policy update on the kept groups' advantages; the reward sources' own metrics (majority vote,
         judge)."""
         cfg = self.cfg
+        if cfg.reward.confident:
+            score_confidence(self.model, kept)
         metrics = reward_metrics(collected, cfg.reward)
         if kept:
             rewards = [group_rewards(g, cfg.reward) for g in kept]

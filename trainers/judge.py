@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import math
 import os
 import re
 import threading
@@ -43,6 +42,7 @@ from pydantic import with_config
 
 from agentrl.config import STRICT
 from agentrl.system.background import BackgroundLoop
+from agentrl.trainers.metrics import correlation
 from agentrl.types import Trajectory
 
 RUBRIC = ("Judge whether the answer correctly and completely answers the question. Give 1 for a correct answer, 0 "
@@ -238,8 +238,8 @@ class Judge:
             score, chars, env = ([float(row[i]) for row in scored] for i in range(3))
             out["judge/score"] = sum(score) / len(score)
             out["judge/answer_chars"] = sum(chars) / len(chars)
-            out["judge/score_length_corr"] = _correlation(score, chars)
-            out["judge/env_reward_corr"] = _correlation(score, env)
+            out["judge/score_length_corr"] = correlation(score, chars)
+            out["judge/env_reward_corr"] = correlation(score, env)
         return out
 
 
@@ -249,13 +249,6 @@ async def _gathered(coroutines: list) -> list:
 
 def _one(score: float | None) -> list[float] | None:
     return None if score is None else [score]
-
-
-def _correlation(x: list[float], y: list[float]) -> float:
-    mx, my = sum(x) / len(x), sum(y) / len(y)
-    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
-    sxx, syy = sum((a - mx) ** 2 for a in x), sum((b - my) ** 2 for b in y)
-    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else math.nan
 
 
 class _OpenAIBackend:

@@ -54,6 +54,14 @@ class MetricsLogger:
         self._tb.close()
 
 
+def correlation(x: Sequence[float], y: Sequence[float]) -> float:
+    """Pearson's correlation of x and y; NaN where either is constant."""
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
+    sxx, syy = sum((a - mx) ** 2 for a in x), sum((b - my) ** 2 for b in y)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else math.nan
+
+
 def rollout_metrics(groups: Sequence[Group], max_reward: float) -> dict[str, Any]:
     """`summarize` of every episode collected, plus the fraction of groups whose rewards do not vary
     (no learning signal) and the error and truncation fractions."""

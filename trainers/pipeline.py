@@ -438,7 +438,7 @@ def run_dpo(job: TrainJob, model, tokenizer, policy, renderer, make_env, tasks, 
     engine = RolloutEngine(make_env, policy, renderer, replace(cfg.rollout, seed=cfg.seed))
     groups = asyncio.run(engine.run(tasks[:cfg.tasks]))
     engine.close()
-    pairs = preference_pairs(groups, cfg.reward, cfg.min_margin)
+    pairs = preference_pairs(groups, cfg.reward, cfg.min_margin, model)
     log(f"DPO: {len(pairs)} preference pairs from {len(groups)} tasks × {cfg.rollout.group_size} samples")
     history = train_dpo(model, pairs, cfg)
     asyncio.run(policy.sync_weights(model, 1))

@@ -37,6 +37,7 @@ from agentrl.trainers.batch import Batch, make_batch
 from agentrl.trainers.checkpoint import restore
 from agentrl.trainers.fsdp import data_parallel, frozen_copy, full_state_dict, load_full_state_dict, shard
 from agentrl.trainers.losses import kl_in_reward, masked_mean, value_loss
+from agentrl.trainers.confidence import CONFIDENCE_SOURCES, score_confidence
 from agentrl.trainers.rewards import reward_metrics, rewarded
 from agentrl.types import Group, Task, Trajectory
 
@@ -174,13 +175,15 @@ class PPO:
     def keep(self, group: Group) -> bool:
         """A group (usually one episode) with a valid episode that has a training reward: the critic, not the group,
         is the baseline."""
-        return len(rewarded(group, self.cfg.reward)[0]) >= 1
+        return len(rewarded(group, self.cfg.reward, skip=CONFIDENCE_SOURCES)[0]) >= 1
 
     def train_step(self, kept: list[Group], collected: list[Group], step: int) -> dict:
         """GAE advantages from the critic as it was at collection, then the policy's and the critic's epochs."""
         if not kept:
             return {}
         cfg, generator = self.cfg, lambda: torch.Generator().manual_seed(self.cfg.seed + step)
+        if cfg.reward.confident:
+            score_confidence(self.model, kept)
         scored = [rewarded(g, cfg.reward) for g in kept]
         trajectories, rewards_B = [t for ts, _ in scored for t in ts], [r for _, rs in scored for r in rs]
         batch, values_BT, returns_BT, metrics = advantages(make_batch(trajectories, [0.0] * len(trajectories)),

@@ -5,7 +5,7 @@
 over the sources named in `RewardConfig.terms`. The env's own reward stays on the trajectory (and in the
 rollout metrics, so `success` is always the true outcome); only the advantages see `R`.
 
-Sources (each in [0, 1]):
+Sources (in [0, 1] but for the two of the policy's confidence, which are in nats):
 - `env`: the env's reward as is (the default, `{"env": 1.0}`).
 - `outcome`, `process`: one reward component of the env (the math env scores both: the final answer,
   and the fraction of written equations that are true), to compare outcome and process supervision.
@@ -18,6 +18,9 @@ Sources (each in [0, 1]):
 - `judge`: a judge model's score (`trainers/judge.py`, settings in `RewardConfig.judge`). It may be missing for a
   trajectory (the judge never gave a usable reply): that trajectory then has no training reward, is left out of its
   group's baseline and is not trained on (`rewarded`).
+- `rent`, `self_certainty`: the policy's confidence in its response, without labels: minus its mean token entropy
+  (RENT), and its mean KL from uniform (self-certainty) (`trainers/confidence.py`). Scored by the trainer's model
+  at training time (`score_confidence`); `keep` cannot see them, and they vary whenever a group's responses do.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pydantic import with_config
 
 from agentrl.config import STRICT
 from agentrl.eval.metrics import majority_vote, normalize_answer
+from agentrl.trainers.confidence import CONFIDENCE_SOURCES, confidence, confidence_metrics
 from agentrl.trainers.judge import JudgeConfig, judge_for
 from agentrl.types import Group, Status, Trajectory
 
@@ -54,6 +58,11 @@ class RewardConfig:
             raise ValueError("reward.terms is empty: name at least one source, e.g. {env = 1.0}")
         if self.length_norm < 1:
             raise ValueError(f"length_norm must be >= 1, got {self.length_norm}")
+
+    @property
+    def confident(self) -> bool:
+        """Whether a source is the policy's confidence, which the trainer scores at training time."""
+        return any(k in CONFIDENCE_SOURCES for k in self.terms)
 
     def describe(self) -> str:
         """The sources and weights as a run's summary names them: `majority_vote 1, length -0.1`, `judge 1 [openai]`."""
@@ -85,24 +94,28 @@ SOURCES: dict[str, Source] = {
     "inverted": lambda ts, cfg: [1.0 - t.reward_components.get("outcome", 0.0) for t in ts],
     "length": lambda ts, cfg: [t.num_sampled / cfg.length_norm for t in ts],
     "judge": lambda ts, cfg: judge_for(cfg.judge).scores(ts),
+    "rent": lambda ts, cfg: [confidence(t, "rent") for t in ts],
+    "self_certainty": lambda ts, cfg: [confidence(t, "self_certainty") for t in ts],
 }
 
 
-def group_rewards(group: Group, cfg: RewardConfig) -> list[float | None]:
+def group_rewards(group: Group, cfg: RewardConfig, skip: Sequence[str] = ()) -> list[float | None]:
     """The training reward of each of the group's valid trajectories (errors get none: they are left
-    out of baselines and of training), None where a source gave no value."""
+    out of baselines and of training), None where a source gave no value; without the sources in `skip`."""
     valid = group.valid
     totals: list[float | None] = [0.0] * len(valid)
     for name, weight in cfg.terms.items():
+        if name in skip:
+            continue
         for i, value in enumerate(SOURCES[name](valid, cfg)):
             totals[i] = None if value is None or totals[i] is None else totals[i] + weight * value
     return totals
 
 
-def rewarded(group: Group, cfg: RewardConfig) -> tuple[list[Trajectory], list[float]]:
+def rewarded(group: Group, cfg: RewardConfig, skip: Sequence[str] = ()) -> tuple[list[Trajectory], list[float]]:
     """The group's trajectories that have a training reward (valid, none missing), and those rewards: what its
-    baseline is made of and what is trained on."""
-    pairs = [(t, r) for t, r in zip(group.valid, group_rewards(group, cfg)) if r is not None]
+    baseline is made of and what is trained on (`skip`: as in `group_rewards`)."""
+    pairs = [(t, r) for t, r in zip(group.valid, group_rewards(group, cfg, skip)) if r is not None]
     return [t for t, _ in pairs], [r for _, r in pairs]
 
 
@@ -112,6 +125,8 @@ def reward_metrics(groups: Sequence[Group], cfg: RewardConfig) -> dict[str, floa
     metrics = majority_vote_metrics(groups) if "majority_vote" in cfg.terms else {}
     if cfg.judge is not None:
         metrics.update(judge_for(cfg.judge).metrics())
+    if cfg.confident:
+        metrics.update(confidence_metrics(groups))
     return metrics
 
 

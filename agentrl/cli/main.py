@@ -396,8 +396,11 @@ def report(run_dir: Path = typer.Argument(..., help="An eval run directory (from
 def compare(run_dirs: list[Path] = typer.Argument(..., help="Training runs (`agentrl train` output directories).")
             ) -> None:
     """Held-out success before and after RL of several training runs, with 95% intervals, and the paired change
-    on the same tasks: tasks gained and lost, and McNemar's exact p."""
+    on the same tasks: tasks gained and lost, and McNemar's exact p; the entropy law's predicted ceiling, for runs
+    evaluated during training (`[eval] every`)."""
+    from agentrl.eval.entropy_law import entropy_law_panel
     from agentrl.eval.metrics import diff_interval, mcnemar_p, paired_change, wilson_interval
+    from agentrl.rollout.jsonl import read_records
 
     def counts(m: dict) -> tuple[int, int]:  # successes and non-error episodes, pooled over the held-out splits
         if "successes" not in m:
@@ -411,7 +414,7 @@ def compare(run_dirs: list[Path] = typer.Argument(..., help="Training runs (`age
         return f"{s / n:.3f} [{lo:.2f}, {hi:.2f}]"
 
     table = Table("run", "method", "before [95% CI]", "after [95% CI]", "change [95% CI]",
-                  "paired: gained / lost (p)", "RL minutes", "handoff after RL")
+                  "paired: gained / lost (p)", "RL minutes", "handoff after RL", "entropy-law ceiling [95% CI]")
     for run_dir in run_dirs:
         path = run_dir / "summary.json"
         if not path.exists():
@@ -429,9 +432,12 @@ def compare(run_dirs: list[Path] = typer.Argument(..., help="Training runs (`age
                 _, gained, lost = paired_change(*outcomes)
                 paired = f"+{gained} / -{lost} (p={mcnemar_p(gained, lost):.2g})"
         handoff = ", ".join(f"{k} {v:.3f}" for k, v in (after or {}).get("handoff", {}).items())
+        metrics = run_dir / "metrics.jsonl"
+        law = entropy_law_panel(read_records(metrics), summary) if metrics.exists() else None
         table.add_row(str(run_dir), summary.get("method", "-"), rate(before) if before else "-",
                       rate(after) if after else "-", change, paired,
-                      f"{summary['rl_seconds'] / 60:.1f}" if "rl_seconds" in summary else "-", handoff)
+                      f"{summary['rl_seconds'] / 60:.1f}" if "rl_seconds" in summary else "-", handoff,
+                      f"{law['law'].ceiling:.3f} [{law['law'].low:.2f}, {law['law'].high:.2f}]" if law else "-")
     console.print(table)
 
 

@@ -19,6 +19,7 @@ from urllib.parse import quote
 
 import jinja2
 
+from agentrl.eval.entropy_law import entropy_law_panel
 from agentrl.eval.metrics import diff_interval, summarize_run
 from agentrl.rollout.jsonl import read_jsonl, read_records
 from agentrl.types import Trajectory
@@ -94,6 +95,9 @@ def write_report(run_dir: str | Path, vs: str | Path | None = None,
     has_timeline = any("timeline" in row for row in train_rows)  # runs from before the timeline have none
     if has_timeline:
         plots["timeline"] = plot_timeline(train_rows)
+    entropy_law = entropy_law_panel(train_rows, training["summary"]) if training else None
+    if entropy_law:
+        plots["entropy_law"] = plot_entropy_law(entropy_law)
 
     (run_dir / PLOTS_DIR).mkdir(exist_ok=True)
     for name, png in plots.items():
@@ -104,7 +108,7 @@ def write_report(run_dir: str | Path, vs: str | Path | None = None,
         "has_maj": any(m["maj_at_k"] for m in _rows(results)),
         "difficulty": _difficulty_tables(results),
         "other": other, "other_label": _label(Path(vs), other["run"]) if other else None,
-        "comparison": comparison, "training": training,
+        "comparison": comparison, "training": training, "entropy_law": entropy_law,
         "idle_summary": idle_table(train_rows) if has_timeline else None,
         "viewer": {name: "viewer.html#entry=" + quote(name, safe="") for name in results["entries"]},
         "plots_dir": PLOTS_DIR, "plot_names": list(plots),
@@ -274,6 +278,28 @@ def plot_reward_curve(rows: Sequence[dict[str, Any]]) -> bytes:
             ax.plot(steps, [r.get(key, float("nan")) for r in rows], marker="." if len(rows) < 50 else None,
                     label=key.replace("_", " "))
     ax.set_xlabel("RL step")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    return _png(fig)
+
+
+def plot_entropy_law(panel: dict[str, Any]) -> bytes:
+    """Held-out success against the policy's entropy, the fitted law down to H = 0, and its ceiling with the 95%
+    interval (`entropy_law_panel`)."""
+    import numpy as np
+
+    plt, law = _pyplot(), panel["law"]
+    fig, ax = plt.subplots(figsize=(7.5, 3.4))
+    steps, entropy, success = zip(*panel["points"])
+    dots = ax.scatter(entropy, success, c=steps, cmap="viridis", zorder=3)
+    fig.colorbar(dots, ax=ax, label="RL step")
+    grid = np.linspace(0, max(entropy) * 1.05, 100)
+    ax.plot(grid, [law.predict(h) for h in grid], color="grey",
+            label=f"R = -{law.a:.3g}·exp(H) + {law.b:.3g}  (R² {law.r2:.2f})")
+    ax.errorbar([0], [law.ceiling], yerr=[[law.ceiling - law.low], [law.high - law.ceiling]], fmt="s", color="C3",
+                capsize=4, label=f"ceiling {law.ceiling:.3f} [{law.low:.2f}, {law.high:.2f}]")
+    ax.set_xlabel("policy entropy H (nats per sampled token)")
+    ax.set_ylabel("held-out success")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
     return _png(fig)
