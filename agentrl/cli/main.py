@@ -452,6 +452,54 @@ def _heldout_outcomes(label_dir: Path) -> dict[tuple[str, str], bool]:
             if t.status is not Status.ERROR}
 
 
+@app.command()
+def attempts(
+    env: str = typer.Option(..., help="Env id, e.g. math/arith-v0."),
+    model: list[str] = typer.Option(..., help="Model directory; give it several times to compare models (e.g. "
+                                              "before and after RL)."),
+    kwargs: str = typer.Option("{}", help="The env's kwargs as a JSON object."),
+    split: str = typer.Option("heldout", help="The env split whose tasks are attempted."),
+    n: int = typer.Option(100, help="Tasks."),
+    k: int = typer.Option(4, help="Attempts per task."),
+    max_notes: int = typer.Option(3, help="Notes kept per task (memory)."),
+    temperature: float = typer.Option(1.0, help="Sampling temperature (0: greedy; plain attempts then repeat)."),
+    max_tokens: int = typer.Option(256, help="Max sampled tokens per turn."),
+    max_total_tokens: int = typer.Option(2048, help="Max tokens per episode, prompt included."),
+    seed: int = typer.Option(0, help="Seeds the attempts' sampling; the same per attempt in every run."),
+    out: Path = typer.Option(Path("runs/attempts"), help="Where attempts.json, .md and .png go."),
+) -> None:
+    """Success at attempt k, with and without memory across attempts (Reflexion-style notes, agentrl/env/memory.py),
+    for each model: pass@k's sequential cousin."""
+    from agentrl.eval.attempts import CONDITIONS, run_attempts, write_attempts
+    from agentrl.models.tokenizer import load_tokenizer
+    from agentrl.policy.backends import EngineConfig, open_policy
+    from agentrl.policy.protocol import SamplingParams
+    from agentrl.renderer import Renderer
+    from agentrl.rollout.engine import RolloutConfig
+
+    env_kwargs = json.loads(kwargs)
+    tasks = list(_make_or_exit(env, split=split, **env_kwargs).tasks)[:n]
+    rollout = RolloutConfig(seed=seed, max_total_tokens=max_total_tokens,
+                            sampling=SamplingParams(temperature=temperature, max_tokens=max_tokens))
+    runs = {}
+    for path in model:
+        policy, renderer = open_policy(path, EngineConfig()), Renderer(load_tokenizer(path))
+        try:
+            for condition in CONDITIONS:
+                label = f"{Path(path).name} {condition}"
+                with Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                              console=console) as bar:
+                    progress = bar.add_task("attempts", total=len(tasks) * k)
+                    runs[label] = run_attempts(env, env_kwargs, split, tasks, k, policy, renderer, rollout,
+                                               condition == "memory", max_notes, lambda: bar.advance(progress))
+                console.print(f"{label}: success@1..{k} " + " ".join(f"{r:.3f}" for r in runs[label]["success_at"]))
+        finally:
+            asyncio.run(policy.close())
+    markdown, _ = write_attempts(out, runs, {"env": env, "env_kwargs": env_kwargs, "split": split, "tasks": len(tasks),
+                                             "k": k, "temperature": temperature, "seed": seed, "models": model})
+    console.print(f"report: {markdown}")
+
+
 @app.command("suites")
 def suites_list() -> None:
     """Registered evaluation suites and their entries."""

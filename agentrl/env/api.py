@@ -143,9 +143,10 @@ class TextEnv(gym.Env[Observation, str]):
         """One turn: (observation messages, reward, terminated, info).
 
         The rollout engine reads these `info` keys: `reward_components` (named parts of the reward), `tool_calls`
-        (how many ran), `answer` (the final answer), `reason` (why the episode ended), and `per_turn`, a dict
-        whose values it collects into the trajectory's `info` as (turn, value) pairs by key (the web envs'
-        `screenshots`)."""
+        (how many ran), `answer` (the final answer), `reason` (why the episode ended), `untrained` (true: the
+        action of this turn is not trained on; its tokens get loss mask 0, as `ReflexionEnv`'s notes), and
+        `per_turn`, a dict whose values it collects into the trajectory's `info` as (turn, value) pairs by key (the
+        web envs' `screenshots`)."""
 
     @abc.abstractmethod
     def gold_actions(self, task: Task) -> list[str]:

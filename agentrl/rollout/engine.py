@@ -270,6 +270,8 @@ class RolloutEngine:
             obs, reward, terminated, truncated, info = await self._call(env.step, text)
             obs = _capped(obs, cfg.max_observation_chars)
             ep.record(turn, reward, info)
+            if info.get("untrained"):  # a turn the env keeps out of training (ReflexionEnv's note)
+                ep.mask[start:end] = [0] * (end - start)
             assistant = await self._call(env.assistant_message, text)
             if not (terminated or truncated or turn + 1 == cfg.max_turns):  # the next turn starts after the obs
                 # rendered in a thread: a long conversation takes a while to template and tokenize
