@@ -79,8 +79,9 @@ def test_success_at_attempt_k_with_and_without_memory(tiny_model_dir, tmp_path):
     env = ReflexionEnv("math/arith-v0", MATH, split="heldout")
     tasks = list(env.tasks[:5])
     policy = ScriptedPolicy(renderer, answer_from_notes(env), renderer.generation_prompt)
-    runs = {f"scripted {c}": run_attempts("math/arith-v0", MATH, "heldout", tasks, 3, policy, renderer,
-                                         RolloutConfig(max_total_tokens=2048), c == "memory") for c in ("plain", "memory")}
+    rollout = RolloutConfig(max_total_tokens=2048)
+    runs = {f"scripted {c}": run_attempts("math/arith-v0", MATH, "heldout", tasks, 3, policy, renderer, rollout,
+                                         c == "memory") for c in ("plain", "memory")}
     plain, memory = runs["scripted plain"], runs["scripted memory"]
     assert plain["success_at"] == [0.0, 0.0, 0.0] and plain["attempts"] == 15 and "notes" not in plain
     assert memory["success_at"] == [0.0, 1.0, 1.0] and memory["attempts"] == 10 and memory["notes"] == 5
