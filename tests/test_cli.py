@@ -116,6 +116,15 @@ def test_train_set_overrides_any_recipe_key(tmp_path):
     assert wrong.exit_code == 2 and "grpo.no_such_key" in wrong.output
 
 
+def test_train_names_a_model_directory_that_is_not_there():
+    recipe = Path(__file__).parents[1] / "recipes" / "cpu_math_rent_train.toml"
+    for args in (["train", str(recipe), "--set", 'model="runs/nowhere/sft_model"'],
+                 ["train", str(recipe), "--model", "./nowhere", "--dry-run"]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and "No model directory at" in result.output, result.output
+        assert "cpu_math_warmstart_train.toml" in result.output
+
+
 def test_train_unset_removes_a_recipe_table_and_names_a_missing_key():
     from agentrl.config import ConfigError, load_config
     from agentrl.trainers.losses import CorrectionConfig

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -223,6 +224,12 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
     except ConfigError as e:
         console.print(f"[red]{e}[/]")
         raise typer.Exit(2)
+    if _missing_directory(job.model) and not (dry_run and model_config):  # a dry run may plan from a saved config
+        console.print(f"[red]No model directory at {job.model!r}. A recipe's model is a directory that an earlier step "
+                      "made (the research recipes start from recipes/cpu_math_warmstart_train.toml's "
+                      "runs/math-warmstart/sft_model), `agentrl model init DIR` (the tiny model) or `agentrl model "
+                      "fetch NAME`; or a hub name.[/]")
+        raise typer.Exit(2)
     if dry_run:
         _dry_run(job, gpus, gpu_memory_gib, model_config)
         return
@@ -236,6 +243,12 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
         b, a = summary["before"]["success"], summary["after"]["success"]
         console.print(f"[bold]held-out success: {b:.3f} → {a:.3f} ({100 * (a - b):+.1f} points)[/]")
     console.print(f"metrics, checkpoints and reward_curve.png in {job.out_dir}")
+
+
+def _missing_directory(model: str) -> bool:
+    """Whether `model` names a local directory (a path, not a hub name `org/name`) that does not exist."""
+    local = model.startswith((".", "/", "~")) or model.count("/") >= 2
+    return local and not Path(os.path.expanduser(model)).is_dir()
 
 
 def _dry_run(job, gpus: int | None, gpu_memory_gib: float, model_config: str | None) -> None:

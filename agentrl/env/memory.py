@@ -5,7 +5,8 @@ attempt, and reads its notes on the same task at the next reset.
 `max_reward`, or truncated), the episode goes on for one more turn: the env asks for a short note on what went
 wrong, and the policy's reply is stored under the task's id in a `NoteStore`. The episode then ends as the wrapped
 one did (its reward, answer and status are unchanged). At each reset the task's latest notes (at most `max_notes`,
-each cut to `max_note_chars`) are added to the episode's opening message.
+each cut to `max_note_chars`) are added to the episode's opening message. An episode that the rollout engine cuts
+(a turn past `max_tokens`, the episode past `max_total_tokens`, an error) never reaches the env's end: no note.
 
 The note-writing turn is sampled like any other; with `train_notes = False` (the default) the env marks it
 untrained (`info["untrained"]`) and the rollout engine gives its tokens loss mask 0: the policy is trained on
