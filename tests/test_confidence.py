@@ -91,3 +91,18 @@ def test_grpo_steps_on_rent_alone_keep_every_group_and_lower_the_entropy(tiny_mo
     entropy = [grpo.train_step([g], [g], step)["confidence/entropy"]
                for step, g in enumerate([first] + [group() for _ in range(4)])]
     assert entropy[-1] < entropy[0], entropy
+
+
+def test_dpo_pairs_by_confidence_need_the_model(tiny_model_dir):
+    from agentrl.trainers.dpo import preference_pairs
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    V = model.config.vocab_size
+    ts = tuple(sampled(torch.randint(V, (8,), generator=torch.Generator().manual_seed(i)).tolist(),
+                       [0, 0, 1, 1, 1, 1, 1, 1]) for i in range(4))
+    group, cfg = Group(Task("t0"), ts), RewardConfig(terms={"rent": 1.0})
+    with pytest.raises(ValueError, match="needs the policy's model"):
+        preference_pairs([group], cfg)
+    [(chosen, rejected)] = preference_pairs([group], cfg, model=model)
+    entropy = [t.info["confidence"]["entropy"] for t in ts]
+    assert chosen.info["confidence"]["entropy"] == min(entropy) and rejected.info["confidence"]["entropy"] == max(entropy)
