@@ -471,6 +471,7 @@ def attempts(
     model: list[str] = typer.Option(..., help="Model directory; give it several times to compare models (e.g. "
                                               "before and after RL)."),
     kwargs: str = typer.Option("{}", help="The env's kwargs as a JSON object."),
+    chat_template: Optional[str] = typer.Option(None, help=CHAT_TEMPLATE_HELP),
     split: str = typer.Option("heldout", help="The env split whose tasks are attempted."),
     n: int = typer.Option(100, help="Tasks."),
     k: int = typer.Option(4, help="Attempts per task."),
@@ -496,7 +497,7 @@ def attempts(
                             sampling=SamplingParams(temperature=temperature, max_tokens=max_tokens))
     runs = {}
     for path in model:
-        policy, renderer = open_policy(path, EngineConfig()), Renderer(load_tokenizer(path))
+        policy, renderer = open_policy(path, EngineConfig()), Renderer(load_tokenizer(path, chat_template))
         try:
             for condition in CONDITIONS:
                 label = f"{Path(path).name} {condition}"
@@ -505,11 +506,14 @@ def attempts(
                     progress = bar.add_task("attempts", total=len(tasks) * k)
                     runs[label] = run_attempts(env, env_kwargs, split, tasks, k, policy, renderer, rollout,
                                                condition == "memory", max_notes, lambda: bar.advance(progress))
-                console.print(f"{label}: success@1..{k} " + " ".join(f"{r:.3f}" for r in runs[label]["success_at"]))
+                console.print(f"{label}: success@1..{k} " + " ".join(f"{r:.3f}" for r in runs[label]["success_at"])
+                              + "".join(f"\n  [red]{n} errors: {reason}[/]" for reason, n in
+                                        runs[label]["error_reasons"].items()))
         finally:
             asyncio.run(policy.close())
     markdown, _ = write_attempts(out, runs, {"env": env, "env_kwargs": env_kwargs, "split": split, "tasks": len(tasks),
-                                             "k": k, "temperature": temperature, "seed": seed, "models": model})
+                                             "k": k, "temperature": temperature, "seed": seed, "models": model,
+                                             "chat_template": chat_template})
     console.print(f"report: {markdown}")
 
 

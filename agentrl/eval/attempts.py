@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -33,7 +34,8 @@ def run_attempts(env: str, env_kwargs: dict[str, Any], split: str, tasks: list[T
                  renderer: Renderer, rollout: RolloutConfig, memory: bool, max_notes: int = 3,
                  on_episode: Callable[[], None] | None = None) -> dict[str, Any]:
     """Up to `k` attempts at each of `tasks` (see the module's docstring); returns `success_at` (k rates),
-    `solved_at` (task id -> attempt), `attempts`, `errors` and, with memory, `notes` (how many were written)."""
+    `solved_at` (task id -> attempt), `attempts`, `errors` (with the commonest `error_reasons`) and, with memory,
+    `notes` (how many were written)."""
     store = NoteStore(max_notes) if memory else None
 
     def make_env():
@@ -44,7 +46,7 @@ def run_attempts(env: str, env_kwargs: dict[str, Any], split: str, tasks: list[T
     max_reward = probe.max_reward
     probe.close()
     solved_at: dict[str, int] = {}
-    attempts = errors = 0
+    attempts, errors = 0, Counter()
     for attempt in range(1, k + 1):
         todo = [t for t in tasks if t.id not in solved_at]
         if not todo:
@@ -58,12 +60,13 @@ def run_attempts(env: str, env_kwargs: dict[str, Any], split: str, tasks: list[T
         for g in groups:
             t = g.trajectories[0]
             attempts += 1
-            errors += t.status is Status.ERROR
+            if t.status is Status.ERROR:
+                errors[t.reason.splitlines()[0][:200] if t.reason else "?"] += 1
             if t.status is not Status.ERROR and t.reward >= max_reward - 1e-9:
                 solved_at[g.task.id] = attempt
     success_at = [sum(a <= i for a in solved_at.values()) / len(tasks) for i in range(1, k + 1)]
-    out = {"success_at": success_at, "solved_at": solved_at, "attempts": attempts, "errors": errors,
-           "tasks": len(tasks)}
+    out = {"success_at": success_at, "solved_at": solved_at, "attempts": attempts, "errors": sum(errors.values()),
+           "error_reasons": dict(errors.most_common(5)), "tasks": len(tasks)}
     return {**out, "notes": len(store)} if store is not None else out
 
 
@@ -94,5 +97,7 @@ def write_attempts(out_dir: Path, runs: dict[str, dict[str, Any]], meta: dict[st
         "A task is solved at attempt i when its i-th attempt succeeds; `memory` attempts open with the notes the "
         "policy wrote after its failed attempts at the same task (agentrl/env/memory.py), `plain` ones do not. "
         f"Sampling: temperature {meta['temperature']}, the same seeds per attempt in every run.", "",
-        header, "|---|" + "--:|" * (meta["k"] + 2), *rows, "", "![success at attempt k](attempts.png)", ""]))
+        header, "|---|" + "--:|" * (meta["k"] + 2), *rows, "",
+        *(f"- {label}: {n} attempts ended in error: {reason}" for label, run in runs.items()
+          for reason, n in run.get("error_reasons", {}).items()), "", "![success at attempt k](attempts.png)", ""]))
     return md, out_dir / "attempts.png"
