@@ -17,16 +17,16 @@ import torch
 from pydantic import with_config
 
 from agentrl.config import STRICT, table_defaults
-from agentrl.rollout.engine import RolloutConfig
-from agentrl.trainers.loop import check_loop_rollout
-from agentrl.types import Group, Trajectory
-from agentrl.trainers.batch import make_batch
 from agentrl.policy.logprobs import token_logprobs
 from agentrl.policy.precision import autocast
-from agentrl.trainers.losses import dpo_loss
-from agentrl.trainers.supervised import fit, shuffled
+from agentrl.rollout.engine import RolloutConfig
+from agentrl.trainers.batch import make_batch
 from agentrl.trainers.confidence import score_confidence
+from agentrl.trainers.loop import check_loop_rollout
+from agentrl.trainers.losses import dpo_loss
 from agentrl.trainers.rewards import RewardConfig, rewarded
+from agentrl.trainers.supervised import fit, shuffled
+from agentrl.types import Group, Trajectory
 
 
 @with_config(STRICT)

@@ -35,9 +35,9 @@ from agentrl.trainers import loop
 from agentrl.trainers.advantages import gae, masked_whiten, turn_rewards_to_tokens
 from agentrl.trainers.batch import Batch, make_batch
 from agentrl.trainers.checkpoint import restore
+from agentrl.trainers.confidence import CONFIDENCE_SOURCES, score_confidence
 from agentrl.trainers.fsdp import data_parallel, frozen_copy, full_state_dict, load_full_state_dict, shard
 from agentrl.trainers.losses import kl_in_reward, masked_mean, value_loss
-from agentrl.trainers.confidence import CONFIDENCE_SOURCES, score_confidence
 from agentrl.trainers.rewards import reward_metrics, rewarded
 from agentrl.types import Group, Task, Trajectory
 
