@@ -12,6 +12,7 @@ from agentrl.eval.attempts import run_attempts, write_attempts
 from agentrl.policy.scripted import ScriptedPolicy
 from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.rollout.jsonl import read_jsonl
 from agentrl.types import Status
 
 MATH = {"max_turns": 4, "kinds": ["expression"], "max_ops": 2, "parser": "react"}
@@ -81,11 +82,15 @@ def test_success_at_attempt_k_with_and_without_memory(tiny_model_dir, tmp_path):
     policy = ScriptedPolicy(renderer, answer_from_notes(env), renderer.generation_prompt)
     rollout = RolloutConfig(max_total_tokens=2048)
     runs = {f"scripted {c}": run_attempts("math/arith-v0", MATH, "heldout", tasks, 3, policy, renderer, rollout,
-                                         c == "memory") for c in ("plain", "memory")}
+                                         c == "memory", trajectories=tmp_path / c / "trajectories.jsonl")
+            for c in ("plain", "memory")}
     plain, memory = runs["scripted plain"], runs["scripted memory"]
     assert plain["success_at"] == [0.0, 0.0, 0.0] and plain["attempts"] == 15 and "notes" not in plain
     assert memory["success_at"] == [0.0, 1.0, 1.0] and memory["attempts"] == 10 and memory["notes"] == 5
     assert set(memory["solved_at"].values()) == {2}
+    played = read_jsonl(tmp_path / "memory" / "trajectories.jsonl")
+    assert [t.info["attempt"] for t in played] == [1] * 5 + [2] * 5
+    assert [t.reward for t in played] == [0.0] * 5 + [1.0] * 5
     md, png = write_attempts(tmp_path, runs, {"env": "math/arith-v0", "split": "heldout", "tasks": 5, "k": 3,
                                               "temperature": 1.0})
     assert "| scripted memory | 0.000 | 1.000 | 1.000 | 5 | 0 |" in md.read_text()

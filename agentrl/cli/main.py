@@ -480,7 +480,8 @@ def attempts(
     max_tokens: int = typer.Option(256, help="Max sampled tokens per turn."),
     max_total_tokens: int = typer.Option(2048, help="Max tokens per episode, prompt included."),
     seed: int = typer.Option(0, help="Seeds the attempts' sampling; the same per attempt in every run."),
-    out: Path = typer.Option(Path("runs/attempts"), help="Where attempts.json, .md and .png go."),
+    out: Path = typer.Option(Path("runs/attempts"), help="Where attempts.json, .md and .png go, and each run's "
+                                                        "trajectories (RUN/trajectories.jsonl)."),
 ) -> None:
     """Success at attempt k, with and without memory across attempts (Reflexion-style notes, agentrl/env/memory.py),
     for each model: pass@k's sequential cousin."""
@@ -505,7 +506,8 @@ def attempts(
                               console=console) as bar:
                     progress = bar.add_task("attempts", total=len(tasks) * k)
                     runs[label] = run_attempts(env, env_kwargs, split, tasks, k, policy, renderer, rollout,
-                                               condition == "memory", max_notes, lambda: bar.advance(progress))
+                                               condition == "memory", max_notes, lambda: bar.advance(progress),
+                                               out / label.replace(" ", "_") / "trajectories.jsonl")
                 console.print(f"{label}: success@1..{k} " + " ".join(f"{r:.3f}" for r in runs[label]["success_at"])
                               + "".join(f"\n  [red]{n} errors: {reason}[/]" for reason, n in
                                         runs[label]["error_reasons"].items()))

@@ -25,6 +25,7 @@ from agentrl.env.registry import make
 from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.rollout.jsonl import write_jsonl
 from agentrl.types import Status, Task
 
 CONDITIONS = ("plain", "memory")
@@ -32,10 +33,11 @@ CONDITIONS = ("plain", "memory")
 
 def run_attempts(env: str, env_kwargs: dict[str, Any], split: str, tasks: list[Task], k: int, policy: Policy,
                  renderer: Renderer, rollout: RolloutConfig, memory: bool, max_notes: int = 3,
-                 on_episode: Callable[[], None] | None = None) -> dict[str, Any]:
+                 on_episode: Callable[[], None] | None = None, trajectories: Path | None = None) -> dict[str, Any]:
     """Up to `k` attempts at each of `tasks` (see the module's docstring); returns `success_at` (k rates),
     `solved_at` (task id -> attempt), `attempts`, `errors` (with the commonest `error_reasons`) and, with memory,
-    `notes` (how many were written)."""
+    `notes` (how many were written). Every attempt's trajectory, its number in `info["attempt"]`, goes to the JSONL
+    file `trajectories` when given."""
     store = NoteStore(max_notes) if memory else None
 
     def make_env():
@@ -46,7 +48,7 @@ def run_attempts(env: str, env_kwargs: dict[str, Any], split: str, tasks: list[T
     max_reward = probe.max_reward
     probe.close()
     solved_at: dict[str, int] = {}
-    attempts, errors = 0, Counter()
+    attempts, errors, played = 0, Counter(), []
     for attempt in range(1, k + 1):
         todo = [t for t in tasks if t.id not in solved_at]
         if not todo:
@@ -59,11 +61,16 @@ def run_attempts(env: str, env_kwargs: dict[str, Any], split: str, tasks: list[T
             engine.close()
         for g in groups:
             t = g.trajectories[0]
+            t.info["attempt"] = attempt
+            played.append(t)
             attempts += 1
             if t.status is Status.ERROR:
                 errors[t.reason.splitlines()[0][:200] if t.reason else "?"] += 1
             if t.status is not Status.ERROR and t.reward >= max_reward - 1e-9:
                 solved_at[g.task.id] = attempt
+    if trajectories is not None:
+        trajectories.parent.mkdir(parents=True, exist_ok=True)
+        write_jsonl(played, trajectories)
     success_at = [sum(a <= i for a in solved_at.values()) / len(tasks) for i in range(1, k + 1)]
     out = {"success_at": success_at, "solved_at": solved_at, "attempts": attempts, "errors": sum(errors.values()),
            "error_reasons": dict(errors.most_common(5)), "tasks": len(tasks)}
