@@ -54,6 +54,8 @@ def test_points_predictions_and_when_they_settle():
     points = law_points(rows, {"after": {"success": final}})
     assert [p[0] for p in points] == [4, 8, 12, 16, 20]  # the final evaluation pairs with the last step
     assert points[-1] == (20, rows[-1]["entropy"], final)
+    with_before = law_points(rows, {"before": {"success": 0.5}, "after": {"success": final}})
+    assert with_before == [(0, rows[0]["entropy"], 0.5), *points]  # the starting policy: the first step's entropy
     predictions = early_predictions(points)
     assert [s for s, _ in predictions] == [12, 16, 20]
     assert predictions[-1][1].ceiling == pytest.approx(fit_entropy_law([p[1] for p in points],

@@ -9,7 +9,8 @@ predicted before the run ends. The ceiling's interval is the fitted line's 95% c
 an extrapolation, wide while the entropy has fallen little.
 
 A training run gives the points: each held-out evaluation during training (`[eval] every`) with the entropy of its
-step's update (`entropy`, the mean over the sampled tokens), and the final one with the last step's.
+step's update (`entropy`, the mean over the sampled tokens), the one before RL with the first step's, and the final
+one with the last step's.
 """
 
 from __future__ import annotations
@@ -64,13 +65,15 @@ def fit_entropy_law(entropy: Sequence[float], performance: Sequence[float], leve
 
 
 def law_points(rows: Sequence[dict[str, Any]], summary: dict[str, Any]) -> list[tuple[int, float, float]]:
-    """(step, entropy, held-out success) of a training run: every step with a held-out evaluation, and the run's
-    final evaluation (`summary["after"]`) with the last step's entropy."""
-    points = [(r["step"], r["entropy"], r["heldout"]["success"]) for r in rows
-              if "entropy" in r and "success" in r.get("heldout", {})]
-    last = [r for r in rows if "entropy" in r]
-    if last and "success" in summary.get("after", {}) and all(p[0] != last[-1]["step"] for p in points):
-        points.append((last[-1]["step"], last[-1]["entropy"], summary["after"]["success"]))
+    """(step, entropy, held-out success) of a training run: the evaluation before RL as step 0, with the first
+    step's entropy (measured on the starting policy's own samples, before most of that step's updates); every step
+    with a held-out evaluation; and the final evaluation (`summary["after"]`) with the last step's entropy."""
+    logged = [r for r in rows if "entropy" in r]
+    points = [(r["step"], r["entropy"], r["heldout"]["success"]) for r in logged if "success" in r.get("heldout", {})]
+    if logged and logged[0]["step"] == 1 and "success" in summary.get("before", {}):
+        points.insert(0, (0, logged[0]["entropy"], summary["before"]["success"]))
+    if logged and "success" in summary.get("after", {}) and all(p[0] != logged[-1]["step"] for p in points):
+        points.append((logged[-1]["step"], logged[-1]["entropy"], summary["after"]["success"]))
     return points
 
 
