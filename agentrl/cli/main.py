@@ -492,6 +492,10 @@ def attempts(
     from agentrl.renderer import Renderer
     from agentrl.rollout.engine import RolloutConfig
 
+    for path in model:
+        if _missing_directory(path):
+            console.print(f"[red]No model directory at {path!r}.[/]")
+            raise typer.Exit(2)
     env_kwargs = json.loads(kwargs)
     tasks = list(_make_or_exit(env, split=split, **env_kwargs).tasks)[:n]
     rollout = RolloutConfig(seed=seed, max_total_tokens=max_total_tokens,
