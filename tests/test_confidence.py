@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from agentrl.trainers.confidence import confidence_metrics, confidence_of, response_confidence, score_confidence
 from agentrl.trainers.grpo import GRPO, GRPOConfig
 from agentrl.trainers.rewards import RewardConfig, group_rewards
-from agentrl.types import Group, Status, Task, Trajectory
+from agentrl.types import Group, Status, Task, Trajectory, Turn
 
 LN2 = math.log(2)
 
@@ -106,3 +106,20 @@ def test_dpo_pairs_by_confidence_need_the_model(tiny_model_dir):
     [(chosen, rejected)] = preference_pairs([group], cfg, model=model)
     entropy = [t.info["confidence"]["entropy"] for t in ts]
     assert chosen.info["confidence"]["entropy"] == min(entropy) and rejected.info["confidence"]["entropy"] == max(entropy)
+
+
+def test_a_ppo_step_scores_the_confidence_it_trains_on(tiny_model_dir):
+    from agentrl.trainers.ppo import PPO, PPOConfig
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    V = model.config.vocab_size
+    ids = torch.randint(V, (10,), generator=torch.Generator().manual_seed(0)).tolist()
+    mask = (0, 0, 0, 0, 1, 1, 1, 1, 1, 1)  # one turn: PPO puts its reward on the turn's last token
+    group = Group(Task("t0"), (Trajectory("t0", tuple(ids), mask, (0.0,) * 10, 4, (Turn(4, 10, 10),), 0.0, {},
+                                          Status.OK),))
+    cfg = PPOConfig(reward=RewardConfig(terms={"rent": 1.0}), minibatch_size=1)
+    ppo = PPO(cfg, model, torch.optim.AdamW(model.parameters(), lr=cfg.lr))
+    assert ppo.keep(group)  # nothing scored yet: keep does not need the confidence
+    metrics = ppo.train_step([group], [group], 0)
+    entropy = group.trajectories[0].info["confidence"]["entropy"]
+    assert metrics["train_reward"] == pytest.approx(-entropy) and metrics["confidence/entropy"] == pytest.approx(entropy)
