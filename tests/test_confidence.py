@@ -105,7 +105,8 @@ def test_dpo_pairs_by_confidence_need_the_model(tiny_model_dir):
         preference_pairs([group], cfg)
     [(chosen, rejected)] = preference_pairs([group], cfg, model=model)
     entropy = [t.info["confidence"]["entropy"] for t in ts]
-    assert chosen.info["confidence"]["entropy"] == min(entropy) and rejected.info["confidence"]["entropy"] == max(entropy)
+    assert chosen.info["confidence"]["entropy"] == min(entropy)
+    assert rejected.info["confidence"]["entropy"] == max(entropy)
 
 
 def test_a_ppo_step_scores_the_confidence_it_trains_on(tiny_model_dir):
@@ -122,4 +123,5 @@ def test_a_ppo_step_scores_the_confidence_it_trains_on(tiny_model_dir):
     assert ppo.keep(group)  # nothing scored yet: keep does not need the confidence
     metrics = ppo.train_step([group], [group], 0)
     entropy = group.trajectories[0].info["confidence"]["entropy"]
-    assert metrics["train_reward"] == pytest.approx(-entropy) and metrics["confidence/entropy"] == pytest.approx(entropy)
+    assert metrics["train_reward"] == pytest.approx(-entropy)
+    assert metrics["confidence/entropy"] == pytest.approx(entropy)
