@@ -14,8 +14,9 @@ solving, not on writing notes for a reward it cannot see. With `train_notes = Tr
 reward and advantage. Either way the note costs one turn of the rollout's `max_turns`.
 
 The rollout engine makes an env per episode, so the notes live in a store that outlives envs: named stores
-(`store = "NAME"`) are shared by every env of the process that names them (a training run's episodes); without a
-name each env has its own and remembers nothing. `agentrl attempts` (agentrl/eval/attempts.py) gives each
+(`store = "NAME"`) are shared by every env of the process that names them and plays the same split (a training
+run's episodes); without a name each env has its own and remembers nothing. A training run's held-out evaluations
+share theirs too: the evaluation after RL opens with the notes of the one before. `agentrl attempts` (agentrl/eval/attempts.py) gives each
 condition its own store and measures success at attempt k, with and without memory.
 """
 
@@ -84,8 +85,8 @@ class ReflexionEnv(TextEnv):
         super().__init__(split=self.inner.split, max_turns=self.inner.max_turns + 1)
         if max_note_chars < 1:
             raise ValueError(f"max_note_chars must be >= 1, got {max_note_chars}")
-        self.store = store if isinstance(store, NoteStore) else (
-            NoteStore.named(store, max_notes) if store else NoteStore(max_notes))
+        self.store = store if isinstance(store, NoteStore) else (  # a named store: one per split
+            NoteStore.named(f"{store}/{self.inner.split}", max_notes) if store else NoteStore(max_notes))
         self.max_note_chars, self.train_notes, self.reflect_prompt = max_note_chars, train_notes, reflect_prompt
         self.max_reward = self.inner.max_reward
         self._ending: dict[str, Any] | None = None  # the wrapped episode's end, while the note is written
