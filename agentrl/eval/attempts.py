@@ -7,8 +7,8 @@ attempts. Two conditions per model:
   played in order);
 - `memory`: the env wrapped in `ReflexionEnv` with a store of its own: after each failed attempt the policy writes
   a note, and the next attempt at that task opens with its notes.
-Attempt i of every condition uses the same seeds, so the conditions differ by the notes alone. An attempt that
-ends in `error` counts as failed (and is counted).
+Attempt i of a task draws the same seeds in every condition, so the conditions differ by the notes alone. An
+attempt that ends in `error` counts as failed (and is counted).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.rollout.jsonl import write_jsonl
-from agentrl.types import Status, Task
+from agentrl.types import Status, Task, Trajectory
 
 CONDITIONS = ("plain", "memory")
 
@@ -47,27 +47,27 @@ def run_attempts(env: str, env_kwargs: dict[str, Any], split: str, tasks: list[T
     probe = make(env, split=split, **env_kwargs)
     max_reward = probe.max_reward
     probe.close()
+    position = {t.id: i for i, t in enumerate(tasks)}
     solved_at: dict[str, int] = {}
     attempts, errors, played = 0, Counter(), []
     for attempt in range(1, k + 1):
         todo = [t for t in tasks if t.id not in solved_at]
         if not todo:
             break
-        engine = RolloutEngine(make_env, policy, renderer,
-                               replace(rollout, group_size=1, seed=rollout.seed * 1_000 + attempt))
+        config = replace(rollout, group_size=1, seed=rollout.seed * 1_000 + attempt)
+        engine = RolloutEngine(make_env, policy, renderer, config)
         try:
-            groups = asyncio.run(engine.run(todo, on_episode=on_episode and (lambda t: on_episode())))
+            episodes = asyncio.run(_play(engine, todo, position, config, on_episode))
         finally:
             engine.close()
-        for g in groups:
-            t = g.trajectories[0]
+        for task, t in zip(todo, episodes):
             t.info["attempt"] = attempt
             played.append(t)
             attempts += 1
             if t.status is Status.ERROR:
                 errors[t.reason.splitlines()[0][:200] if t.reason else "?"] += 1
             if t.status is not Status.ERROR and t.reward >= max_reward - 1e-9:
-                solved_at[g.task.id] = attempt
+                solved_at[task.id] = attempt
     if trajectories is not None:
         trajectories.parent.mkdir(parents=True, exist_ok=True)
         write_jsonl(played, trajectories)
@@ -75,6 +75,23 @@ def run_attempts(env: str, env_kwargs: dict[str, Any], split: str, tasks: list[T
     out = {"success_at": success_at, "solved_at": solved_at, "attempts": attempts, "errors": sum(errors.values()),
            "error_reasons": dict(errors.most_common(5)), "tasks": len(tasks)}
     return {**out, "notes": len(store)} if store is not None else out
+
+
+async def _play(engine: RolloutEngine, todo: list[Task], position: dict[str, int], config: RolloutConfig,
+                on_episode: Callable[[], None] | None) -> list[Trajectory]:
+    """One episode per task of `todo`, seeded by the task's place in the whole list (`position`), not in `todo`, as
+    `RolloutEngine.run` would seed it there: attempt i draws the same seeds in every condition."""
+    gate = asyncio.Semaphore(config.concurrency)
+
+    async def one(task: Task) -> Trajectory:
+        seed = config.seed * 100_003 + position[task.id]
+        async with gate:
+            trajectory = await engine.run_episode(task, seed, seed, position[task.id])
+        if on_episode is not None:
+            on_episode()
+        return trajectory
+
+    return list(await asyncio.gather(*(one(task) for task in todo)))
 
 
 def write_attempts(out_dir: Path, runs: dict[str, dict[str, Any]], meta: dict[str, Any]) -> tuple[Path, Path]:
