@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from agentrl.policy.logprobs import HEAD_CHUNK, lm_head
+from agentrl.policy.logprobs import HEAD_CHUNK, _sharded, lm_head
 from agentrl.policy.precision import autocast
 from agentrl.trainers.batch import make_batch, token_micro_batches
 from agentrl.trainers.metrics import correlation
@@ -41,12 +41,6 @@ def confidence_of(logp_NV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     entropy_N = -(logp_NV.exp() * logp_NV).sum(-1)
     self_certainty_N = -math.log(logp_NV.shape[-1]) - logp_NV.mean(-1)
     return entropy_N, self_certainty_N
-
-
-def _sharded(model: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
 
 
 @torch.no_grad()
