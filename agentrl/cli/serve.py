@@ -7,16 +7,17 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
+
+from agentrl.cli.common import console
 
 serve_app = typer.Typer(help="Run servers (the vLLM policy engine, the retriever, envs over OpenEnv, the gateway).",
                         no_args_is_help=True)
-console = Console()
 
 
 @serve_app.callback()
 def serve() -> None:
-    """Run servers (the vLLM policy engine, the retriever)."""  # a callback keeps `policy` a subcommand even when it is alone
+    """Run servers (the vLLM policy engine, the retriever)."""
+    # a callback keeps `policy` a subcommand even when it is alone
 
 
 @serve_app.command("policy")

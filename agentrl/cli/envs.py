@@ -1,0 +1,103 @@
+"""`agentrl envs ...`, `agentrl sandbox ...`, `agentrl swe ...`: the environments and what they run in."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from agentrl.cli.common import KWARGS_HELP, console, make_or_exit
+
+envs_app = typer.Typer(help="List, inspect and check environments.", no_args_is_help=True)
+sandbox_app = typer.Typer(help="Docker sandboxes for code envs.", no_args_is_help=True)
+swe_app = typer.Typer(help="SWE tasks.", no_args_is_help=True)
+
+
+@envs_app.command("list")
+def envs_list() -> None:
+    """Registered environment ids (ours and installed plugins')."""
+    from agentrl.env.registry import registry
+
+    table = Table("id", "entry point", "defaults")
+    for spec in registry().values():
+        table.add_row(spec.id, spec.entry_point, json.dumps(spec.kwargs) if spec.kwargs else "")
+    console.print(table)
+
+
+@envs_app.command("show")
+def envs_show(env_id: str, split: str = "train", kwargs: str = typer.Option("{}", help=KWARGS_HELP)) -> None:
+    """The tools and the first messages of an env's first task."""
+    env = make_or_exit(env_id, split=split, **json.loads(kwargs))
+    obs, info = env.reset(seed=0)
+    console.print(f"[bold]{env_id}[/] ({type(env).__name__}), {len(env.tasks)} {split} tasks")
+    console.print_json(data=info["tools"])
+    for m in obs:
+        console.print(f"[bold]{m.role}[/]: {m.content}")
+    env.close()
+
+
+@envs_app.command("check")
+def envs_check(env_id: str, n_tasks: int = typer.Option(8, help="Tasks whose gold solution is validated."),
+               kwargs: str = typer.Option("{}", help=KWARGS_HELP)) -> None:
+    """Gymnasium's env checker plus the env's own validate() (gold solutions must get the maximum reward)."""
+    from agentrl.env.registry import check
+
+    env_kwargs = json.loads(kwargs)
+    make_or_exit(env_id, **env_kwargs)
+    problems = check(env_id, n_tasks=n_tasks, **env_kwargs)
+    for p in problems:
+        console.print(f"[red]✗[/] {p}")
+    if problems:
+        raise typer.Exit(1)
+    console.print(f"[green]✓[/] {env_id}: check_env passed; gold solutions of {n_tasks} tasks get the maximum reward")
+
+
+@sandbox_app.command("build")
+def sandbox_build(base_image: str = typer.Option("agentrl/base:bookworm", help="Image to build FROM.")) -> None:
+    """Build the Python sandbox image (idempotent). The default base image is built offline from Debian
+    packages by containers/build-base.sh; any Debian/Ubuntu image with python3 works."""
+    from agentrl.tools.sandbox import SandboxError
+    from agentrl.tools.sandbox.docker_runtime import build_image
+
+    try:
+        console.print(f"sandbox image: {build_image(base_image)}")
+    except SandboxError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(1)
+
+
+@sandbox_app.command("clean")
+def sandbox_clean() -> None:
+    """Remove sandbox containers whose owning process is gone (normally none: they end with it)."""
+    from agentrl.tools.sandbox.docker_runtime import cleanup_stale
+
+    console.print(f"removed {cleanup_stale()} stale sandbox containers")
+
+
+@swe_app.command("generate")
+def swe_generate(per_repo: int = typer.Option(20, help="Bugs to keep per repository."),
+                 seed: int = typer.Option(0, help="Seed of the order in which bug sites are tried."),
+                 out: Optional[Path] = typer.Option(None, help="Instances JSONL [default: the swe/generated-v0 one]."),
+                 force: bool = typer.Option(False, help="Generate again even if the instances and images exist.")
+                 ) -> None:
+    """Generate SWE tasks offline: inject bugs into real repositories (pinned sdists) with libcst and keep
+    those that make passing tests fail. Deterministic; needs Docker (`make setup-docker`)."""
+    from agentrl.envs.swe.generate import INSTANCES, generate, up_to_date
+    from agentrl.tools.sandbox import SandboxError
+
+    if not force and up_to_date(out or INSTANCES, per_repo, seed):
+        console.print(f"{out or INSTANCES} is up to date (--force to generate again)")
+        return
+    try:
+        instances = generate(out or INSTANCES, per_repo=per_repo, seed=seed, log=console.print)
+    except SandboxError as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(1)
+    splits = {}
+    for i in instances:
+        splits[i["split"]] = splits.get(i["split"], 0) + 1
+    console.print(f"{len(instances)} instances ({', '.join(f'{k} {v}' for k, v in sorted(splits.items()))}) "
+                  f"→ {out or INSTANCES}")
