@@ -71,7 +71,8 @@ def test_the_store_keeps_the_latest_notes_and_is_shared_by_name():
     assert NoteStore.named("test-memory", max_notes=2) is store
     with pytest.raises(ValueError, match="keeps 2 notes"):
         NoteStore.named("test-memory", max_notes=3)
-    envs = [ReflexionEnv("math/arith-v0", MATH, split=split, store="by-split") for split in ("train", "heldout", "train")]
+    envs = [ReflexionEnv("math/arith-v0", MATH, split=split, store="by-split")
+            for split in ("train", "heldout", "train")]
     assert envs[0].store is envs[2].store is not envs[1].store  # a named store per split
 
 

@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from agentrl.policy.logprobs import HEAD_CHUNK, _sharded, lm_head
+from agentrl.policy.logprobs import HEAD_CHUNK, is_sharded, lm_head
 from agentrl.policy.precision import autocast
 from agentrl.trainers.batch import make_batch, token_micro_batches
 from agentrl.trainers.metrics import correlation
@@ -57,7 +57,7 @@ def response_confidence(model: torch.nn.Module, trajectories: Sequence[Trajector
             mb = batch.select(rows).to(device)
             rows_N, targets_N = (mb.mask_BT[:, 1:] > 0).nonzero(as_tuple=True)  # hidden state t predicts token t + 1
             with autocast(model):
-                if _sharded(model):  # FSDP gathers the head's weights only inside the root's forward
+                if is_sharded(model):  # FSDP gathers the head's weights only inside the root's forward
                     logits_NV = model(input_ids=mb.ids_BT, attention_mask=mb.attention_BT).logits[rows_N, targets_N]
                     parts = [confidence_of(F.log_softmax(x.float(), -1)) for x in logits_NV.split(HEAD_CHUNK)]
                 else:

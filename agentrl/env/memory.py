@@ -16,8 +16,9 @@ reward and advantage. Either way the note costs one turn of the rollout's `max_t
 The rollout engine makes an env per episode, so the notes live in a store that outlives envs: named stores
 (`store = "NAME"`) are shared by every env of the process that names them and plays the same split (a training
 run's episodes); without a name each env has its own and remembers nothing. A training run's held-out evaluations
-share theirs too: the evaluation after RL opens with the notes of the one before. `agentrl attempts` (agentrl/eval/attempts.py) gives each
-condition its own store and measures success at attempt k, with and without memory.
+share theirs too: the evaluation after RL opens with the notes of the one before. `agentrl attempts`
+(agentrl/eval/attempts.py) gives each condition its own store and measures success at attempt k, with and without
+memory.
 """
 
 from __future__ import annotations

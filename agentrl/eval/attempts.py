@@ -26,7 +26,7 @@ from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.rollout.jsonl import write_jsonl
-from agentrl.types import Status, Task, Trajectory
+from agentrl.types import Status, Task
 
 CONDITIONS = ("plain", "memory")
 
@@ -54,13 +54,14 @@ def run_attempts(env: str, env_kwargs: dict[str, Any], split: str, tasks: list[T
         todo = [t for t in tasks if t.id not in solved_at]
         if not todo:
             break
-        config = replace(rollout, group_size=1, seed=rollout.seed * 1_000 + attempt)
-        engine = RolloutEngine(make_env, policy, renderer, config)
-        try:
-            episodes = asyncio.run(_play(engine, todo, position, config, on_episode))
+        engine = RolloutEngine(make_env, policy, renderer,
+                               replace(rollout, group_size=1, seed=rollout.seed * 1_000 + attempt))
+        try:  # seeded by each task's place in the whole list: attempt i draws the same seeds in every condition
+            groups = asyncio.run(engine.run(todo, on_episode=on_episode and (lambda t: on_episode()),
+                                            positions=[position[t.id] for t in todo]))
         finally:
             engine.close()
-        for task, t in zip(todo, episodes):
+        for task, t in ((g.task, g.trajectories[0]) for g in groups):
             t.info["attempt"] = attempt
             played.append(t)
             attempts += 1
@@ -75,23 +76,6 @@ def run_attempts(env: str, env_kwargs: dict[str, Any], split: str, tasks: list[T
     out = {"success_at": success_at, "solved_at": solved_at, "attempts": attempts, "errors": sum(errors.values()),
            "error_reasons": dict(errors.most_common(5)), "tasks": len(tasks)}
     return {**out, "notes": len(store)} if store is not None else out
-
-
-async def _play(engine: RolloutEngine, todo: list[Task], position: dict[str, int], config: RolloutConfig,
-                on_episode: Callable[[], None] | None) -> list[Trajectory]:
-    """One episode per task of `todo`, seeded by the task's place in the whole list (`position`), not in `todo`, as
-    `RolloutEngine.run` would seed it there: attempt i draws the same seeds in every condition."""
-    gate = asyncio.Semaphore(config.concurrency)
-
-    async def one(task: Task) -> Trajectory:
-        seed = config.seed * 100_003 + position[task.id]
-        async with gate:
-            trajectory = await engine.run_episode(task, seed, seed, position[task.id])
-        if on_episode is not None:
-            on_episode()
-        return trajectory
-
-    return list(await asyncio.gather(*(one(task) for task in todo)))
 
 
 def write_attempts(out_dir: Path, runs: dict[str, dict[str, Any]], meta: dict[str, Any]) -> tuple[Path, Path]:

@@ -38,7 +38,8 @@ HEAD_CHUNK = 1024  # sampled tokens per LM-head chunk: [1024, 151936] float32 lo
 SHARDED_FORWARD = "agentrl_masked_logprobs"  # a sharded model's masked path, run by FSDP as a forward of its root
 
 
-def _sharded(model: torch.nn.Module) -> bool:
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether `model` is sharded by FSDP2 (its head's weights are gathered only inside the root's forward)."""
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
@@ -62,7 +63,7 @@ def token_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: t
       into bins of at most `pack_tokens` tokens (default: the longest row's). `pack=None` packs when that runs
       fewer tokens than the padded rows or the shared prefix would (by `PACK_MIN_SAVING`); True always packs,
       False never does. The logprobs are the same up to float rounding (tests/test_packing.py)."""
-    sharded = _sharded(model)
+    sharded = is_sharded(model)
     if mask_BT is not None and sharded and hasattr(model, SHARDED_FORWARD):  # FSDP gathers the root around it
         return getattr(model, SHARDED_FORWARD)(ids_BT, attention_BT, with_entropy, mask_BT, head_chunk)
     if mask_BT is None or sharded:  # FSDP gathers parameters in the root's forward: call only that

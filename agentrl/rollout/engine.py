@@ -302,15 +302,19 @@ class RolloutEngine:
         ep.extend(sample.token_ids, sampled=True, logprobs=sample.logprobs, trainable=sample.trainable)
         return sample
 
-    async def run(self, tasks: Sequence[Task], on_episode: Callable[[Trajectory], None] | None = None
-                  ) -> list[Group]:
-        """`group_size` episodes per task; returns one Group per task, in task order."""
+    async def run(self, tasks: Sequence[Task], on_episode: Callable[[Trajectory], None] | None = None,
+                  positions: Sequence[int] | None = None) -> list[Group]:
+        """`group_size` episodes per task; returns one Group per task, in task order. A task's seeds and group index
+        come from its position: its index in `tasks`, or `positions[i]` (its place in a larger list, so that a
+        subset replays the seeds the whole list would draw)."""
         cfg, gate = self.config, asyncio.Semaphore(self.config.concurrency)
+        positions = range(len(tasks)) if positions is None else positions
 
         async def one(task_index: int, k: int) -> Trajectory:
             async with gate:
-                env_seed = cfg.seed * 100_003 + task_index  # shared by the group
-                traj = await self.run_episode(tasks[task_index], env_seed, env_seed * cfg.group_size + k, task_index)
+                position = positions[task_index]
+                env_seed = cfg.seed * 100_003 + position  # shared by the group
+                traj = await self.run_episode(tasks[task_index], env_seed, env_seed * cfg.group_size + k, position)
             if on_episode:
                 on_episode(traj)
             return traj
