@@ -33,6 +33,15 @@ starter.start(); starter.join(); time.sleep(1.0)
 assert groups[0].alive()
 print("ready", flush=True); time.sleep(600)
 """
+LOCAL_SANDBOX_OWNER = """
+import threading, time
+from agentrl.tools.sandbox import LocalRuntime
+sandbox = LocalRuntime()
+threading.Thread(target=sandbox.run, args=(["sh", "-c", "sleep 600 & sleep 600"],), kwargs={"timeout": 600},
+                 daemon=True).start()
+time.sleep(1.0)
+print("ready", flush=True); time.sleep(600)
+"""
 MCP_OWNER = """
 import sys
 from agentrl.tools.mcp import McpTools
@@ -162,9 +171,9 @@ def test_stop_ends_the_group_its_children_and_the_watchdog():
     group = ProcessGroup(["sh", "-c", "sleep 600 & wait"])
     time.sleep(0.3)
     below = descendants(group.pid)
-    assert len(below) == 1 and group.alive() and group._watchdog.poll() is None  # sh's sleep; the watchdog
+    assert len(below) == 1 and group.alive() and group._watchdog.process.poll() is None  # sh's sleep; the watchdog
     group.stop(timeout=5)
-    assert not group.alive() and not {p for p in below if live(p)} and group._watchdog.returncode is not None
+    assert not group.alive() and not {p for p in below if live(p)} and group._watchdog.process.returncode is not None
     group.stop()  # idempotent
 
 
@@ -172,9 +181,9 @@ def test_the_watchdog_leaves_when_the_group_ends_on_its_own():
     group = ProcessGroup(["true"])
     group.process.wait()
     deadline = time.monotonic() + 5
-    while group._watchdog.poll() is None and time.monotonic() < deadline:
+    while group._watchdog.process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert group._watchdog.returncode == 0
+    assert group._watchdog.process.returncode == 0
     group.stop()
 
 
@@ -183,6 +192,28 @@ def test_a_group_ends_with_its_sigkilled_owner_even_when_it_ignores_sigterm(tmp_
     below, seconds = kill_and_check(owner, within=5)
     assert len(below) == 3  # sh, sleep, the watchdog: SIGTERM ignored, SIGKILLed after the 1 s grace
     print(f"{len(below)} processes gone {seconds:.1f} s after the owner's SIGKILL")
+
+
+def test_a_local_sandbox_run_ends_with_its_sigkilled_owner(tmp_path):
+    """`LocalRuntime`'s run (a shell and its background child, in a session of their own) mid-way when the owner dies:
+    its watchdog takes the group down. Without it, both sleeps ran on for their 600 s."""
+    owner, _ = start_owner(tmp_path, [sys.executable, "-c", LOCAL_SANDBOX_OWNER], timeout=60)
+    below, seconds = kill_and_check(owner, within=5)
+    assert len(below) == 4  # sh, its two sleeps, the watchdog
+    print(f"{len(below)} processes gone {seconds:.1f} s after the owner's SIGKILL")
+
+
+def test_a_closed_local_sandbox_leaves_no_watchdog():
+    from agentrl.tools.sandbox import LocalRuntime
+    sandbox = LocalRuntime()
+    assert sandbox.run(["sh", "-c", "echo hi"]).stdout == "hi\n"
+    sandbox.reset()  # a reset keeps the watchdog: one per sandbox, not per episode
+    assert sandbox.run(["true"]).ok
+    watchdog = sandbox._watchdog
+    sandbox.close()
+    assert watchdog.process.wait(5) == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        watchdog.watch(1)
 
 
 # ----------------------------------------------------------------------------------------------- servers

@@ -4,12 +4,14 @@
     group.process                                             # the Popen of the command
     group.stop()                                              # SIGTERM the group, SIGKILL what is left
     owned(["node", "server.js"])    # the same, as a command line for code that spawns processes itself
-
+    watchdog = Watchdog(grace=0)    # the watch alone, for groups started elsewhere (the local sandbox's runs)
+    watchdog.watch(pgid)
 
 The command leads a new session, so its process group holds everything it starts (vLLM's engine core) and a
 Ctrl-C meant for the owner does not reach it. A watchdog, a few lines of Python in a session of their own,
 polls its parent: when that is no longer the owner (the owner died and the watchdog was re-parented), it
-SIGTERMs the group, waits `grace` seconds, and SIGKILLs what is left. It also exits once the group is gone.
+SIGTERMs the groups it was given, waits `grace` seconds, and SIGKILLs what is left. It exits once its groups are
+gone and it has been told that no more will come.
 
 Why not `PR_SET_PDEATHSIG`: the kernel sends it when the *thread* that forked the child exits, and servers are
 restarted from worker threads (`asyncio.to_thread`); it also reaches the group leader only, not its children.
@@ -28,26 +30,74 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-# Run as `python -I -S -c`: no site, no agentrl import, so it starts in milliseconds and holds ~10 MB.
+# Run as `python -I -S -c`: no site, no agentrl import, so it starts in milliseconds and holds ~10 MB. It reads the
+# process group ids to watch from stdin, one per line, until EOF.
 _WATCHDOG = """
-import os, signal, sys, time
-owner, group, grace = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
-def signal_group(sig):
+import os, select, signal, sys, time
+owner, grace = int(sys.argv[1]), float(sys.argv[2])
+groups, listening, pending = set(), True, b""
+def signal_group(group, sig):
     try:
         os.killpg(group, sig)
         return True
     except (ProcessLookupError, PermissionError):
         return False
 while os.getppid() == owner:
-    if not signal_group(0):
-        sys.exit(0)  # the group ended on its own
-    time.sleep(0.25)
-signal_group(signal.SIGTERM)
+    if not listening:
+        time.sleep(0.25)
+    elif select.select([0], [], [], 0.25)[0]:
+        data = os.read(0, 4096)
+        listening = bool(data)
+        *lines, pending = (pending + data).split(b"\\n")
+        groups.update(int(line) for line in lines if line.strip())
+    groups = {group for group in groups if signal_group(group, 0)}
+    if not listening and not groups:
+        sys.exit(0)  # the groups ended on their own, and no more will come
+for group in groups:
+    signal_group(group, signal.SIGTERM)
 deadline = time.monotonic() + grace
-while signal_group(0) and time.monotonic() < deadline:
+while any(signal_group(group, 0) for group in groups) and time.monotonic() < deadline:
     time.sleep(0.1)
-signal_group(signal.SIGKILL)
+for group in groups:
+    signal_group(group, signal.SIGKILL)
 """
+
+
+class Watchdog:
+    """A small process that ends the process groups it is given when this process dies (see the module's doc).
+
+    `grace`: seconds between the SIGTERM and the SIGKILL. `watch(group)` hands it a group; `close()` says no more
+    will come, after which it exits once its groups have ended on their own.
+    """
+
+    def __init__(self, grace: float = 10.0):
+        self.process = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(grace)],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True)  # not in the owner's group: a Ctrl-C there must not end the watch
+        self._fd = self.process.stdin.fileno()
+
+    def watch(self, group: int) -> None:
+        """Ends process group `group` with this process. One write of a few bytes (atomic on a pipe): also safe in a
+        forked child before it execs (a `preexec_fn`), where the child's own pid is its new group's id."""
+        if self.process.stdin.closed:  # its descriptor number may belong to another file by now
+            raise RuntimeError("this watchdog was closed: it takes no more groups")
+        os.write(self._fd, b"%d\n" % group)
+
+    def alive(self) -> bool:
+        """Whether the watchdog is still running."""
+        return self.process.poll() is None
+
+    def close(self) -> None:
+        """No more groups will come; idempotent."""
+        if not self.process.stdin.closed:
+            self.process.stdin.close()
+
+    def kill(self) -> None:
+        """Ends the watchdog now (its groups are gone); idempotent."""
+        self.close()
+        self.process.kill()
+        self.process.wait()
 
 
 # `owned`'s launcher: the command in a process group of its own, whose stdin/stdout it leaves to the command (so the
@@ -102,10 +152,9 @@ class ProcessGroup:
     def __init__(self, args: Sequence[str], grace: float = 10.0, **popen: Any):
         self.process = subprocess.Popen(args, start_new_session=True, **popen)
         try:
-            self._watchdog = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), str(self.process.pid), str(grace)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True)  # not in the owner's group: a Ctrl-C there must not end the watch
+            self._watchdog = Watchdog(grace)
+            self._watchdog.watch(self.process.pid)
+            self._watchdog.close()
         except BaseException:
             self._signal(signal.SIGKILL)
             self.process.wait()
@@ -131,7 +180,6 @@ class ProcessGroup:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=timeout)
         self._watchdog.kill()  # the group is gone: nothing left to watch
-        self._watchdog.wait()
 
     def _signal(self, sig: int) -> bool:
         try:

@@ -3,7 +3,8 @@ runtime.
 
 `DockerRuntime` (docker_runtime.py) is the real sandbox. `LocalRuntime` runs commands as plain subprocesses
 of this process, in a temporary workspace, with resource limits (rlimits: CPU time, address space, file
-size) and a wall-clock timeout that kills the whole process group. It is NOT isolated: the code can read
+size) and a wall-clock timeout that kills the whole process group; a watchdog kills the group too if this
+process dies during a run (a SIGKILL, the OOM killer). It is NOT isolated: the code can read
 and write anything this user can, reach the network, and escape its process group with `setsid`. It exists
 for unit tests and for users without Docker, on code they trust.
 """
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, Sequence
 
+from agentrl.system.lifetime import Watchdog
 from agentrl.tools.errors import ToolError
 from agentrl.tools.sandbox import runner
 
@@ -102,12 +104,14 @@ class LocalRuntime:
     """Subprocesses in a temporary directory, with rlimits. Not isolated: see the module docstring."""
 
     def __init__(self, limits: Limits = Limits()):
-        self.limits, self.workspace = limits, None
+        self.limits, self.workspace, self._watchdog = limits, None, None
 
     def start(self) -> None:
-        """Creates the temporary workspace unless it exists."""
+        """Creates the temporary workspace and the runs' watchdog unless they exist."""
         if self.workspace is None:
             self.workspace = Path(tempfile.mkdtemp(prefix="agentrl-local-sandbox-"))
+        if self._watchdog is None or not self._watchdog.alive():
+            self._watchdog = Watchdog(grace=0)  # a run has nothing to save: SIGKILL at once
 
     def run(self, argv: Sequence[str] | None = None, *, code: str | None = None, stdin: str = "",
             timeout: float | None = None) -> RunResult:
@@ -118,9 +122,10 @@ class LocalRuntime:
         if code is not None:
             (self.workspace / ".agentrl_main.py").write_text(code)
             argv = [sys.executable, "-u", ".agentrl_main.py"]
-        limits = self.limits
+        limits, watchdog = self.limits, self._watchdog
 
-        def setup() -> None:  # in the child, before exec
+        def setup() -> None:  # in the child, before exec, in the new session whose id is the child's pid
+            watchdog.watch(os.getpid())
             runner._child_setup()
             cpu = int(timeout or limits.timeout) + 1
             resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
@@ -156,7 +161,7 @@ class LocalRuntime:
 
     def reset(self) -> None:
         """Replaces the workspace with a fresh, empty one (each run's process group is killed when it ends)."""
-        self.close()
+        self._remove_workspace()
         self.start()
 
     def healthy(self) -> bool:
@@ -164,7 +169,14 @@ class LocalRuntime:
         return True
 
     def close(self) -> None:
-        """Deletes the workspace; idempotent (`start`, `run`, `read` and `write` make a new one)."""
+        """Deletes the workspace and lets the watchdog go; idempotent (`start`, `run`, `read` and `write` start
+        again)."""
+        self._remove_workspace()
+        if self._watchdog is not None:
+            self._watchdog.close()  # it exits once the last run's group is gone (at once: runs end before returning)
+            self._watchdog = None
+
+    def _remove_workspace(self) -> None:
         if self.workspace is not None:
             shutil.rmtree(self.workspace, ignore_errors=True)
             self.workspace = None
