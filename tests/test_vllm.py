@@ -371,8 +371,34 @@ def test_asynchronous_training_with_the_vllm_engine(vllm_server: VLLMServer, tin
     assert all(0 <= r["idle"]["engine"] <= 1 for r in rows)
 
 
-def _train_recipe(tmp_path: Path, model_dir: Path, url: str, steps: int, grpo: str = "") -> Path:
-    """A GRPO recipe on the math env that attaches to the server at `url`; `grpo`: more lines of its [grpo]."""
+def test_asynchronous_training_over_two_started_engines(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """`engine.replicas = 2`: the job starts two vLLM servers behind the router; with `max_staleness = 1` both sample
+    episodes, every sync reaches both (each one parity-checked), and both servers stop with the job."""
+    from agentrl.cli.main import app
+    from agentrl.policy.router import RoutedPolicy
+
+    closed, close = [], RoutedPolicy.close
+
+    async def recording_close(self):
+        closed.append(([p.syncs for p in self.policies], list(self.episodes), [p.server for p in self.policies]))
+        await close(self)
+
+    monkeypatch.setattr(RoutedPolicy, "close", recording_close)
+    recipe = _train_recipe(tmp_path, tiny_model_dir, None, steps=2, engine="replicas = 2",
+                           grpo="max_staleness = 1\n[grpo.correction]\ndecoupled = true\ntis = \"token\"")
+    trained = CliRunner().invoke(app, ["train", str(recipe)])
+    assert trained.exit_code == 0, trained.output
+    (syncs, episodes, servers), = closed
+    assert syncs[0] == syncs[1] >= 2 and min(episodes) > 0, (syncs, episodes)  # every parity-checked sync reached both
+    assert not any(server.alive() for server in servers)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["groups_trained"] for r in rows] == [2, 2]
+    assert all(set(r["staleness"]) <= {"0", "1"} for r in rows)
+
+
+def _train_recipe(tmp_path: Path, model_dir: Path, url: str | None, steps: int, grpo: str = "", engine: str = "") -> Path:
+    """A GRPO recipe on the math env that attaches to the server at `url` (None: the job starts its own); `grpo`,
+    `engine`: more lines of its [grpo] and [engine]."""
     recipe = tmp_path / "train.toml"
     recipe.write_text(f"""
 env = "math/arith-v0"
@@ -381,7 +407,8 @@ out_dir = "{tmp_path / 'run'}"
 env_kwargs = {{ n_tasks = 8 }}
 [engine]
 kind = "vllm"
-url = "{url}"
+{f'url = "{url}"' if url else ""}
+{engine}
 [eval]
 n = 4
 [eval.rollout.sampling]

@@ -34,7 +34,6 @@ from agentrl.gateway.agents import AgentConfig, AgentEngines
 from agentrl.policy.hf import HFPolicy
 from agentrl.policy.precision import mixed_precision
 from agentrl.policy.protocol import Policy, SamplingParams
-from agentrl.policy.vllm_client import VLLMPolicy
 from agentrl.rollout.ray_pool import RayConfig, env_factory
 from agentrl.env.registry import make
 from agentrl.renderer import Renderer
@@ -254,8 +253,8 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     if job.gradient_checkpointing:  # non-reentrant: works when the embeddings are frozen (LoRA)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    if isinstance(policy, VLLMPolicy):  # a sync that cannot work fails now, not after the baseline evaluation
-        asyncio.run(policy.prepare_sync(model, job.context))
+    if (prepare := getattr(policy, "prepare_sync", None)) is not None:  # vLLM: a sync that cannot work fails now,
+        asyncio.run(prepare(model, job.context))                          # not after the baseline evaluation
     if job.rl.reward.judge is not None:  # so does a judge that cannot judge (loaded or reached once, here)
         judge_for(job.rl.reward.judge)
     save = lambda: summary_path.write_text(json.dumps(summary, indent=2))  # noqa: E731

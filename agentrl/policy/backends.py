@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
@@ -25,6 +27,9 @@ class EngineConfig:
     weight_transfer: WeightTransfer | Literal["auto"] = "auto"
     gpus: str | None = None  # vllm on GPU: the started server's CUDA_VISIBLE_DEVICES, e.g. "1" [default: the job's]
     tensor_parallel_size: int = 1  # vllm on GPU: the GPUs the started server shards the model over
+    # vllm: servers started, each episode kept on one of them (agentrl.policy.router), every sync sent to all. On
+    # GPU, `gpus` lists replicas × tensor_parallel_size devices, taken in order ("0,1,2,3", 2 × 2: "0,1" and "2,3")
+    replicas: int = 1
     # vllm on GPU: the server sleeps while the trainer steps (its weights to CPU memory, its KV cache freed) and
     # wakes for the next sync: for a server on the trainer's GPU. An attached one needs `--sleep-mode`.
     sleep_mode: bool = False
@@ -45,6 +50,16 @@ class EngineConfig:
             raise ValueError("engine.sleep_mode is vLLM's on GPU (kind = 'vllm', device = 'gpu'): remove it")
         started = {"gpus": self.gpus, "tensor_parallel_size": self.tensor_parallel_size != 1,
                    "gpu_memory_utilization": self.gpu_memory_utilization}
+        if self.replicas < 1 or self.replicas > 1 and (self.kind != "vllm" or self.url):
+            raise ValueError(f"engine.replicas = {self.replicas}: replicas are vLLM servers started by the job "
+                             "(kind = 'vllm', no url), at least 1. To route over servers started elsewhere, build "
+                             "agentrl.policy.router.RoutedPolicy over VLLMPolicy.attach(url) for each (docs/scaling.md)")
+        if self.replicas > 1 and self.device == "gpu":
+            devices = [d for d in (self.gpus or "").split(",") if d.strip()]
+            if len(devices) != self.replicas * self.tensor_parallel_size:
+                raise ValueError(f"engine.replicas = {self.replicas} on GPU needs gpus to list replicas × "
+                                 f"tensor_parallel_size = {self.replicas * self.tensor_parallel_size} devices, one "
+                                 f"group per server in order (e.g. gpus = \"0,1\" for 2 × 1), got {self.gpus!r}")
         if self.url and any(v for v in started.values()):
             raise ValueError(f"engine.url attaches to a running server, so {[k for k, v in started.items() if v]} "
                              "cannot apply: set them where the server is started (`agentrl serve policy`)")
@@ -54,10 +69,18 @@ class EngineConfig:
         """The sync path: `weight_transfer`, with auto resolved (gloo)."""
         return "gloo" if self.weight_transfer == "auto" else self.weight_transfer
 
+    def replica_gpus(self) -> list[str | None]:
+        """Each started server's CUDA_VISIBLE_DEVICES: `gpus` split into `replicas` groups (on GPU), else as is."""
+        if self.replicas == 1 or self.device != "gpu":
+            return [self.gpus] * self.replicas
+        devices, size = [d.strip() for d in self.gpus.split(",") if d.strip()], self.tensor_parallel_size
+        return [",".join(devices[i * size:(i + 1) * size]) for i in range(self.replicas)]
+
 
 def open_policy(model: str, engine: EngineConfig, parity_prompts: Sequence[Sequence[int]] = ()) -> Policy:
-    """A policy serving `model`. A vLLM server started here is stopped by the policy's `close()`. With
-    `parity_prompts`, every weight sync into vLLM is checked against the trainer's logprobs on them."""
+    """A policy serving `model`. A vLLM server started here is stopped by the policy's `close()`; several
+    (`engine.replicas`) start together and serve behind a `RoutedPolicy`. With `parity_prompts`, every weight sync
+    into vLLM is checked against the trainer's logprobs on them."""
     model = os.path.expanduser(model)
     if engine.kind == "transformers":
         from agentrl.policy.hf import HFPolicy
@@ -75,8 +98,19 @@ def open_policy(model: str, engine: EngineConfig, parity_prompts: Sequence[Seque
     if engine.url:
         return VLLMPolicy.attach(engine.url, parity=parity, weight_transfer=engine.transfer,
                                  sleep_mode=engine.sleep_mode)
-    server = ServerConfig(model=model, device=engine.device, max_model_len=engine.max_model_len, dtype=engine.dtype,
-                          gpu_memory_utilization=engine.gpu_memory_utilization, weight_transfer=engine.transfer,
-                          gpus=engine.gpus, tensor_parallel_size=engine.tensor_parallel_size,
-                          sleep_mode=engine.sleep_mode)
-    return VLLMPolicy.start(server, progress=True, parity=parity)
+    servers = [ServerConfig(model=model, device=engine.device, max_model_len=engine.max_model_len, dtype=engine.dtype,
+                            gpu_memory_utilization=engine.gpu_memory_utilization, weight_transfer=engine.transfer,
+                            gpus=gpus, tensor_parallel_size=engine.tensor_parallel_size, sleep_mode=engine.sleep_mode)
+               for gpus in engine.replica_gpus()]
+    if len(servers) == 1:
+        return VLLMPolicy.start(servers[0], progress=True, parity=parity)
+    from agentrl.policy.router import RoutedPolicy
+
+    with ThreadPoolExecutor(len(servers)) as pool:  # they start together; the first one's progress is shown
+        starts = [pool.submit(VLLMPolicy.start, server, progress=i == 0, parity=parity)
+                  for i, server in enumerate(servers)]
+    if failed := [f.exception() for f in starts if f.exception() is not None]:
+        for started in (f.result() for f in starts if f.exception() is None):
+            asyncio.run(started.close())
+        raise failed[0]
+    return RoutedPolicy([f.result() for f in starts])

@@ -60,6 +60,17 @@ class RoutedPolicy:
         for policy in self.policies:  # one at a time: each reads the same model's weights
             await policy.sync_weights(model, version)
 
+    async def prepare_sync(self, model: Any, context: int = 0) -> None:
+        """Each engine's start-up check that `model` can be synced into it (engines without one need none)."""
+        for policy in self.policies:
+            if (prepare := getattr(policy, "prepare_sync", None)) is not None:
+                await prepare(model, context)
+
+    async def release_memory(self) -> None:
+        """Each engine's `release_memory` (vLLM's sleep mode), where it has one: the trainer steps next."""
+        await asyncio.gather(*(release() for p in self.policies
+                               if (release := getattr(p, "release_memory", None)) is not None))
+
     async def close(self) -> None:
         """Close every engine."""
         await asyncio.gather(*(p.close() for p in self.policies))
