@@ -396,7 +396,8 @@ def test_asynchronous_training_over_two_started_engines(tiny_model_dir: Path, tm
     assert all(set(r["staleness"]) <= {"0", "1"} for r in rows)
 
 
-def _train_recipe(tmp_path: Path, model_dir: Path, url: str | None, steps: int, grpo: str = "", engine: str = "") -> Path:
+def _train_recipe(tmp_path: Path, model_dir: Path, url: str | None, steps: int, grpo: str = "",
+                  engine: str = "") -> Path:
     """A GRPO recipe on the math env that attaches to the server at `url` (None: the job starts its own); `grpo`,
     `engine`: more lines of its [grpo] and [engine]."""
     recipe = tmp_path / "train.toml"

@@ -53,7 +53,8 @@ class EngineConfig:
         if self.replicas < 1 or self.replicas > 1 and (self.kind != "vllm" or self.url):
             raise ValueError(f"engine.replicas = {self.replicas}: replicas are vLLM servers started by the job "
                              "(kind = 'vllm', no url), at least 1. To route over servers started elsewhere, build "
-                             "agentrl.policy.router.RoutedPolicy over VLLMPolicy.attach(url) for each (docs/scaling.md)")
+                             "agentrl.policy.router.RoutedPolicy over VLLMPolicy.attach(url) for each "
+                             "(docs/scaling.md)")
         if self.replicas > 1 and self.device == "gpu":
             devices = [d for d in (self.gpus or "").split(",") if d.strip()]
             if len(devices) != self.replicas * self.tensor_parallel_size:
