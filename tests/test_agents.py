@@ -19,7 +19,7 @@ from agentrl.policy.protocol import SamplingParams
 from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig
 from agentrl.trainers import grpo
-from agentrl.types import Status, Task
+from agentrl.types import Status, StopReason, Task
 
 ENV = dict(parser="react", kinds=["expression"], max_ops=2)
 
@@ -85,6 +85,33 @@ def test_failed_runs_are_errors_with_the_reason(renderer):
     assert "ConnectionError: the agent's own backend is down" in reasons["raises"]
     assert "agent.timeout" in reasons["slow"] and "returned no reward" in reasons["silent"]
     assert "returned 'correct', not a finite number" in reasons["wordy"]
+
+
+def test_a_run_that_fails_past_max_total_tokens_is_truncated_and_kept(renderer):
+    """A program that talks until the gateway refuses its call (context_length_exceeded) and then raises has run out
+    of tokens, as an env episode does: truncated, reward 0, its sampled turns kept; not an error."""
+    import openai
+
+    async def chatty(task, base_url):
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="agentrl") as client:
+            messages = [{"role": "user", "content": task.data["question"]}]
+            while True:  # until the call that does not fit raises openai.BadRequestError
+                reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=16)
+                messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                             {"role": "user", "content": "Go on."}]
+
+    task = Task("t", {"question": "Compute 1 + 1.", "answer": "2"})
+    policy = scripted.ScriptedPolicy(renderer, lambda prompt, turn: "Let me think about it.",
+                                     renderer.generation_prompt)
+    agent = AgentConfig("examples.agents.calculator_openai:solve")
+    runs = AgentEngine(chatty, policy, renderer, RolloutConfig(group_size=1, max_total_tokens=160,
+                                                                      sampling=SamplingParams(max_tokens=16)), agent)
+    [group] = asyncio.run(runs.run([task]))
+    [t] = group.trajectories
+    assert t.status is Status.TRUNCATED and t.stop is StopReason.MAX_TOTAL_TOKENS and t.reward == 0.0, t.reason
+    assert "gateway.max_total_tokens" in t.reason and "BadRequestError" in t.reason
+    assert len(t.turns) >= 2 and len(t.token_ids) <= 160
+    assert sum(t.loss_mask) == sum(turn.end - turn.start for turn in t.turns)
 
 
 def test_a_program_that_cannot_be_loaded_fails_at_start_up():

@@ -87,6 +87,7 @@ class Session:
     parse_errors: list[str] = field(default_factory=list)
     call_ids: itertools.count = field(default_factory=itertools.count)
     seed: int | None = None  # each call's sampling seed derives from it, unless the request names one
+    overflow: str | None = None  # why a call was refused for the segment's max_total_tokens, if one was
     trajectories: list[Trajectory] | None = None  # set when closed
 
 
@@ -121,8 +122,9 @@ class Gateway:
 
     def close(self, session_id: str, reward: float | None = None, components: dict[str, float] | None = None,
               error: str | None = None, stop: StopReason | None = None) -> list[Trajectory]:
-        """The session's segments as trajectories, each with `reward` (status error with `error` instead); a session
-        closes once, and its trajectories stay until `pop`."""
+        """The session's segments as trajectories, each with `reward` (status error with `error` instead, or
+        truncated when a call was refused for `max_total_tokens` before the error); a session closes once, and its
+        trajectories stay until `pop`."""
         session = self.get(session_id)
         if session.trajectories is not None:
             raise GatewayError(409, f"session {session_id!r} is closed already")
@@ -134,6 +136,9 @@ class Gateway:
         session.last_active = time.monotonic()  # kept for `session_timeout` from now, for `pop`
         # an error is the program's side (it raised, timed out, never posted a reward), unless the caller says
         status, stop = (Status.ERROR, stop or StopReason.ENV_ERROR) if error else (Status.OK, StopReason.TERMINATED)
+        if error and session.overflow:  # it failed once a call no longer fit: out of tokens, as an env episode past
+            # max_total_tokens is, so truncated (reward 0, trained, in baselines), not an error left out of them
+            status, stop, error = Status.TRUNCATED, StopReason.MAX_TOTAL_TOKENS, f"{session.overflow}; then {error}"
         info = {**session.info, "calls": session.calls, "failed_calls": session.failed_calls,
                 "parse_errors": session.parse_errors, "segments": len(session.segments)}
         session.trajectories = [
@@ -180,9 +185,9 @@ class Gateway:
         try:
             budget = self.config.max_total_tokens - len(where.prompt_ids)
             if budget < 1:
-                raise GatewayError(400, f"the conversation is {len(where.prompt_ids)} tokens; the gateway holds "
-                                        f"{self.config.max_total_tokens} per segment (gateway.max_total_tokens)",
-                                   "context_length_exceeded")
+                session.overflow = (f"the conversation is {len(where.prompt_ids)} tokens; the gateway holds "
+                                    f"{self.config.max_total_tokens} per segment (gateway.max_total_tokens)")
+                raise GatewayError(400, session.overflow, "context_length_exceeded")
             stop_ids = tuple(dict.fromkeys(sampling.stop_token_ids + self.renderer.stop_token_ids))
             seed = sampling.seed if sampling.seed is not None or session.seed is None else \
                 session.seed * 1_000_003 + session.calls
