@@ -37,8 +37,6 @@ from agentrl.types import Group, Message, Status, Task, Trajectory, Turn
 
 def test_settings_asynchronous_training_cannot_run_with_fail_at_start_up():
     base = {"env": "math/arith-v0", "model": "m", "grpo": {"max_staleness": 1}}
-    with pytest.raises(ConfigError, match="eval.every"):
-        load_config(TrainJob, {**base, "eval": {"every": 5}})
     with pytest.raises(ConfigError, match=r"\[tango\] runs synchronously"):
         load_config(TrainJob, {**base, "tango": {}})
     with pytest.raises(ConfigError, match="max_staleness must be >= 0"):

@@ -71,14 +71,17 @@ def test_recipes_load():
 
 
 @pytest.mark.slow
-def test_train_pipeline_evaluates_periodically_and_per_split(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("max_staleness", [0, 1])
+def test_train_pipeline_evaluates_periodically_and_per_split(tiny_model_dir, tmp_path, max_staleness):
+    """Held-out evaluations during training, also asynchronous ones (on the loop where the rollouts sample, beside
+    them): logged at every step but the last, pooled over the splits from their counts."""
     from agentrl.trainers.pipeline import run as run_job
 
     rollout = {"max_total_tokens": 512, "sampling": {"max_tokens": 8, "temperature": 0.0}}
     job = load_config(TrainJob, {
         "env": "math/arith-v0", "model": str(tiny_model_dir), "out_dir": str(tmp_path), "train_tasks": 8,
         "eval": {"split": ["heldout", "train"], "n": 3, "every": 1, "rollout": rollout},
-        "grpo": {"steps": 2, "tasks_per_step": 2, "minibatch_size": 4,
+        "grpo": {"steps": 2, "tasks_per_step": 2, "minibatch_size": 4, "max_staleness": max_staleness,
                  "rollout": {**rollout, "group_size": 2, "sampling": {"max_tokens": 8}}}})
     lines = []
     summary = run_job(job, log=lines.append)
@@ -95,3 +98,5 @@ def test_train_pipeline_evaluates_periodically_and_per_split(tiny_model_dir, tmp
     results = json.loads((tmp_path / "heldout" / "before_RL" / "results.json").read_text())
     assert results["all"]["success"]["successes"] == summary["before"]["successes"]
     assert any("held-out (train, 3 tasks) at step 1" in line for line in lines)
+    at_step_1 = read_jsonl(tmp_path / "heldout" / "at_step_1" / "trajectories.jsonl")
+    assert len(at_step_1) == 6 and {t.weight_version for t in at_step_1} == {1}  # the weights after step 1

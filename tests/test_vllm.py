@@ -360,7 +360,7 @@ def test_asynchronous_training_with_the_vllm_engine(vllm_server: VLLMServer, tin
     from agentrl.cli.main import app
 
     recipe = _train_recipe(tmp_path, tiny_model_dir, vllm_server.url, steps=3, grpo="max_staleness = 1\n"
-                           "[grpo.correction]\ndecoupled = true\ntis = \"token\"")
+                           "[grpo.correction]\ndecoupled = true\ntis = \"token\"", evaluate="every = 1")
     trained = CliRunner().invoke(app, ["train", str(recipe)])
     asyncio.run(_restore(vllm_server, hf_model))
     assert trained.exit_code == 0, trained.output
@@ -369,6 +369,11 @@ def test_asynchronous_training_with_the_vllm_engine(vllm_server: VLLMServer, tin
     assert all(set(r["staleness"]) <= {"0", "1"} for r in rows) and any("1" in r["staleness"] for r in rows)
     assert rows[0]["sampler_logprob_diff_max"] < 1e-3  # the first batch is the synced weights' own samples
     assert all(0 <= r["idle"]["engine"] <= 1 for r in rows)
+    # held-out evaluations mid-run, on the source's event loop beside its rollouts, each with that step's weights
+    assert ["heldout" in r for r in rows] == [True, True, False]
+    for step in (1, 2):
+        assert {t["weight_version"] for t in _jsonl(tmp_path / "run" / "heldout" / f"at_step_{step}" /
+                                                    "trajectories.jsonl")} == {step}
 
 
 def test_asynchronous_training_over_two_started_engines(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
@@ -397,9 +402,9 @@ def test_asynchronous_training_over_two_started_engines(tiny_model_dir: Path, tm
 
 
 def _train_recipe(tmp_path: Path, model_dir: Path, url: str | None, steps: int, grpo: str = "",
-                  engine: str = "") -> Path:
+                  engine: str = "", evaluate: str = "") -> Path:
     """A GRPO recipe on the math env that attaches to the server at `url` (None: the job starts its own); `grpo`,
-    `engine`: more lines of its [grpo] and [engine]."""
+    `engine`, `evaluate`: more lines of its [grpo], [engine] and [eval]."""
     recipe = tmp_path / "train.toml"
     recipe.write_text(f"""
 env = "math/arith-v0"
@@ -412,6 +417,7 @@ kind = "vllm"
 {engine}
 [eval]
 n = 4
+{evaluate}
 [eval.rollout.sampling]
 max_tokens = 8
 temperature = 0.0
@@ -426,6 +432,10 @@ lr = 1e-3
 {grpo}
 """)
     return recipe
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 async def _restore(server: VLLMServer, model) -> None:

@@ -121,7 +121,7 @@ class GRPO:
 
 def train(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy, make_env: Callable[[], TextEnv],
           tasks: list[Task], out_dir: Path, on_step: Callable[[int, dict], None] | None = None,
-          periodic_eval: Callable[[int], dict] | None = None, engines: Engines | None = None) -> list[dict]:
+          periodic_eval: Callable[[int, Callable], dict] | None = None, engines: Engines | None = None) -> list[dict]:
     """Runs (or resumes, from the latest checkpoint in `out_dir`) GRPO on `model`, which `policy` samples
     from after each sync. Returns the metrics of the steps run now (`loop.run`). With `engines`
     (`agentrl.gateway.agents.AgentEngines`) the episodes are an agent program's, through the gateway."""

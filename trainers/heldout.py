@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Coroutine
 
 from agentrl.env.suites import Suite, SuiteEntry
 from agentrl.eval.run import run_suite
@@ -15,18 +16,21 @@ from agentrl.rollout.engine import EnvEngines
 from agentrl.rollout.jsonl import read_jsonl
 
 
-def heldout(job: Any, policy, renderer, make_env, log, label: str, engines=None) -> tuple[dict[str, Any], list]:
+def heldout(job: Any, policy, renderer, make_env, log, label: str, engines=None,
+            execute: Callable[[Coroutine], Any] = asyncio.run) -> tuple[dict[str, Any], list]:
     """(metrics, trajectories) of the held-out evaluation `label`: each split of the job's env an entry of one suite,
     run by `run_suite` as `agentrl eval` runs suites (the env's episodes in the job's envs, or `engines`' agent
     runs), into OUT/heldout/LABEL (run.json, trajectories.jsonl, results.json). The metrics are pooled over the
-    splits, with the counts behind each rate, and per split under `suites` when there are several."""
+    splits, with the counts behind each rate, and per split under `suites` when there are several. `execute`
+    runs the episodes' coroutine (`run_suite`'s)."""
     splits = [job.eval.split] if isinstance(job.eval.split, str) else job.eval.split
     suite = Suite(f"{job.env} held-out", entries=tuple(SuiteEntry(job.env, split, job.eval.n, job.env_kwargs)
                                                       for split in splits))
     out = Path(os.path.expanduser(job.out_dir)) / "heldout" / label.replace(" ", "_")
     shutil.rmtree(out, ignore_errors=True)  # evaluated once per label: an earlier run's episodes are not resumed
     results = run_suite(suite, policy, renderer, out, job.model, config=replace(job.eval.rollout, group_size=1),
-                        engines=lambda entry: engines or EnvEngines(lambda: make_env(entry.split)))
+                        engines=lambda entry: engines or EnvEngines(lambda: make_env(entry.split)),
+                        execute=execute)
     suites = {entry.split: heldout_metrics(results["entries"][entry.name]) for entry in suite.entries}
     for split, m in suites.items():
         log(f"held-out ({split}, {m['episodes']} tasks) {label}: success {m['success']:.3f}, "

@@ -22,7 +22,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Protocol
+from typing import Any, Callable, ClassVar, Coroutine, Protocol
 
 import torch
 from pydantic import with_config
@@ -253,6 +253,11 @@ class Synchronous:
         """The data position a checkpoint keeps."""
         return {"data_position": self.stream.position}
 
+    @staticmethod
+    def run(coroutine: Coroutine) -> Any:
+        """Runs `coroutine` (a held-out evaluation's episodes) to its end: nothing else samples between steps."""
+        return asyncio.run(coroutine)
+
     def close(self) -> None:
         """Nothing runs between steps."""
 
@@ -307,6 +312,12 @@ class Asynchronous:
     def state(self) -> dict:
         """The data position a checkpoint keeps."""
         return {"data_position": self.position, "done_positions": sorted(self.done)}
+
+    def run(self, coroutine: Coroutine) -> Any:
+        """Runs `coroutine` (a held-out evaluation's episodes) on the source's event loop, beside its rollouts: the
+        engine's connections belong to that loop. No sync comes until it ends (the trainer waits for it), so every
+        episode of it samples from this step's weights."""
+        return self.source.run(coroutine)
 
     def close(self) -> None:
         """Stop the source (episodes in flight are dropped: a resumed run replays them)."""
@@ -414,10 +425,11 @@ def update(model: torch.nn.Module, ref: torch.nn.Module | None, optimizer: torch
 def run(cfg: LoopConfig, method: Method, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokenizer: Any,
         policy: Policy, make_env: Callable[[], TextEnv], tasks: list[Task], out_dir: Path,
         keep: Callable[[Group], bool], refills: int = 0, on_step: Callable[[int, dict], None] | None = None,
-        periodic_eval: Callable[[int], dict] | None = None, engines: Engines | None = None) -> list[dict]:
+        periodic_eval: Callable[[int, Callable], dict] | None = None, engines: Engines | None = None) -> list[dict]:
     """Runs (or resumes, from the latest checkpoint in `out_dir`) `cfg.steps` steps of `method`; returns the metrics
-    of the steps run now. `periodic_eval(step)` runs after each sync; what it returns (held-out metrics, or {}
-    when not due) is logged under `heldout`. Episodes are `make_env`'s, or with `engines` (`AgentEngines`) those
+    of the steps run now. `periodic_eval(step, execute)` runs after each sync, its episodes' coroutine given to `execute`
+    (the event loop the engine samples on); what it returns (held-out metrics, or {} when not due) is logged under
+    `heldout`. Episodes are `make_env`'s, or with `engines` (`AgentEngines`) those
     of agent programs through the gateway (`make_env` is then unused)."""
     stream, start, saved = TaskStream(tasks, cfg.seed), 0, None
     resumed = resume(model, optimizer, out_dir, method.restore)  # weights, optimizer, RNGs, the method's state
@@ -452,7 +464,7 @@ def run(cfg: LoopConfig, method: Method, model: torch.nn.Module, optimizer: torc
                            time={**metrics.get("time", {}), "rollout": t1 - t0, "train": t2 - t1, "sync": t3 - t2},
                            timeline=busy, idle=idle_fractions(busy, t0 - timeline.origin, t3 - timeline.origin))
             if sharding.main:
-                if periodic_eval is not None and (heldout := periodic_eval(step + 1)):
+                if periodic_eval is not None and (heldout := periodic_eval(step + 1, rollouts.run)):
                     metrics["heldout"] = heldout
                 logger.log(step + 1, metrics)
                 history.append(metrics)

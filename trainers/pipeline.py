@@ -181,9 +181,6 @@ class TrainJob:
         section, problems = "ppo" if self.ppo else "grpo", []
         if self.method not in ("grpo", "ppo"):
             problems.append(f"[{self.method}] runs synchronously: remove max_staleness")
-        if self.eval and self.eval.every:
-            problems.append("eval.every: held-out evaluation during training would share the engine with the "
-                            "rollouts running ahead; set eval.every = 0 (the evaluations before and after RL run)")
         if self.engine.sleep_mode:
             problems.append("engine.sleep_mode frees the engine's memory while the trainer steps, but asynchronous "
                             "rollouts sample then: remove sleep_mode")
@@ -288,9 +285,9 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         log(f"{algo}: {cfg.steps} steps × {cfg.tasks_per_step} tasks × {cfg.rollout.group_size}"
             + (f" (tandem: junior writes each {job.tandem.unit} with p={job.tandem.p_junior})" if handoff else ""))
 
-        def periodic_eval(step: int) -> dict[str, Any]:
+        def periodic_eval(step: int, execute: Callable) -> dict[str, Any]:
             due = job.eval and job.eval.every and step % job.eval.every == 0 and step < cfg.steps
-            return heldout(job, policy, renderer, make_env, log, f"at step {step}", engines)[0] if due else {}
+            return heldout(job, policy, renderer, make_env, log, f"at step {step}", engines, execute)[0] if due else {}
 
         loop(cfg, model, tokenizer, handoff.training_policy() if handoff else policy, make_env, tasks, out,
              on_step=lambda step, m: log(progress_line(step, cfg.steps, m)), periodic_eval=periodic_eval,

@@ -209,7 +209,7 @@ class PPO:
 
 def train(cfg: PPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy, make_env: Callable[[], TextEnv],
           tasks: list[Task], out_dir: Path, on_step: Callable[[int, dict], None] | None = None,
-          periodic_eval: Callable[[int], dict] | None = None, engines: Engines | None = None) -> list[dict]:
+          periodic_eval: Callable[[int, Callable], dict] | None = None, engines: Engines | None = None) -> list[dict]:
     """Runs (or resumes, from the latest checkpoint in `out_dir`) PPO on `model`, which `policy` samples
     from after each sync. Same contract as `grpo.train`."""
     torch.manual_seed(cfg.seed)

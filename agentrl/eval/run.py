@@ -17,7 +17,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Coroutine, Sequence
 
 from agentrl.env.api import TextEnv
 from agentrl.eval.metrics import is_success, summarize_run
@@ -46,10 +46,12 @@ class _Episode:
 def run_suite(suite: Suite, policy: Policy, renderer: Renderer, out_dir: str | Path, model: str | Path,
               ks: Sequence[int] = (1,), n_tasks: int | None = None, config: RolloutConfig = RolloutConfig(),
               on_episode: Callable[[Trajectory], None] | None = None,
-              engines: Callable[[SuiteEntry], Engines] | None = None) -> dict[str, Any]:
+              engines: Callable[[SuiteEntry], Engines] | None = None,
+              execute: Callable[[Coroutine], Any] = asyncio.run) -> dict[str, Any]:
     """Evaluates `policy` on every entry of `suite` with max(ks) samples per task; returns results.json. Each
     entry's episodes are played by `engines(entry)` (default: its env in this process; `agentrl train` gives its
-    Ray envs or its agent program)."""
+    Ray envs or its agent program), on the event loop `execute` runs them on (default: a new one; asynchronous training
+    gives the one where its rollouts sample, since a policy's connections belong to one loop)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     n_samples = max(ks)
@@ -90,7 +92,7 @@ def run_suite(suite: Suite, policy: Policy, renderer: Renderer, out_dir: str | P
             if on_episode:
                 on_episode(t)
 
-        asyncio.run(_run_episodes(todo, factories, policy, renderer, config, finished))
+        execute(_run_episodes(todo, factories, policy, renderer, config, finished))
     trajectories = [done[k] for k in sorted(done)]
     results = summarize_run(trajectories, run["k"])
     (out / "results.json").write_text(json.dumps(results, indent=2))

@@ -29,7 +29,7 @@ import itertools
 import threading
 from collections import deque
 from dataclasses import replace
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Coroutine, Sequence
 
 from agentrl.policy.protocol import Policy, Sample, SamplingParams
 from agentrl.renderer import Renderer
@@ -117,6 +117,12 @@ class RolloutSource:
         further ahead. Raises the source's failure if it has stopped."""
         self.buffer.check()
         asyncio.run_coroutine_threadsafe(self._sync(model, version), self._loop).result()
+
+    def run(self, coroutine: Coroutine) -> Any:
+        """Runs `coroutine` on the source's event loop, beside its episodes, and returns its result (blocks until then).
+        Raises the source's failure if it has stopped."""
+        self.buffer.check()
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def close(self) -> None:
         """Stop: episodes in flight are cancelled (their envs closed), and the engine's threads shut down."""
