@@ -115,8 +115,7 @@ class RolloutSource:
     def sync(self, model: Any, version: int) -> None:
         """`model`'s weights into the engine as `version` (blocks until they are in); lets the source run one step
         further ahead. Raises the source's failure if it has stopped."""
-        self.buffer.check()
-        asyncio.run_coroutine_threadsafe(self._sync(model, version), self._loop).result()
+        self.run(self._sync(model, version))
 
     def run(self, coroutine: Coroutine) -> Any:
         """Runs `coroutine` on the source's event loop, beside its episodes, and returns its result (blocks until then).
