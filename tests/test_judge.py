@@ -4,8 +4,10 @@ behind vLLM's OpenAI-compatible server (with and without its structured outputs)
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,8 +157,14 @@ def test_settings_that_cannot_work_fail_at_load():
         RewardConfig(judge=JudgeConfig(backend="constant"))
     with pytest.raises(ValueError, match="needs base_url"):
         JudgeConfig(backend="openai")
-    with pytest.raises(ValueError, match="constrained needs backend 'openai'"):
+    with pytest.raises(ValueError, match="constrained needs a vLLM server"):
         JudgeConfig(backend="transformers", model="m", constrained=True)
+    with pytest.raises(ValueError, match=r"\['gpus'\] set the server that backend 'vllm' starts"):
+        JudgeConfig(backend="openai", base_url="http://127.0.0.1:8000/v1", model="m", gpus="1")
+    with pytest.raises(ValueError, match="on GPU needs gpu_memory_utilization"):
+        JudgeConfig(backend="vllm", model="m", device="gpu", gpus="1")
+    with pytest.raises(ValueError, match="are for device 'gpu'"):
+        JudgeConfig(backend="vllm", model="m", gpu_memory_utilization=0.2)
     with pytest.raises(ValueError, match="does not rank"):
         JudgeConfig(backend="constant", mode="rank")
     with pytest.raises(ValueError, match="reading 'probability' needs backend 'transformers' and mode 'score'"):
@@ -210,7 +218,45 @@ def test_a_judge_behind_vllms_openai_server(vllm_server, tiny_model_dir):
     assert constrained.scores(ts) == scores and constrained.metrics()["judge/cache_hits"] == 3
 
 
-def test_reward_metrics_name_the_judges_counts():
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_a_job_starts_a_vllm_server_for_its_judge_and_stops_it(tiny_model_dir, tmp_path, monkeypatch):
+    """`backend = "vllm"`: the job starts a server from the judge's model folder (here the policy's own starting
+    checkpoint: its frozen weights, while the in-process engine trains), before the first evaluation; every
+    trajectory gets a score through it (constrained); the server is gone when the job ends."""
+    from agentrl.config import load_config
+    from agentrl.trainers import pipeline
+    from agentrl.trainers.judge import _judges, close_judges
+    from agentrl.trainers.pipeline import TrainJob, run as run_job
+
+    rollout = {"max_total_tokens": 512, "group_size": 2, "sampling": {"max_tokens": 8}}
+    judge = {"backend": "vllm", "model": str(tiny_model_dir), "constrained": True, "max_tokens": 8,
+             "max_model_len": 2048}
+    job = load_config(TrainJob, {
+        "env": "math/arith-v0", "model": str(tiny_model_dir), "out_dir": str(tmp_path), "train_tasks": 4,
+        "grpo": {"steps": 1, "tasks_per_step": 2, "minibatch_size": 4, "rollout": rollout,
+                 "reward": {"terms": {"judge": 1.0}, "judge": judge}}})
+    at_the_end = []
+    monkeypatch.setattr(pipeline, "close_judges", lambda: (at_the_end.extend(judge_servers()), close_judges()))
+    assert not judge_servers()
+    run_job(job, log=lambda line: None)
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["judge/judged"] == 4 and row["judge/missing"] == 0 and 0.0 <= row["judge/score"] <= 1.0
+    assert len(at_the_end) == 1  # the judge's server, running until the job's end
+    assert not _judges and not judge_servers()  # then stopped
+
+
+def judge_servers() -> list[str]:
+    """The pids of running vLLM servers that serve a model named "judge"."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if b"\0--served-model-name\0judge\0" in cmdline.read_bytes():
+                found.append(cmdline.parent.name)
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
     cfg = RewardConfig(terms={"judge": 1.0}, judge=JudgeConfig(backend="constant", constant_score=0.5))
     group = Group(Task("t"), (trajectory("a", 0), trajectory("b", 1), trajectory("c", 2, status=Status.ERROR)))
     assert group_rewards(group, cfg) == [0.5, 0.5]  # the error is not judged

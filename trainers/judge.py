@@ -19,7 +19,9 @@ own reward where there is one (`judge/env_reward_corr`: how far the judge agrees
 in the metrics.
 
 Backends: `openai` (any OpenAI-compatible endpoint, e.g. a second vLLM server: `base_url`, `model`; `constrained`
-has a vLLM server force the reply's format with its structured outputs), `transformers` (an in-process model folder,
+has a vLLM server force the reply's format with its structured outputs), `vllm` (a vLLM server the job starts for
+the judge, from `model`, e.g. the policy's own starting checkpoint: its frozen weights, while the policy's engine
+holds the trained ones; stopped with the job), `transformers` (an in-process model folder,
 e.g. the policy's own starting checkpoint, batched; `reading = "probability"` reads the score off the probabilities
 of "0" and "1" after "Score: ", for judges too small to keep to the format) and `constant`. Replies are cached by
 the hash of the judge's settings and prompt, so a trajectory asked about twice (the GRPO keep rule, then the update)
@@ -57,8 +59,10 @@ TAGS = re.compile(r"<(/?)(question|tools|answer|answers)\b", re.I)
 @with_config(STRICT)
 @dataclass(frozen=True)
 class JudgeConfig:
-    backend: str = "openai"  # "openai" (an OpenAI-compatible endpoint), "transformers" (in process), "constant"
-    model: str = ""  # the served model's name (openai) or a model folder (transformers)
+    # "openai" (an OpenAI-compatible endpoint), "vllm" (a server started for the judge), "transformers" (in
+    # process), "constant"
+    backend: str = "openai"
+    model: str = ""  # the served model's name (openai), or a model folder or hub name (vllm, transformers)
     base_url: str = ""  # e.g. "http://127.0.0.1:8000/v1" (openai)
     api_key: str = "EMPTY"
     rubric: str = RUBRIC
@@ -77,23 +81,42 @@ class JudgeConfig:
     timeout: float = 60.0  # seconds per request
     concurrency: int = 8  # requests in flight (openai); the batch size (transformers)
     constant_score: float = 1.0  # the `constant` control's score
+    # vllm: the started server's device, context, and on GPU its CUDA_VISIBLE_DEVICES and memory share (required
+    # there: the judge's server shares GPUs with the policy's engine or the trainer, and vLLM's 0.9 leaves them none)
+    device: str = "cpu"
+    max_model_len: int = 4096
+    gpus: str | None = None
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
         problems = []
-        if self.backend not in ("openai", "transformers", "constant"):
-            problems.append(f"backend must be 'openai', 'transformers' or 'constant', got {self.backend!r}")
+        if self.backend not in ("openai", "vllm", "transformers", "constant"):
+            problems.append(f"backend must be 'openai', 'vllm', 'transformers' or 'constant', got {self.backend!r}")
         if self.backend == "openai" and not (self.base_url and self.model):
             problems.append("backend 'openai' needs base_url (e.g. http://127.0.0.1:8000/v1) and model")
-        if self.backend == "transformers" and not self.model:
-            problems.append("backend 'transformers' needs model, a model folder")
+        if self.backend in ("vllm", "transformers") and not self.model:
+            problems.append(f"backend {self.backend!r} needs model, a model folder (e.g. the policy's starting one)")
+        started = {"device": self.device != "cpu", "max_model_len": self.max_model_len != 4096, "gpus": self.gpus,
+                   "gpu_memory_utilization": self.gpu_memory_utilization}
+        if self.backend != "vllm" and any(v for v in started.values()):
+            problems.append(f"{[k for k, v in started.items() if v]} set the server that backend 'vllm' starts: "
+                            f"remove them, or use backend 'vllm'")
+        if self.backend == "vllm" and self.device not in ("cpu", "gpu"):
+            problems.append(f"device must be 'cpu' or 'gpu', got {self.device!r}")
+        if self.backend == "vllm" and self.device == "gpu" and self.gpu_memory_utilization is None:
+            problems.append("backend 'vllm' on GPU needs gpu_memory_utilization, the judge's share of each GPU's "
+                            "memory (e.g. 0.2 for a 0.5 B judge beside the policy's engine), and gpus")
+        if self.backend == "vllm" and self.device == "cpu" and (self.gpus or self.gpu_memory_utilization):
+            problems.append("gpus and gpu_memory_utilization are for device 'gpu'")
         if self.mode not in ("score", "rank"):
             problems.append(f"mode must be 'score' or 'rank', got {self.mode!r}")
         if self.reading not in ("reply", "probability"):
             problems.append(f"reading must be 'reply' or 'probability', got {self.reading!r}")
         if self.reading == "probability" and (self.backend != "transformers" or self.mode != "score"):
             problems.append("reading 'probability' needs backend 'transformers' and mode 'score'")
-        if self.constrained and self.backend != "openai":
-            problems.append("constrained needs backend 'openai' on a vLLM server (its structured outputs)")
+        if self.constrained and self.backend not in ("openai", "vllm"):
+            problems.append("constrained needs a vLLM server (its structured outputs): backend 'vllm', or 'openai' on "
+                            "one")
         if self.backend == "constant" and self.mode == "rank":
             problems.append("the constant control scores; it does not rank (mode = 'score')")
         if self.retries < 0 or self.concurrency < 1 or self.timeout <= 0 or self.max_tokens < 1:
@@ -177,7 +200,7 @@ class Judge:
     def __init__(self, cfg: JudgeConfig):
         self.cfg = cfg
         self._loop = BackgroundLoop("agentrl-judge")
-        self._ask = {"openai": _OpenAIBackend, "transformers": _TransformersBackend,
+        self._ask = {"openai": _OpenAIBackend, "vllm": _StartedVLLMBackend, "transformers": _TransformersBackend,
                      "constant": _ConstantBackend}[cfg.backend](cfg)
         if isinstance(self._ask, _OpenAIBackend):  # an endpoint that cannot judge fails now, not mid-run
             self._loop.run(self._ask.check(), cfg.timeout + 5)
@@ -226,6 +249,11 @@ class Judge:
                              for v, t in zip(verdict, ts) if v is not None]
         return verdict
 
+    def close(self) -> None:
+        """Stops the server started for the judge (backend `vllm`); a no-op for the others."""
+        if isinstance(self._ask, _StartedVLLMBackend):
+            self._ask.server.stop()
+
     def metrics(self) -> dict[str, float]:
         """`judge/*`: requests, cache hits, retries, missing and judged counts since the last call; the mean score;
         the mean answer length and its correlation with the score (a judge that rewards length shows there); the
@@ -254,11 +282,11 @@ def _one(score: float | None) -> list[float] | None:
 class _OpenAIBackend:
     """Chat Completions through the official `openai` SDK, at most `concurrency` requests at a time."""
 
-    def __init__(self, cfg: JudgeConfig):
+    def __init__(self, cfg: JudgeConfig, base_url: str = "", model: str = ""):
         from openai import AsyncOpenAI
 
-        self.cfg = cfg
-        self.client = AsyncOpenAI(base_url=cfg.base_url, api_key=cfg.api_key, timeout=cfg.timeout, max_retries=0)
+        self.cfg, self.base_url, self.model = cfg, base_url or cfg.base_url, model or cfg.model
+        self.client = AsyncOpenAI(base_url=self.base_url, api_key=cfg.api_key, timeout=cfg.timeout, max_retries=0)
         self.slots: asyncio.Semaphore | None = None
         form = (r"Score: (0(\.[0-9]{1,3})?|1(\.0)?)" if cfg.mode == "score"
                 else r"Ranking: [0-9]{1,3}(, [0-9]{1,3}){0,63}")
@@ -269,18 +297,33 @@ class _OpenAIBackend:
         try:
             served = [m.id async for m in self.client.models.list()]
         except Exception as e:
-            raise ValueError(f"[judge] the endpoint {self.cfg.base_url} does not answer ({type(e).__name__}: {e}); "
+            raise ValueError(f"[judge] the endpoint {self.base_url} does not answer ({type(e).__name__}: {e}); "
                              f"start the judge's server first, or fix base_url") from None
-        if self.cfg.model not in served:
-            raise ValueError(f"[judge] {self.cfg.base_url} serves {served}, not model {self.cfg.model!r}")
+        if self.model not in served:
+            raise ValueError(f"[judge] {self.base_url} serves {served}, not model {self.model!r}")
 
     async def __call__(self, messages: list[dict[str, str]], temperature: float) -> str:
         self.slots = self.slots or asyncio.Semaphore(self.cfg.concurrency)  # made on the judge's loop
         async with self.slots:
-            reply = await self.client.chat.completions.create(model=self.cfg.model, messages=messages,
+            reply = await self.client.chat.completions.create(model=self.model, messages=messages,
                                                               max_tokens=self.cfg.max_tokens, temperature=temperature,
                                                               extra_body=self.extra)
         return reply.choices[0].message.content or ""
+
+
+class _StartedVLLMBackend(_OpenAIBackend):
+    """`_OpenAIBackend` on a vLLM server started here from `model` (with its progress shown), stopped by `close()`
+    or, at the latest, with this process (`agentrl.policy.vllm_server`)."""
+
+    def __init__(self, cfg: JudgeConfig):
+        from agentrl.policy.vllm_server import ServerConfig, VLLMServer
+
+        server = VLLMServer(ServerConfig(model=os.path.expanduser(cfg.model), device=cfg.device,
+                                         max_model_len=cfg.max_model_len, gpus=cfg.gpus,
+                                         gpu_memory_utilization=cfg.gpu_memory_utilization,
+                                         served_model_name="judge")).start(progress=True)
+        super().__init__(cfg, base_url=f"{server.url}/v1", model="judge")
+        self.server = server
 
 
 class _TransformersBackend:
@@ -373,3 +416,12 @@ def judge_for(cfg: JudgeConfig) -> Judge:
         if cfg not in _judges:
             _judges[cfg] = Judge(cfg)
         return _judges[cfg]
+
+
+def close_judges() -> None:
+    """Closes the process's judges, as a job ends: servers started for them stop, their models and caches go."""
+    with _judges_lock:
+        judges = list(_judges.values())
+        _judges.clear()
+    for judge in judges:
+        judge.close()

@@ -50,7 +50,7 @@ from agentrl.trainers.lora import LoraSettings, add_lora
 from agentrl.trainers.ppo import PPOConfig, train as train_ppo
 from agentrl.trainers.pretrain import CopyWarmup, alphabet, copy_in_context, copy_warmup, vocabulary
 from agentrl.trainers.progress import mean_of_last, progress_line, stage_progress, tango_line
-from agentrl.trainers.judge import judge_for
+from agentrl.trainers.judge import close_judges, judge_for
 from agentrl.trainers.rewards import RewardConfig
 from agentrl.trainers.sft import SFTConfig, sft
 from agentrl.trainers.tandem import TandemConfig, TandemPolicy, junior_cross_entropy
@@ -304,6 +304,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         if any("timeline" in row for row in rows):  # runs from before the timeline have none
             (out / "timeline.png").write_bytes(plot_timeline(rows))
     asyncio.run(policy.close())
+    close_judges()
     if handoff:
         asyncio.run(handoff.junior.close())
     return summary
