@@ -11,14 +11,19 @@ steps). Two envs:
    Goal: asynchronous (max_staleness 1) >= 1.5x synchronous.
 2. `math/arith-v0` (8 tasks x 8 episodes per step): compute-bound. On 2 cores the engine and the trainer compete for
    the same cores, so overlapping them gains little; its ratios are reported, with no goal.
-3. An extra, labelled row, `math+latency`: the same math env with 1 s of injected latency in each reset and step (a
+3. `swe/generated-v0` (4 tasks x 4 episodes per step, 4 at once, 3 turns): each episode leases a Docker sandbox
+   and uploads its repository (0.05-0.45 s), and when its turns run out it is graded as SWE-bench grades it: the
+   hidden tests run in a fresh sandbox (1.0-1.3 s measured). The random model's turns are invalid tool calls,
+   answered with corrective observations (`max_invalid = 4`, so that the episode reaches its grading). Needs
+   Docker and the generated instances (`make setup-swe`).
+4. An extra, labelled row, `math+latency`: the same math env with 1 s of injected latency in each reset and step (a
    remote tool or a sandbox start that only waits), and turns ended by half the vocabulary (as stop tokens), so that
    the random model's episodes take their 4 turns: 5 s of waiting per episode.
 
 The model is the tiny one (5 M parameters, random weights: it writes no valid tool call, so every episode runs to
 its turn limit, and rewards are 0: the update still runs its forward and backward passes over every trained token).
 
-    python bench/async_pipeline.py [--quick] [--envs web,math,math+latency]
+    python bench/async_pipeline.py [--quick] [--envs web,swe,math,math+latency]
 
 `--quick` (51 s): `math+latency` only, synchronous against max_staleness 1, 2 steps; that checks the bench runs,
 but 2 steps mostly measure the asynchronous run's filling up (0.95x in one run), not its speed. The full run: every
@@ -50,6 +55,7 @@ from agentrl.trainers.grpo import GRPOConfig, train
 MODEL_DIR = Path("~/.cache/agentrl/models/tiny").expanduser()
 ENVS = {  # env id, its kwargs, (tasks per step, group size, concurrency = env threads, max tokens per turn)
     "web": ("web/miniwob-v0", {"max_turns": 3, "max_sessions": 4}, (4, 4, 4, 48)),
+    "swe": ("swe/generated-v0", {"max_turns": 3, "max_invalid": 4, "pool_size": 4}, (4, 4, 4, 48)),
     "math": ("math/arith-v0", {"max_turns": 4, "kinds": ["expression"], "max_ops": 2, "parser": "react"},
              (8, 8, 32, 64)),
 }
@@ -99,7 +105,7 @@ def run_row(model_dir: Path, env_name: str, max_staleness: int, steps: int, out:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="math+latency, staleness 0 and 1, 2 steps")
-    parser.add_argument("--envs", default="web,math,math+latency", help="which rows to run (comma-separated)")
+    parser.add_argument("--envs", default="web,swe,math,math+latency", help="which rows to run (comma-separated)")
     a = parser.parse_args()
     model_dir = build_tiny_model(MODEL_DIR, quiet=True)
     envs = ["math+latency"] if a.quick else a.envs.split(",")
