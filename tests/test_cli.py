@@ -53,7 +53,7 @@ def test_compare_training_runs(tmp_path, monkeypatch):
 
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "summary.json").write_text(json.dumps(
-        {"method": "grpo", "rl_seconds": 306.0, "before": held_out(121), "after": held_out(155)}))
+        {"method": "grpo (judge 1 [transformers])", "rl_seconds": 306.0, "before": held_out(121), "after": held_out(155)}))
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / "summary.json").write_text(json.dumps(
         {"method": "tandem", "before": held_out(121), "after": {**held_out(145), "handoff": {"p=0.5": 0.665}}}))
@@ -62,6 +62,7 @@ def test_compare_training_runs(tmp_path, monkeypatch):
     lines = result.output.splitlines()
     row = next(line for line in lines if "grpo" in line)
     # 121/200 -> Wilson [0.54, 0.67]; 155/200 -> [0.71, 0.83]; difference +0.170, Newcombe [+0.08, +0.26]
+    assert "[transformers])" in result.output  # a method's brackets are text, not rich markup
     for text in ("0.605 [0.54, 0.67]", "0.775 [0.71, 0.83]", "+0.170 [+0.08, +0.26]", "5.1"):
         assert text in row, (text, row)
     assert "p=0.5 0.665" in next(line for line in lines if "tandem" in line)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from agentrl.cli.common import CHAT_TEMPLATE_HELP, console, given, make_or_exit, missing_directory, progress_bar
@@ -159,7 +160,7 @@ def compare(run_dirs: list[Path] = typer.Argument(..., help="Training runs (`age
         handoff = ", ".join(f"{k} {v:.3f}" for k, v in (after or {}).get("handoff", {}).items())
         metrics = run_dir / "metrics.jsonl"
         law = entropy_law_panel(read_records(metrics), summary) if metrics.exists() else None
-        table.add_row(str(run_dir), summary.get("method", "-"), rate(before) if before else "-",
+        table.add_row(escape(str(run_dir)), escape(summary.get("method", "-")), rate(before) if before else "-",
                       rate(after) if after else "-", change, paired,
                       f"{summary['rl_seconds'] / 60:.1f}" if "rl_seconds" in summary else "-", handoff,
                       f"{law['law'].ceiling:.3f} [{law['law'].low:.2f}, {law['law'].high:.2f}]" if law else "-")
