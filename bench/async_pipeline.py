@@ -27,7 +27,8 @@ its turn limit, and rewards are 0: the update still runs its forward and backwar
 
 `--quick` (51 s): `math+latency` only, synchronous against max_staleness 1, 2 steps; that checks the bench runs,
 but 2 steps mostly measure the asynchronous run's filling up (0.95x in one run), not its speed. The full run: every
-env at max_staleness 0, 1 and 2, 6 steps each (13 minutes on 2 cores with AVX-512). The web
+env at max_staleness 0, 1 and 2, 6 steps each, after one untimed step of each env (sandbox pools, browsers and
+caches warm up there, not in the first row; about 16 minutes on 2 cores with AVX-512). The web
 rows need Chromium and Playwright (`make setup-browser`). The last line is one JSON object.
 """
 
@@ -112,6 +113,8 @@ def main() -> None:
     plan = [(e, k) for e in envs for k in ((0, 1) if a.quick else (0, 1, 2))]
     steps, results = (2 if a.quick else 6), {}
     with tempfile.TemporaryDirectory(prefix="agentrl-async-bench-") as tmp:
+        for env_name in [] if a.quick else envs:  # a step of each env first, not timed: sandbox pools, browsers
+            run_row(model_dir, env_name, 0, 1, Path(tmp) / f"{env_name}-warmup")  # and caches warm up outside a row
         for env_name, k in plan:
             row = run_row(model_dir, env_name, k, steps, Path(tmp) / f"{env_name}-{k}")
             results[(env_name, k)] = row
