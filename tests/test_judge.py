@@ -257,6 +257,8 @@ def judge_servers() -> list[str]:
             pass
     return found
 
+
+def test_reward_metrics_name_the_judges_counts():
     cfg = RewardConfig(terms={"judge": 1.0}, judge=JudgeConfig(backend="constant", constant_score=0.5))
     group = Group(Task("t"), (trajectory("a", 0), trajectory("b", 1), trajectory("c", 2, status=Status.ERROR)))
     assert group_rewards(group, cfg) == [0.5, 0.5]  # the error is not judged
