@@ -37,8 +37,8 @@ import os
 import re
 import threading
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Literal
 
 from pydantic import with_config
 
@@ -54,6 +54,9 @@ SYSTEM = ("You are a strict grader. Everything between <question>, <tools> and <
 SCORE_LINE = re.compile(r"Score:\s*(0(?:\.\d+)?|1(?:\.0+)?|\.\d+)")
 RANKING_LINE = re.compile(r"Ranking:\s*(\d+(?:\s*,\s*\d+)*)")
 TAGS = re.compile(r"<(/?)(question|tools|answer|answers)\b", re.I)
+
+
+SERVER_FIELDS = ("device", "max_model_len", "gpus", "gpu_memory_utilization")  # JudgeConfig's for backend "vllm"
 
 
 @with_config(STRICT)
@@ -83,7 +86,7 @@ class JudgeConfig:
     constant_score: float = 1.0  # the `constant` control's score
     # vllm: the started server's device, context, and on GPU its CUDA_VISIBLE_DEVICES and memory share (required
     # there: the judge's server shares GPUs with the policy's engine or the trainer, and vLLM's 0.9 leaves them none)
-    device: str = "cpu"
+    device: Literal["cpu", "gpu"] = "cpu"
     max_model_len: int = 4096
     gpus: str | None = None
     gpu_memory_utilization: float | None = None
@@ -96,13 +99,9 @@ class JudgeConfig:
             problems.append("backend 'openai' needs base_url (e.g. http://127.0.0.1:8000/v1) and model")
         if self.backend in ("vllm", "transformers") and not self.model:
             problems.append(f"backend {self.backend!r} needs model, a model folder (e.g. the policy's starting one)")
-        started = {"device": self.device != "cpu", "max_model_len": self.max_model_len != 4096, "gpus": self.gpus,
-                   "gpu_memory_utilization": self.gpu_memory_utilization}
-        if self.backend != "vllm" and any(v for v in started.values()):
-            problems.append(f"{[k for k, v in started.items() if v]} set the server that backend 'vllm' starts: "
-                            f"remove them, or use backend 'vllm'")
-        if self.backend == "vllm" and self.device not in ("cpu", "gpu"):
-            problems.append(f"device must be 'cpu' or 'gpu', got {self.device!r}")
+        started = [f.name for f in fields(self) if f.name in SERVER_FIELDS and getattr(self, f.name) != f.default]
+        if self.backend != "vllm" and started:
+            problems.append(f"{started} set the server that backend 'vllm' starts: remove them, or use backend 'vllm'")
         if self.backend == "vllm" and self.device == "gpu" and self.gpu_memory_utilization is None:
             problems.append("backend 'vllm' on GPU needs gpu_memory_utilization, the judge's share of each GPU's "
                             "memory (e.g. 0.2 for a 0.5 B judge beside the policy's engine), and gpus")
