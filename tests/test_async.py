@@ -69,7 +69,7 @@ def test_take_gives_the_oldest_groups_and_drops_those_beyond_the_staleness_bound
     assert positions(taken.kept) == [2, 3]  # version 2 before 3; version 1 is 2 behind version 3: dropped
     assert positions(taken.stale) == [1]
     assert sorted(taken.done) == [1, 2, 3, 4] and positions(taken.collected) == [2, 3, 4, 1]
-    assert buffer.ready() == 1 and buffer.taken == 2
+    assert buffer.ready() == 1 and buffer.taken == 2 and buffer.discarded == [2]  # one refused, one stale
     # a group is as old as its oldest token: one trajectory started under version 1 makes it stale at 3
     buffer.put(group(5, (1, 3)))
     taken = buffer.take(1, version=3)

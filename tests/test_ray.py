@@ -4,16 +4,22 @@ of a worker that dies are played again elsewhere, none lost or counted twice."""
 from __future__ import annotations
 
 import asyncio
+import sys
+import time
 
 import pytest
 import ray
 from transformers import AutoTokenizer
 
 import agentrl
-from agentrl.rollout.ray_pool import RayConfig, RayEnvPool, WorkerLost, init_ray
-from agentrl.renderer import Renderer
-from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.policy.protocol import Sample
 from agentrl.policy.scripted import ScriptedPolicy, playing
+from agentrl.renderer import Renderer
+from agentrl.rollout.buffer import GroupBuffer, RolloutSourceError, group_position, group_version
+from agentrl.rollout.engine import EnvEngines, RolloutConfig, RolloutEngine
+from agentrl.rollout.ray_pool import RayConfig, RayEnvPool, WorkerLost, init_ray
+from agentrl.rollout.ray_source import RaySources
+from agentrl.rollout.timeline import Timeline
 from agentrl.types import Status
 
 ENV, KWARGS = "math/arith-v0", {"n_tasks": 12}
@@ -162,3 +168,99 @@ max_tokens = 8
     assert [r["groups_trained"] for r in rows] == [2, 2, 2]
     assert all(set(r["staleness"]) <= {"0", "1"} for r in rows)
     assert all(r["error_frac"] == 0 for r in rows), [r["status"] for r in rows]
+
+
+class Answers:
+    """A policy that answers every turn with the same ids, for rollout sources in other processes: `sampling_copy`
+    gives an actor its own, `sync_weights` only takes the version."""
+
+    def __init__(self, ids: tuple[int, ...]):
+        self.ids, self.weight_version = ids, 0
+
+    async def generate(self, prompt_ids, sampling):
+        return [Sample(self.ids, (-1.0,) * len(self.ids), "stop")] * sampling.n
+
+    async def sync_weights(self, model, version):
+        self.weight_version = version
+
+    def sampling_copy(self):
+        copy = Answers(self.ids)
+        copy.weight_version = self.weight_version
+        return copy
+
+    async def close(self):
+        pass
+
+
+def sources_over(renderer, keep, tasks_at=None, count=2, tasks_per_step=4):
+    """`count` rollout sources in Ray actors (the envs made in them) filling a trainer-side buffer."""
+    init_ray()
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors unpickle this module's policy
+    tokenizer = renderer.tokenizer
+    ids = tuple(tokenizer.encode("5", add_special_tokens=False)) + (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
+    tasks = list(agentrl.make(ENV, **KWARGS).tasks)
+    buffer = GroupBuffer(keep, max_staleness=1, shares=count)
+    sources = RaySources(count, EnvEngines(lambda: agentrl.make(ENV, **KWARGS)), Answers(ids), renderer,
+                         RolloutConfig(group_size=2, max_turns=1), tasks_at or (lambda p: tasks[p % len(tasks)]),
+                         buffer, tasks_per_step=tasks_per_step, seed=0, timeline=Timeline())
+    return sources, buffer
+
+
+def test_rollout_sources_in_ray_actors_keep_the_staleness_bound_and_the_versions(renderer):
+    """Two sources in actors, each playing every other task position; the trainer's buffer refuses the groups of
+    positions 1, 5, 9, ... (all source 1's). With no sync, the sources stop once each has its share of two steps
+    kept in the buffer (the refused ones counted back to source 1 and played again by others); a sync lets them
+    run one step further, the groups started after it carry the new version, and their busy intervals reach the
+    trainer's timeline."""
+    refused = lambda p: p % 4 == 1  # noqa: E731
+    sources, buffer = sources_over(renderer, lambda g: not refused(group_position(g)))
+    sources.start()
+    try:
+        deadline = time.monotonic() + 60
+        while buffer.ready() < 8 or sources.in_flight:
+            assert time.monotonic() < deadline, (buffer.ready(), sources.in_flight)
+            time.sleep(0.05)
+        time.sleep(1.0)
+        assert buffer.ready() == 8 and sources.in_flight == 0  # (0 syncs + staleness 1 + 1) steps of 4 tasks
+        first = buffer.take(4, version=0)
+        assert any(refused(p) for p in first.done) and buffer.discarded[1] >= 1 and buffer.discarded[0] == 0
+        sources.sync(None, 1)
+        second = buffer.take(4, version=1)
+        sources.sync(None, 2)
+        third = buffer.take(4, version=2)
+        busy = sources.timeline.cut()
+    finally:
+        sources.close()
+    kept = [group_position(g) for taken in (first, second, third) for g in taken.kept]
+    assert len(kept) == len(set(kept)) == 12 and not any(refused(p) for p in kept)
+    assert sorted(p % 2 for p in kept[:8]) == [0] * 4 + [1] * 4  # before the first sync: each source its share
+    assert {group_version(g) for g in first.kept + second.kept} == {0}  # played before the first sync
+    third_versions = {t.weight_version for g in third.kept for t in g.trajectories}
+    assert 1 in third_versions and third_versions <= {1, 2} and not third.stale  # stamped by the resumed sources
+    assert busy["engine"] and busy["env"] and all(0 <= a <= b <= sources.timeline.now() for a, b in busy["env"])
+    assert not any(pump.is_alive() for pump in sources._pumps)
+
+
+def test_a_rollout_source_that_fails_or_dies_fails_the_trainers_take(renderer):
+    def task_at(position):
+        if position == 3:
+            raise LookupError("no task at position 3")
+        return agentrl.make(ENV, **KWARGS).tasks[position]
+
+    sources, buffer = sources_over(renderer, lambda g: True, task_at)
+    sources.start()
+    try:
+        with pytest.raises(RolloutSourceError, match="no task at position 3"):
+            buffer.take(8, version=0)
+    finally:
+        sources.close()
+
+    sources, buffer = sources_over(renderer, lambda g: True)
+    sources.start()
+    try:
+        buffer.take(2, version=0)
+        ray.kill(sources.actors[1])
+        with pytest.raises(RolloutSourceError, match="rollout source 1's actor died"):
+            buffer.take(8, version=0)
+    finally:
+        sources.close()

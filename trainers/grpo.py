@@ -121,7 +121,8 @@ class GRPO:
 
 def train(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy, make_env: Callable[[], TextEnv],
           tasks: list[Task], out_dir: Path, on_step: Callable[[int, dict], None] | None = None,
-          periodic_eval: Callable[[int, Callable], dict] | None = None, engines: Engines | None = None) -> list[dict]:
+          periodic_eval: Callable[[int, Callable], dict] | None = None, engines: Engines | None = None,
+          sources: int = 0) -> list[dict]:
     """Runs (or resumes, from the latest checkpoint in `out_dir`) GRPO on `model`, which `policy` samples
     from after each sync. Returns the metrics of the steps run now (`loop.run`). With `engines`
     (`agentrl.gateway.agents.AgentEngines`) the episodes are an agent program's, through the gateway."""
@@ -129,4 +130,4 @@ def train(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Polic
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     grpo = GRPO(cfg, model, optimizer)
     return loop.run(cfg, grpo, model, optimizer, tokenizer, policy, make_env, tasks, out_dir, grpo.keep,
-                    cfg.max_refills if cfg.dynamic_sampling else 0, on_step, periodic_eval, engines)
+                    cfg.max_refills if cfg.dynamic_sampling else 0, on_step, periodic_eval, engines, sources=sources)

@@ -21,6 +21,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Coroutine, Protocol
 
@@ -36,6 +37,7 @@ from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
 from agentrl.rollout.buffer import GroupBuffer, group_position, group_version
 from agentrl.rollout.engine import Engines, EnvEngines, RolloutConfig
+from agentrl.rollout.ray_source import RaySources
 from agentrl.rollout.source import RolloutSource
 from agentrl.rollout.timeline import Timeline, idle_fractions
 from agentrl.trainers.batch import Batch, token_micro_batches
@@ -263,14 +265,14 @@ class Synchronous:
 
 
 class Asynchronous:
-    """`max_staleness = k > 0`: a `RolloutSource` plays episodes up to k steps ahead of the trainer, in another thread,
-    with its own copy of the weights (the in-process sampler must not share the trainer's model); each step takes the
+    """`max_staleness = k > 0`: a `RolloutSource` plays episodes up to k steps ahead of the trainer, in another thread
+    (or `sources` of them in Ray actors, `RaySources`), with its own copy of the weights (the in-process sampler must not share the trainer's model); each step takes the
     oldest kept groups within k versions. The data position is the first task position not done (trained, refused or
     dropped as stale) and those done above it: a resumed run replays the rest."""
 
     def __init__(self, model: torch.nn.Module, policy: Policy, engines: Engines, renderer: Renderer,
                  stream: TaskStream, cfg: LoopConfig, keep: Callable[[Group], bool], refills: int, timeline: Timeline,
-                 state: dict | None):
+                 state: dict | None, sources: int = 0):
         if data_parallel()[1] > 1:
             raise ValueError(f"{cfg.section}.max_staleness > 0 runs in one process: set it to 0 under torchrun")
         if getattr(policy, "model", None) is model:
@@ -278,10 +280,11 @@ class Asynchronous:
                              "samples while the trainer steps): give HFPolicy a copy, as `agentrl train` does")
         self.model, self.policy, self.cfg, state = model, policy, cfg, state or {}
         self.position, self.done = state.get("data_position", 0), set(state.get("done_positions", ()))
-        self.buffer = GroupBuffer(keep, cfg.max_staleness)
-        self.source = RolloutSource(engines, policy, renderer, cfg.rollout, stream.at, self.buffer,
-                                    tasks_per_step=cfg.tasks_per_step, seed=cfg.seed, start=self.position,
-                                    skip=self.done, timeline=timeline, restart=not cfg.partial_rollouts)
+        self.buffer = GroupBuffer(keep, cfg.max_staleness, shares=max(sources, 1))
+        source = partial(RaySources, sources) if sources else RolloutSource  # Ray actors, or a thread of this process
+        self.source = source(engines, policy, renderer, cfg.rollout, stream.at, self.buffer,
+                             tasks_per_step=cfg.tasks_per_step, seed=cfg.seed, start=self.position, skip=self.done,
+                             timeline=timeline, restart=not cfg.partial_rollouts)
         self.give_up_after = cfg.tasks_per_step * (1 + refills)
 
     def start(self, version: int) -> None:
@@ -425,12 +428,14 @@ def update(model: torch.nn.Module, ref: torch.nn.Module | None, optimizer: torch
 def run(cfg: LoopConfig, method: Method, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokenizer: Any,
         policy: Policy, make_env: Callable[[], TextEnv], tasks: list[Task], out_dir: Path,
         keep: Callable[[Group], bool], refills: int = 0, on_step: Callable[[int, dict], None] | None = None,
-        periodic_eval: Callable[[int, Callable], dict] | None = None, engines: Engines | None = None) -> list[dict]:
+        periodic_eval: Callable[[int, Callable], dict] | None = None, engines: Engines | None = None,
+        sources: int = 0) -> list[dict]:
     """Runs (or resumes, from the latest checkpoint in `out_dir`) `cfg.steps` steps of `method`; returns the metrics
     of the steps run now. `periodic_eval(step, execute)` runs after each sync, its episodes' coroutine given to `execute`
     (the event loop the engine samples on); what it returns (held-out metrics, or {} when not due) is logged under
     `heldout`. Episodes are `make_env`'s, or with `engines` (`AgentEngines`) those
-    of agent programs through the gateway (`make_env` is then unused)."""
+    of agent programs through the gateway (`make_env` is then unused). `sources`: asynchronous training's rollout
+    sources in that many Ray actors (`[ray] sources`) instead of a thread of this process."""
     stream, start, saved = TaskStream(tasks, cfg.seed), 0, None
     resumed = resume(model, optimizer, out_dir, method.restore)  # weights, optimizer, RNGs, the method's state
     if resumed is not None:
@@ -440,7 +445,7 @@ def run(cfg: LoopConfig, method: Method, model: torch.nn.Module, optimizer: torc
     engines = engines or EnvEngines(make_env)
     max_reward = engines.max_reward
     if cfg.max_staleness:
-        rollouts = Asynchronous(model, policy, engines, renderer, stream, cfg, keep, refills, timeline, saved)
+        rollouts = Asynchronous(model, policy, engines, renderer, stream, cfg, keep, refills, timeline, saved, sources)
     else:
         rollouts = Synchronous(sharding, engines, renderer, stream, cfg, keep, refills, timeline)
     rollouts.start(start)

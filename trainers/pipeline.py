@@ -35,6 +35,7 @@ from agentrl.policy.hf import HFPolicy
 from agentrl.policy.precision import mixed_precision
 from agentrl.policy.protocol import Policy, SamplingParams
 from agentrl.rollout.ray_pool import RayConfig, env_factory
+from agentrl.rollout.ray_source import source_problems
 from agentrl.env.registry import make
 from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
@@ -149,7 +150,7 @@ class TrainJob:
             raise ValueError(f"[agent] programs train with GRPO or PPO, their sessions in this process: remove "
                              f"{'[ray]' if self.ray is not None else f'[{self.method}]'}")
         engine = self.engine
-        if self.rl.max_staleness:
+        if self.rl.max_staleness or (self.ray and self.ray.sources):
             self._check_asynchronous()
         if engine.kind == "vllm" and not engine.url and engine.max_model_len < self.context:
             raise ValueError(f"engine.max_model_len ({engine.max_model_len}) is below the rollouts' max_total_tokens "
@@ -184,6 +185,9 @@ class TrainJob:
         if self.engine.sleep_mode:
             problems.append("engine.sleep_mode frees the engine's memory while the trainer steps, but asynchronous "
                             "rollouts sample then: remove sleep_mode")
+        if self.ray and self.ray.sources:
+            problems += source_problems(self.ray.sources, self.rl.max_staleness, self.rl.tasks_per_step,
+                                        self.engine.kind == "vllm", section)
         if problems:
             raise ValueError(f"{section}.max_staleness = {self.rl.max_staleness}: " + "; ".join(problems))
 
@@ -291,7 +295,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
 
         loop(cfg, model, tokenizer, handoff.training_policy() if handoff else policy, make_env, tasks, out,
              on_step=lambda step, m: log(progress_line(step, cfg.steps, m)), periodic_eval=periodic_eval,
-             engines=engines)
+             engines=engines, sources=job.ray.sources if job.ray else 0)
     if rank > 0:  # rank 0 evaluates and writes
         return summary
     summary["rl_seconds"] = round(time.perf_counter() - started, 1)

@@ -209,11 +209,12 @@ class PPO:
 
 def train(cfg: PPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy, make_env: Callable[[], TextEnv],
           tasks: list[Task], out_dir: Path, on_step: Callable[[int, dict], None] | None = None,
-          periodic_eval: Callable[[int, Callable], dict] | None = None, engines: Engines | None = None) -> list[dict]:
+          periodic_eval: Callable[[int, Callable], dict] | None = None, engines: Engines | None = None,
+          sources: int = 0) -> list[dict]:
     """Runs (or resumes, from the latest checkpoint in `out_dir`) PPO on `model`, which `policy` samples
     from after each sync. Same contract as `grpo.train`."""
     torch.manual_seed(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     ppo = PPO(cfg, model, optimizer)
     return loop.run(cfg, ppo, model, optimizer, tokenizer, policy, make_env, tasks, out_dir, ppo.keep,
-                    on_step=on_step, periodic_eval=periodic_eval, engines=engines)
+                    on_step=on_step, periodic_eval=periodic_eval, engines=engines, sources=sources)

@@ -34,6 +34,9 @@ class RolloutJob:
     def __post_init__(self) -> None:
         if self.chat_template is not None:
             chat_template_text(self.chat_template)  # a name or file that does not exist fails here, not mid-run
+        if self.ray and self.ray.sources:
+            raise ValueError("ray.sources places asynchronous training's rollout sources (agentrl train); agentrl "
+                             "rollout plays its episodes from this process: remove it")
 
 
 @with_config(STRICT)

@@ -46,6 +46,10 @@ class RoutedPolicy:
                 self._routes.popitem(last=False)
         return engine
 
+    def sampling_copy(self) -> RoutedPolicy:
+        """The same engines' `sampling_copy`s behind a router of their own (for another process)."""
+        return RoutedPolicy([p.sampling_copy() for p in self.policies], self.max_routes)
+
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
         """Return `sampling.n` samples continuing `prompt_ids`, from the engine of the current episode."""
         engine = self.route(current_episode.get())

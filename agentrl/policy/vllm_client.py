@@ -103,6 +103,14 @@ class VLLMPolicy:
             raise PolicyError(f"no vLLM server answers at {url} ({e}); start one with `agentrl serve policy`") from e
         return cls(url, name, **kwargs)
 
+    def sampling_copy(self) -> VLLMPolicy:
+        """A policy for another process (a rollout source in a Ray actor) that samples from the same server at the
+        same weight version; syncs, restarts and parity checks stay with this one."""
+        copy = VLLMPolicy(self.base_url, self.model_name, timeout=self.timeout, retries=self.retries,
+                          backoff=self.backoff, max_connections=self.max_connections)
+        copy.weight_version = self.weight_version
+        return copy
+
     # ------------------------------------------------------------------ the protocol
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:

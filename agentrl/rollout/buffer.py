@@ -47,19 +47,28 @@ class GroupBuffer:
     """Finished groups waiting for the trainer. Its bound is the source's: no more than `max_staleness + 1` steps'
     worth of groups are started ahead of the trainer (`RolloutSource`)."""
 
-    def __init__(self, keep: Callable[[Group], bool], max_staleness: int):
+    def __init__(self, keep: Callable[[Group], bool], max_staleness: int, shares: int = 1):
         self.keep, self.max_staleness = keep, max_staleness
         self._cond = threading.Condition()
         self._ready: list[Group] = []  # kept, not taken yet
         self._refused: list[Group] = []  # by `keep`, since the last take
         self._failure: BaseException | None = None
         self.taken = 0  # groups given to the trainer so far
+        # groups refused or dropped as stale so far, by the source that played them (the one of `shares` sources
+        # whose task positions are those equal to its index modulo `shares`): it plays others in their place
+        self.discarded = [0] * shares
 
     def put(self, group: Group) -> None:
         """Add a finished group."""
         with self._cond:
-            (self._ready if self.keep(group) else self._refused).append(group)
+            kept = self.keep(group)
+            (self._ready if kept else self._refused).append(group)
+            if not kept:
+                self._discard(group)
             self._cond.notify_all()
+
+    def _discard(self, group: Group) -> None:
+        self.discarded[group_position(group) % len(self.discarded)] += 1
 
     def fail(self, error: BaseException) -> None:
         """The source died: the waiting and every later `take` raise `RolloutSourceError` from `error` (the first
@@ -97,4 +106,6 @@ class GroupBuffer:
             self._ready.sort(key=group_version)  # stable: the oldest first, then in finishing order
             kept, self._ready, refused, self._refused = self._ready[:n], self._ready[n:], self._refused, []
             self.taken += len(kept)
+            for group in stale:
+                self._discard(group)
         return Taken(kept, kept + refused + stale, stale)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -36,11 +37,15 @@ class RayConfig:
     episodes_per_worker: int = 16  # concurrent episodes (threads) in one worker
     max_restarts: int = 3  # Ray restarts a dead worker this many times
     num_cpus_per_worker: float = 0.0  # CPUs reserved per worker; 0 lets small machines run everything
+    # asynchronous training: its rollout sources in this many actors (0: a thread of the trainer's process)
+    sources: int = 0
 
     def __post_init__(self) -> None:
         for name in ("workers", "episodes_per_worker"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ray.{name} must be >= 1, got {getattr(self, name)}")
+        if self.sources < 0:
+            raise ValueError(f"ray.sources must be >= 0, got {self.sources}")
 
 
 class WorkerLost(RuntimeError):
@@ -74,11 +79,11 @@ class EnvWorker:
 
     def __init__(self, env_id: str, env_kwargs: dict[str, Any]):
         self.env_id, self.env_kwargs = env_id, env_kwargs
-        self.envs: dict[int, Any] = {}
+        self.envs: dict[str, Any] = {}
         self.opened = 0
         self._lock = threading.Lock()
 
-    def open(self, episode: int, kwargs: dict[str, Any]) -> None:
+    def open(self, episode: str, kwargs: dict[str, Any]) -> None:
         """Make the env of `episode` (the worker's env kwargs updated with `kwargs`)."""
         from agentrl.env.registry import make
 
@@ -87,22 +92,22 @@ class EnvWorker:
             self.envs[episode] = env
             self.opened += 1
 
-    def call(self, episode: int, name: str, args: tuple, kwargs: dict) -> Any:
+    def call(self, episode: str, name: str, args: tuple, kwargs: dict) -> Any:
         """Call the method `name` of the env of `episode`; raises `EpisodeGone` if this worker does not hold it."""
         return getattr(self._env(episode), name)(*args, **kwargs)
 
-    def attribute(self, episode: int, name: str) -> tuple[str, Any]:
+    def attribute(self, episode: str, name: str) -> tuple[str, Any]:
         """("method", None) for a method, else ("value", its value)."""
         value = getattr(self._env(episode), name)
         return ("method", None) if callable(value) else ("value", value)
 
-    def _env(self, episode: int):
+    def _env(self, episode: str):
         try:
             return self.envs[episode]
         except KeyError:  # Ray restarted this worker: the episode's env died with its old process
             raise EpisodeGone(f"episode {episode} is not in this worker: it restarted") from None
 
-    def close(self, episode: int) -> None:
+    def close(self, episode: str) -> None:
         """Close and forget the env of `episode`; an episode it does not hold is a no-op."""
         with self._lock:
             env = self.envs.pop(episode, None)
@@ -127,7 +132,7 @@ class RayEnvPool:
                                               max_restarts=config.max_restarts)
         self.workers = [actor.remote(env_id, dict(env_kwargs or {})) for _ in range(config.workers)]
         ray.get([w.stats.remote() for w in self.workers])  # up before any episode starts
-        self._next, self._episodes = itertools.count(), itertools.count()
+        self._next = itertools.count()
 
     def make(self, **kwargs: Any) -> "RemoteEnv":
         """A new env on the next worker, round robin (a restarted worker takes episodes again). A worker that is
@@ -136,7 +141,7 @@ class RayEnvPool:
         for _ in range(len(self.workers)):
             worker = self.workers[next(self._next) % len(self.workers)]
             try:
-                return RemoteEnv(self, worker, next(self._episodes), kwargs)
+                return RemoteEnv(self, worker, uuid.uuid4().hex, kwargs)
             except WorkerLost as e:
                 lost = e
         raise lost
@@ -154,7 +159,7 @@ class RemoteEnv:
     """The env of one episode, in a worker actor. Env methods and attributes are forwarded to it (values
     travel by pickling); a dead worker becomes `WorkerLost`."""
 
-    def __init__(self, pool: RayEnvPool, worker, episode: int, kwargs: dict[str, Any]):
+    def __init__(self, pool: RayEnvPool, worker, episode: str, kwargs: dict[str, Any]):
         self._worker, self._episode = worker, episode
         self._get(worker.open.remote(episode, kwargs))
 

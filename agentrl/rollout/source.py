@@ -41,10 +41,11 @@ from agentrl.types import Task
 
 class VersionGate:
     """`policy` with each weight sync between `generate` calls: a sync waits for those in flight and holds new ones
-    until the new weights are in, so that every sample comes from one weight version, which it carries."""
+    until the new weights are in, so that every sample comes from one weight version, which it carries. `pause` and
+    `resume` are a sync's two halves, for a sync that another process sends (a Ray rollout source's trainer)."""
 
     def __init__(self, policy: Policy):
-        self.policy, self._active = policy, 0
+        self.policy, self._active, self._version = policy, 0, None  # None: the policy's own version
         self._open, self._idle = asyncio.Event(), asyncio.Event()  # no sync running; no generate running
         self._open.set()
         self._idle.set()
@@ -55,7 +56,7 @@ class VersionGate:
     @property
     def weight_version(self) -> int:
         """The version the policy samples with now."""
-        return self.policy.weight_version
+        return self.policy.weight_version if self._version is None else self._version
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> list[Sample]:
         """The policy's samples, each with the weight version that sampled it."""
@@ -64,7 +65,7 @@ class VersionGate:
         self._active += 1
         self._idle.clear()
         try:
-            version = self.policy.weight_version
+            version = self.weight_version
             samples = await self.policy.generate(prompt_ids, sampling)
         finally:
             self._active -= 1
@@ -72,14 +73,26 @@ class VersionGate:
                 self._idle.set()
         return [replace(s, weight_version=version) for s in samples]
 
+    async def pause(self) -> None:
+        """Hold new `generate` calls and wait for those in flight."""
+        self._open.clear()
+        await self._idle.wait()
+
+    def resume(self, version: int | None) -> None:
+        """Let `generate` calls through again, sampling as `version` (None: the weights did not change)."""
+        if version is not None:
+            self._version = version
+        self._open.set()
+
     async def sync_weights(self, model: Any, version: int) -> None:
         """Load `model`'s weights as `version` once no `generate` is in flight; new ones wait meanwhile."""
-        self._open.clear()
+        synced = None
         try:
-            await self._idle.wait()
+            await self.pause()
             await self.policy.sync_weights(model, version)
+            synced = version
         finally:
-            self._open.set()
+            self.resume(synced)
 
     async def close(self) -> None:
         """Close the policy."""
@@ -88,17 +101,20 @@ class VersionGate:
 
 class RolloutSource:
     """Plays groups of `group_size` episodes of the tasks `task_at(0), task_at(1), ...` (the positions in `skip`
-    left out, from `start`), at most `max_staleness` steps ahead of the trainer, and puts each group into `buffer`
+    left out, from `start`; with `share = (i, n)` only the positions p with p % n == i, one of n sources), at most `max_staleness` steps ahead of the trainer, and puts each group into `buffer`
     as it finishes (`restart`: a sync plays the groups in flight again instead of continuing them). `engines` makes the
     engine that plays them (`EnvEngines(make_env)`, or agent programs' `AgentEngines`). Runs its own event loop in a
-    thread; `sync` and `close` are called from the trainer's."""
+    thread; `sync` and `close` are called from the trainer's (`pause` and `resume`: a sync that the trainer sends
+    itself, as to a source in a Ray actor, `agentrl/rollout/ray_source.py`)."""
 
     def __init__(self, engines: Engines, policy: Policy, renderer: Renderer, config: RolloutConfig,
                  task_at: Callable[[int], Task], buffer: GroupBuffer, *, tasks_per_step: int, seed: int,
-                 start: int = 0, skip: Collection[int] = (), timeline: Timeline | None = None, restart: bool = False):
+                 start: int = 0, skip: Collection[int] = (), timeline: Timeline | None = None, restart: bool = False,
+                 share: tuple[int, int] = (0, 1)):
         self.policy, self.buffer, self.task_at = VersionGate(policy), buffer, task_at
         self.engine = engines(self.policy, renderer, config, timeline)
         self.tasks_per_step, self.seed, self.start_at, self.skip = tasks_per_step, seed, start, frozenset(skip)
+        self.share, self.finished = share, 0  # groups put into the buffer
         self.in_flight, self.syncs, self.restart, self.restarted, self._syncing = 0, 0, restart, 0, False
         self._running: dict[int, asyncio.Task] = {}  # by task position
         self._replay: deque[int] = deque()  # aborted positions, played again first
@@ -116,6 +132,19 @@ class RolloutSource:
         """`model`'s weights into the engine as `version` (blocks until they are in); lets the source run one step
         further ahead. Raises the source's failure if it has stopped."""
         self.run(self._sync(model, version))
+
+    def recount(self) -> None:
+        """The buffer's `discarded` changed outside the source's thread: look for room again."""
+        self._loop.call_soon_threadsafe(self._room.set)
+
+    def pause(self) -> None:
+        """The first half of a sync sent from outside: no group starts and no `generate` call runs (with `restart`,
+        the groups in flight are aborted) until `resume`."""
+        self.run(self._pause())
+
+    def resume(self, version: int | None) -> None:
+        """The second half: sampling goes on as `version` (None: the sync failed, the weights are the old ones)."""
+        self.run(self._resume(version))
 
     def run(self, coroutine: Coroutine) -> Any:
         """Runs `coroutine` on the source's event loop, beside its episodes, and returns its result (blocks until then).
@@ -141,28 +170,40 @@ class RolloutSource:
             self._ready.set()
 
     async def _sync(self, model: Any, version: int) -> None:
-        self._syncing = True  # no group starts until the new weights are in
+        synced = None
         try:
-            if self.restart:  # abort what is in flight (envs closed), to play it again with the new weights
-                aborted = list(self._running.items())
-                for _, task in aborted:
-                    task.cancel()
-                await asyncio.gather(*(task for _, task in aborted), return_exceptions=True)
-                self._replay.extend(sorted(position for position, _ in aborted))
-                self.restarted += len(aborted)
-            await self.policy.sync_weights(model, version)
-            self.syncs += 1
+            await self._pause()
+            await self.policy.policy.sync_weights(model, version)
+            synced = version
         finally:
-            self._syncing = False
-            self._room.set()
+            await self._resume(synced)
+
+    async def _pause(self) -> None:
+        self._syncing = True  # no group starts until the new weights are in
+        if self.restart:  # abort what is in flight (envs closed), to play it again with the new weights
+            aborted = list(self._running.items())
+            for _, task in aborted:
+                task.cancel()
+            await asyncio.gather(*(task for _, task in aborted), return_exceptions=True)
+            self._replay.extend(sorted(position for position, _ in aborted))
+            self.restarted += len(aborted)
+        await self.policy.pause()
+
+    async def _resume(self, version: int | None) -> None:
+        self.policy.resume(version)
+        self.syncs += version is not None
+        self._syncing = False
+        self._room.set()
 
     def _has_room(self) -> bool:
-        live = self.in_flight + self.buffer.ready() + self.buffer.taken
+        live = self.in_flight + self.finished - self.buffer.discarded[self.share[0]]  # started, less refused or stale
         return not self._syncing and live < (self.syncs + self.buffer.max_staleness + 1) * self.tasks_per_step
 
     async def _produce(self) -> None:
         self._loop, self._main = asyncio.get_running_loop(), asyncio.current_task()
-        self._room, fresh = asyncio.Event(), (p for p in itertools.count(self.start_at) if p not in self.skip)
+        offset, sources = self.share
+        fresh = (p for p in itertools.count(self.start_at) if p % sources == offset and p not in self.skip)
+        self._room = asyncio.Event()
         gate = asyncio.Semaphore(self.engine.config.concurrency)
         self._ready.set()
         try:
@@ -181,6 +222,7 @@ class RolloutSource:
     async def _play(self, position: int, gate: asyncio.Semaphore) -> None:
         try:
             group = await self.engine.run_group(self.task_at(position), self.seed * 100_003 + position, position, gate)
+            self.finished += 1
             self.buffer.put(group)
         except Exception as e:  # noqa: BLE001 -- episodes capture their own failures: this is the source's
             self.buffer.fail(e)

@@ -38,6 +38,17 @@ class Busy:
             if self._open == 0:
                 self._done.append([self._since - self._origin, time.perf_counter() - self._origin])
 
+    def add(self, intervals: list[list[float]]) -> None:
+        """Busy intervals recorded elsewhere (another process's, on this clock), merged with this one's."""
+        with self._lock:
+            merged: list[list[float]] = []
+            for a, b in sorted(self._done + [list(span) for span in intervals]):
+                if merged and a <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], b)
+                else:
+                    merged.append([a, b])
+            self._done = merged
+
     def cut(self) -> list[list[float]]:
         """The intervals finished since the last cut, and the open one up to now (it continues from now)."""
         with self._lock:
@@ -49,10 +60,12 @@ class Busy:
 
 
 class Timeline:
-    """One `Busy` per resource (`engine`, `env`, `trainer`), on one clock that starts when the timeline does."""
+    """One `Busy` per resource (`engine`, `env`, `trainer`), on one clock that starts when the timeline does, or at
+    `started` (`time.time()`, another process's timeline's `started`: both then read the same clock)."""
 
-    def __init__(self) -> None:
-        self.origin = time.perf_counter()
+    def __init__(self, started: float | None = None) -> None:
+        self.origin = time.perf_counter() - (0.0 if started is None else time.time() - started)
+        self.started = time.time() - (time.perf_counter() - self.origin)  # the wall-clock time of the origin
         self.engine, self.env, self.trainer = (Busy(self.origin) for _ in RESOURCES)
 
     def now(self) -> float:
