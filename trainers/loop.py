@@ -266,9 +266,10 @@ class Synchronous:
 
 class Asynchronous:
     """`max_staleness = k > 0`: a `RolloutSource` plays episodes up to k steps ahead of the trainer, in another thread
-    (or `sources` of them in Ray actors, `RaySources`), with its own copy of the weights (the in-process sampler must not share the trainer's model); each step takes the
-    oldest kept groups within k versions. The data position is the first task position not done (trained, refused or
-    dropped as stale) and those done above it: a resumed run replays the rest."""
+    (or `sources` of them in Ray actors, `RaySources`), with its own copy of the weights (the in-process sampler must
+    not share the trainer's model); each step takes the oldest kept groups within k versions. The data position is the
+    first task position not done (trained, refused or dropped as stale) and those done above it: a resumed run replays
+    the rest."""
 
     def __init__(self, model: torch.nn.Module, policy: Policy, engines: Engines, renderer: Renderer,
                  stream: TaskStream, cfg: LoopConfig, keep: Callable[[Group], bool], refills: int, timeline: Timeline,
@@ -431,11 +432,11 @@ def run(cfg: LoopConfig, method: Method, model: torch.nn.Module, optimizer: torc
         periodic_eval: Callable[[int, Callable], dict] | None = None, engines: Engines | None = None,
         sources: int = 0) -> list[dict]:
     """Runs (or resumes, from the latest checkpoint in `out_dir`) `cfg.steps` steps of `method`; returns the metrics
-    of the steps run now. `periodic_eval(step, execute)` runs after each sync, its episodes' coroutine given to `execute`
-    (the event loop the engine samples on); what it returns (held-out metrics, or {} when not due) is logged under
-    `heldout`. Episodes are `make_env`'s, or with `engines` (`AgentEngines`) those
-    of agent programs through the gateway (`make_env` is then unused). `sources`: asynchronous training's rollout
-    sources in that many Ray actors (`[ray] sources`) instead of a thread of this process."""
+    of the steps run now. `periodic_eval(step, execute)` runs after each sync, its episodes' coroutine given to
+    `execute` (the event loop the engine samples on); what it returns (held-out metrics, or {} when not due) is logged
+    under `heldout`. Episodes are `make_env`'s, or with `engines` (`AgentEngines`) those of agent programs through the
+    gateway (`make_env` is then unused). `sources`: asynchronous training's rollout sources in that many Ray actors (`[ray]
+    sources`) instead of a thread of this process."""
     stream, start, saved = TaskStream(tasks, cfg.seed), 0, None
     resumed = resume(model, optimizer, out_dir, method.restore)  # weights, optimizer, RNGs, the method's state
     if resumed is not None:

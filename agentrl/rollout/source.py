@@ -101,11 +101,12 @@ class VersionGate:
 
 class RolloutSource:
     """Plays groups of `group_size` episodes of the tasks `task_at(0), task_at(1), ...` (the positions in `skip`
-    left out, from `start`; with `share = (i, n)` only the positions p with p % n == i, one of n sources), at most `max_staleness` steps ahead of the trainer, and puts each group into `buffer`
-    as it finishes (`restart`: a sync plays the groups in flight again instead of continuing them). `engines` makes the
-    engine that plays them (`EnvEngines(make_env)`, or agent programs' `AgentEngines`). Runs its own event loop in a
-    thread; `sync` and `close` are called from the trainer's (`pause` and `resume`: a sync that the trainer sends
-    itself, as to a source in a Ray actor, `agentrl/rollout/ray_source.py`)."""
+    left out, from `start`; with `share = (i, n)`, as source i of n, only the positions p with p % n == i), at most
+    `max_staleness` steps ahead of the trainer, and puts each group into `buffer` as it finishes (`restart`: a sync
+    plays the groups in flight again instead of continuing them). `engines` makes the engine that plays them
+    (`EnvEngines(make_env)`, or agent programs' `AgentEngines`). Runs its own event loop in a thread; `sync` and
+    `close` are called from the trainer's (`pause` and `resume` are a sync's halves, when the trainer sends the weights
+    itself: to a source in a Ray actor, `agentrl/rollout/ray_source.py`)."""
 
     def __init__(self, engines: Engines, policy: Policy, renderer: Renderer, config: RolloutConfig,
                  task_at: Callable[[int], Task], buffer: GroupBuffer, *, tasks_per_step: int, seed: int,
