@@ -17,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from agentrl.cli.jobs import RolloutJob
 from agentrl.config import ConfigError, load_config
 from agentrl.env.api import TextEnv
 from agentrl.models.tokenizer import load_tokenizer
@@ -42,6 +43,17 @@ def test_settings_asynchronous_training_cannot_run_with_fail_at_start_up():
     with pytest.raises(ConfigError, match="max_staleness must be >= 0"):
         load_config(TrainJob, {**base, "grpo": {"max_staleness": -1}})
     assert load_config(TrainJob, base).grpo.max_staleness == 1
+    # rollout sources in Ray actors: asynchronous, over HTTP, an equal share of each step's tasks each
+    vllm = {**base, "engine": {"kind": "vllm"}}
+    with pytest.raises(ConfigError, match="reach the engine over HTTP: set engine.kind = 'vllm'"):
+        load_config(TrainJob, {**base, "ray": {"sources": 2}})
+    with pytest.raises(ConfigError, match=r"ray.sources = 3 must divide grpo.tasks_per_step \(8\)"):
+        load_config(TrainJob, {**vllm, "ray": {"sources": 3}})
+    with pytest.raises(ConfigError, match=r"set grpo.max_staleness \(e.g. 1\)"):
+        load_config(TrainJob, {**vllm, "grpo": {}, "ray": {"sources": 2}})
+    assert load_config(TrainJob, {**vllm, "ray": {"sources": 2}}).ray.sources == 2
+    with pytest.raises(ConfigError, match="agentrl rollout plays its episodes from this process: remove it"):
+        load_config(RolloutJob, {"env": "math/arith-v0", "model": "m", "ray": {"sources": 1}})
 
 
 def group(position: int, versions: tuple[int, ...], rewards: tuple[float, ...] = (0.0, 1.0)) -> Group:

@@ -376,6 +376,38 @@ def test_asynchronous_training_with_the_vllm_engine(vllm_server: VLLMServer, tin
                                                     "trajectories.jsonl")} == {step}
 
 
+def test_asynchronous_training_with_rollout_sources_in_ray_actors(vllm_server: VLLMServer, tiny_model_dir: Path,
+                                                                  hf_model, tmp_path: Path) -> None:
+    """`[ray] sources = 2`: two actors play the episodes (their envs in a Ray env worker) over HTTP copies of the
+    policy, while the trainer's process syncs the weights and evaluates: every step trains its 2 groups, at most one
+    version old, from both sources' positions, none twice; the held-out evaluations sample that step's weights, and
+    the sources' busy intervals are on the step's timeline."""
+    import ray
+    from agentrl.cli.main import app
+
+    recipe = _train_recipe(tmp_path, tiny_model_dir, vllm_server.url, steps=4, evaluate="every = 1",
+                           grpo="max_staleness = 1\n[grpo.correction]\ndecoupled = true\ntis = \"token\"")
+    recipe.write_text(recipe.read_text() + "[ray]\nworkers = 1\nsources = 2\n")
+    try:
+        trained = CliRunner().invoke(app, ["train", str(recipe)])
+    finally:
+        ray.shutdown()
+        asyncio.run(_restore(vllm_server, hf_model))
+    assert trained.exit_code == 0, trained.output
+    rows = _jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["groups_trained"] for r in rows] == [2, 2, 2, 2] and all(r["error_frac"] == 0 for r in rows)
+    assert all(set(r["staleness"]) <= {"0", "1"} for r in rows) and any("1" in r["staleness"] for r in rows)
+    trained_positions = [p for r in rows for p in r["positions"]["trained"]]
+    assert len(trained_positions) == len(set(trained_positions)) and {p % 2 for p in trained_positions} == {0, 1}
+    # the sources' intervals, on the trainer's clock: each step's since the previous step's training began (the
+    # sources may have filled the buffer during the previous held-out evaluation: then the engine idled this step)
+    assert all(r["timeline"]["engine"] and 0 <= r["idle"]["engine"] <= 1 for r in rows)
+    assert all(r["timeline"]["engine"][0][0] > before["timeline"]["trainer"][0][0] for before, r in zip(rows, rows[1:]))
+    for step in (1, 2, 3):
+        assert {t["weight_version"] for t in _jsonl(tmp_path / "run" / "heldout" / f"at_step_{step}" /
+                                                    "trajectories.jsonl")} == {step}
+
+
 def test_asynchronous_training_over_two_started_engines(tiny_model_dir: Path, tmp_path: Path, monkeypatch) -> None:
     """`engine.replicas = 2`: the job starts two vLLM servers behind the router; with `max_staleness = 1` both sample
     episodes, every sync reaches both (each one parity-checked), and both servers stop with the job."""
