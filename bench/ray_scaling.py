@@ -61,8 +61,7 @@ def main() -> None:
     rates = {}
     for workers in (1, 2):
         pool = RayEnvPool(ENV, {}, RayConfig(workers=workers))
-        # warm-up: each worker loads the index on its first search, which can outlast the search tool's
-        # timeout on a busy machine; those episodes are not measured
+        # warm-up: each worker opens the world and its index for its first episodes; not measured
         episodes_per_second(pool.make, tasks[:8], renderer, respond, check=False)
         rates[workers] = episodes_per_second(pool.make, tasks, renderer, respond)
         pool.close()

@@ -78,10 +78,16 @@ class EnvWorker:
     """One actor: the envs of the episodes it hosts, by episode id. Made with `ray.remote` in `RayEnvPool`."""
 
     def __init__(self, env_id: str, env_kwargs: dict[str, Any]):
+        from agentrl.env.registry import make
+
         self.env_id, self.env_kwargs = env_id, env_kwargs
         self.envs: dict[str, Any] = {}
         self.opened = 0
         self._lock = threading.Lock()
+        # One env made and closed before any episode: the env's imports (seconds; on a loaded machine, 16 episodes'
+        # threads importing at once took 80 s) are paid here, not under the first episodes' make_env timeout, and
+        # an env id or kwargs that cannot work fail the pool's start.
+        make(env_id, **env_kwargs).close()
 
     def open(self, episode: str, kwargs: dict[str, Any]) -> None:
         """Make the env of `episode` (the worker's env kwargs updated with `kwargs`)."""

@@ -25,8 +25,9 @@ from __future__ import annotations
 import functools
 import random
 import re
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from agentrl.env.api import Score, ToolEnv
 from agentrl.envs.search.bm25 import BM25Index, SearchHit
@@ -37,6 +38,8 @@ from agentrl.envs.search.questions import make_questions
 from agentrl.envs.search.world import build_world
 from agentrl.tools import PARSERS, ParsedAction, ToolSet, tool
 from agentrl.types import Message, Task, ToolCall
+
+T = TypeVar("T")
 
 # Search-R1's prompt (Jin et al., 2025), verbatim but for the question's placement.
 SEARCH_R1_PROMPT = (
@@ -182,6 +185,7 @@ class SearchEnv(ToolEnv):
         super().on_reset(task)
         self._shown, self._searches = {}, 0
         self._task_world = task.data.get("world_seed", self.world_seed)
+        self.retriever  # opened here, under the env call's timeout, so that the first search has its own 10 s
 
     def first_messages(self, task: Task) -> Sequence[Message]:
         """Search-R1's prompt holding the question (`search_r1`), else a system prompt and the question."""
@@ -255,7 +259,21 @@ def _truncate_words(text: str, max_words: int) -> str:
     return text[: words[max_words - 1].end()] + " ..."
 
 
-@functools.lru_cache(maxsize=64)  # several when `train_worlds` > 1
+def _once_per_process(fn: Callable[..., T]) -> Callable[..., T]:
+    """`functools.lru_cache`, except that threads asking for a value at once wait for one computation instead of
+    each computing it: a Ray env worker's episodes start at once, and with each of their threads building the world
+    and its index, the first searches outlasted the tool's 10 s timeout on a loaded machine (32 of 64 episodes)."""
+    cached, lock = functools.lru_cache(maxsize=64)(fn), threading.Lock()
+
+    @functools.wraps(fn)
+    def call(*args: Any) -> T:
+        with lock:
+            return cached(*args)
+
+    return call
+
+
+@_once_per_process  # several worlds when `train_worlds` > 1
 def _world(seed: int):
     return build_world(seed)
 
@@ -268,7 +286,7 @@ def tokenizer_documents(world_seed: int = 0) -> list[str]:
     return [d["contents"] for d in _world(world_seed).train_documents()]
 
 
-@functools.lru_cache(maxsize=64)
+@_once_per_process
 def _corpus_index(corpus: str | None, world_seed: int) -> BM25Index:
     """One index per corpus per process, shared by every env instance of a rollout."""
     docs = list(read_corpus(corpus)) if corpus else _world(world_seed).documents()
