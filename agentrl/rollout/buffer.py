@@ -43,16 +43,35 @@ class Taken:
         return [group_position(g) for g in self.collected]
 
 
-class GroupBuffer:
+class SourceFailure:
+    """The first failure of a rollout source, kept under a condition that the source's consumers wait on."""
+
+    def __init__(self) -> None:
+        self._cond, self._failure = threading.Condition(), None
+
+    def fail(self, error: BaseException) -> None:
+        """The source died: the waiting and every later wait raise `RolloutSourceError` from `error` (the first
+        failure, when several episodes' groups fail at once)."""
+        with self._cond:
+            self._failure = self._failure or error
+            self._cond.notify_all()
+
+    def check(self) -> None:
+        """Raise `RolloutSourceError` if the source has failed."""
+        with self._cond:
+            if self._failure is not None:
+                raise RolloutSourceError(f"the rollout source stopped: {self._failure!r}") from self._failure
+
+
+class GroupBuffer(SourceFailure):
     """Finished groups waiting for the trainer. Its bound is the source's: no more than `max_staleness + 1` steps'
     worth of groups are started ahead of the trainer (`RolloutSource`)."""
 
     def __init__(self, keep: Callable[[Group], bool], max_staleness: int, shares: int = 1):
+        super().__init__()
         self.keep, self.max_staleness = keep, max_staleness
-        self._cond = threading.Condition()
         self._ready: list[Group] = []  # kept, not taken yet
         self._refused: list[Group] = []  # by `keep`, since the last take
-        self._failure: BaseException | None = None
         self.taken = 0  # groups given to the trainer so far
         # groups refused or dropped as stale so far, by the source that played them (the one of `shares` sources
         # whose task positions are those equal to its index modulo `shares`): it plays others in their place
@@ -69,19 +88,6 @@ class GroupBuffer:
 
     def _discard(self, group: Group) -> None:
         self.discarded[group_position(group) % len(self.discarded)] += 1
-
-    def fail(self, error: BaseException) -> None:
-        """The source died: the waiting and every later `take` raise `RolloutSourceError` from `error` (the first
-        failure, when several episodes' groups fail at once)."""
-        with self._cond:
-            self._failure = self._failure or error
-            self._cond.notify_all()
-
-    def check(self) -> None:
-        """Raise `RolloutSourceError` if the source has failed."""
-        with self._cond:
-            if self._failure is not None:
-                raise RolloutSourceError(f"the rollout source stopped: {self._failure!r}") from self._failure
 
     def ready(self) -> int:
         """Kept groups waiting to be taken."""

@@ -31,38 +31,26 @@ from typing import Any, Callable, Collection, Coroutine
 
 from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
-from agentrl.rollout.buffer import GroupBuffer, RolloutSourceError
+from agentrl.rollout.buffer import GroupBuffer, RolloutSourceError, SourceFailure
 from agentrl.rollout.engine import Engines, RolloutConfig
 from agentrl.rollout.source import RolloutSource
 from agentrl.rollout.timeline import Timeline
 from agentrl.types import Group, Task
 
 
-class Outbox:
+class Outbox(SourceFailure):
     """A source actor's side of the trainer's buffer: finished groups wait here until drained; `discarded` (by the
     source's share) is what the trainer's buffer counted back."""
 
     def __init__(self, max_staleness: int, shares: int):
-        self.max_staleness, self.discarded = max_staleness, [0] * shares
-        self._cond, self._groups, self._failure = threading.Condition(), [], None
+        super().__init__()
+        self.max_staleness, self.discarded, self._groups = max_staleness, [0] * shares, []
 
     def put(self, group: Group) -> None:
         """A finished group, to go to the trainer."""
         with self._cond:
             self._groups.append(group)
             self._cond.notify_all()
-
-    def fail(self, error: BaseException) -> None:
-        """The source died: the next drain raises `RolloutSourceError` from `error`."""
-        with self._cond:
-            self._failure = self._failure or error
-            self._cond.notify_all()
-
-    def check(self) -> None:
-        """Raise `RolloutSourceError` if the source has failed."""
-        with self._cond:
-            if self._failure is not None:
-                raise RolloutSourceError(f"the rollout source stopped: {self._failure!r}") from self._failure
 
     def drain(self, timeout: float) -> list[Group]:
         """The groups finished since the last drain, waiting up to `timeout` seconds for one (maybe none)."""
