@@ -135,9 +135,9 @@ class RaySources:
         if len(buffer.discarded) != count:
             raise ValueError(f"the buffer must count discarded groups by {count} shares (GroupBuffer(shares=...))")
         self.count, self.policy, self.buffer, self.timeline = count, policy, buffer, timeline or Timeline()
-        self._actor_args = (engines, renderer, config, task_at, buffer.max_staleness)
-        self._actor_kwargs = dict(tasks_per_step=tasks_per_step // count, seed=seed, start=start, skip=set(skip),
-                                  restart=restart)
+        self._actor_settings = dict(engines=engines, renderer=renderer, config=config, task_at=task_at,
+                                    max_staleness=buffer.max_staleness, tasks_per_step=tasks_per_step // count,
+                                    seed=seed, start=start, skip=set(skip), restart=restart)
         self.actors: list[Any] = []
         self._pumps: list[threading.Thread] = []
         self._closing = threading.Event()
@@ -148,9 +148,8 @@ class RaySources:
         import ray
 
         actor = ray.remote(SourceActor).options(num_cpus=0, max_concurrency=4)
-        self.actors = [actor.remote(*self._actor_args[:1], self.policy.sampling_copy(), *self._actor_args[1:],
-                                    share=(i, self.count), started=self.timeline.started, **self._actor_kwargs)
-                       for i in range(self.count)]
+        self.actors = [actor.remote(policy=self.policy.sampling_copy(), share=(i, self.count),
+                                    started=self.timeline.started, **self._actor_settings) for i in range(self.count)]
         ray.get([a.stats.remote() for a in self.actors])  # up, or the reason it could not start
         self._pumps = [threading.Thread(target=self._pump, args=(i,), name=f"agentrl-source-{i}", daemon=True)
                        for i in range(self.count)]
