@@ -63,7 +63,6 @@ import asyncio
 import functools
 import json
 import os
-import socket
 import statistics
 import sys
 import threading
@@ -82,6 +81,7 @@ from agentrl.models.tokenizer import load_tokenizer
 from agentrl.policy.hf import HFPolicy
 from agentrl.policy.protocol import Policy, SamplingParams
 from agentrl.renderer import Renderer
+from agentrl.system.tcp import listening_socket
 from agentrl.types import Message
 
 MODEL_DIR = Path.home() / ".cache" / "agentrl" / "models" / "tiny"
@@ -256,8 +256,7 @@ class Server:
     """The gateway's app under uvicorn on a free port: on the calling loop (`start` awaited) or in a thread."""
 
     def __init__(self, gateway: Gateway, in_thread: bool):
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        self.sock = listening_socket()
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(create_app(gateway), log_level="warning", lifespan="off"))
         self.in_thread, self.task, self.thread = in_thread, None, None

@@ -22,6 +22,7 @@ from agentrl.gateway import Gateway, GatewayConfig, create_app
 from agentrl.gateway.app import MAX_BODY_BYTES
 from agentrl.policy.protocol import Sample, SamplingParams
 from agentrl.renderer import Renderer
+from agentrl.system.tcp import listening_socket
 from agentrl.types import Message, Trajectory
 
 CALC = {"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
@@ -61,8 +62,7 @@ class Server:
     """The app under uvicorn in a thread, on a free port."""
 
     def __init__(self, gateway: Gateway):
-        self.gateway, sock = gateway, socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        self.gateway, sock = gateway, listening_socket()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(create_app(gateway), log_level="warning", lifespan="off"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -446,3 +446,29 @@ def test_serve_gateway_refuses_settings_that_cannot_work(tiny_model_dir):
                           (["--chat-template", "chatml-tool"], "chatml-tool")]:
         result = runner.invoke(app, ["serve", "gateway", "--model", str(tiny_model_dir), *args])
         assert result.exit_code == 2 and message in result.output, (args, result.output)
+
+
+def test_in_process_servers_turn_nagle_off_on_their_connections():
+    """An agent program calls the gateway from the gateway's own event loop (`AgentEngine`): with Nagle on, every
+    reply written as headers then body waited ~40 ms for the client's delayed ACK. asyncio sets TCP_NODELAY only on
+    sockets of protocol IPPROTO_TCP, which a plain `socket.socket()` is not (the control, so that this can fail)."""
+
+    async def nodelay_of_accepted(sock: socket.socket) -> int:
+        accepted: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def handle(reader, writer):
+            accepted.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(handle, sock=sock)
+        _, writer = await asyncio.open_connection(*sock.getsockname())
+        try:
+            return await asyncio.wait_for(accepted, 10)
+        finally:
+            writer.close()
+            server.close()
+
+    plain = socket.socket()
+    plain.bind(("127.0.0.1", 0))
+    assert asyncio.run(nodelay_of_accepted(plain)) == 0
+    assert asyncio.run(nodelay_of_accepted(listening_socket())) != 0

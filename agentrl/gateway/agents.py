@@ -20,7 +20,6 @@ import importlib
 import inspect
 import math
 import os
-import socket
 import sys
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
@@ -35,6 +34,7 @@ from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, _captured, _describe, _within
 from agentrl.rollout.timeline import Timeline
+from agentrl.system.tcp import listening_socket
 from agentrl.types import Group, Status, StopReason, Task, Trajectory
 
 Program = Callable[[Task, str], "Awaitable[float | None] | float | None"]
@@ -101,8 +101,7 @@ class AgentEngine:
         if self._serving is not None and not self._serving.done() and \
                 self._serving.get_loop() is asyncio.get_running_loop():
             return
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        sock = listening_socket()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         self._server = uvicorn.Server(uvicorn.Config(create_app(self.gateway), log_level="warning", lifespan="off"))
         self._serving = asyncio.create_task(self._server.serve(sockets=[sock]))

@@ -14,7 +14,6 @@ Pages, every one under a session prefix so that concurrent episodes share one se
 from __future__ import annotations
 
 import html
-import socket
 import threading
 import time
 
@@ -24,6 +23,7 @@ from fastapi.responses import HTMLResponse
 
 from agentrl.envs.search.bm25 import BM25Index
 from agentrl.envs.web.shop.catalog import Product
+from agentrl.system.tcp import listening_socket
 
 PAGE_SIZE = 10
 
@@ -100,8 +100,7 @@ class ShopServer:
 
     def __init__(self, products: list[Product], port: int = 0):
         self.orders: dict[str, tuple[Product, dict[str, str]]] = {}
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", port))
+        sock = listening_socket(port=port)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(build_app(products, self.orders), log_level="warning", access_log=False)
         self._server = uvicorn.Server(config)
