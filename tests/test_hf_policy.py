@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import agentrl.policy.hf as hf
 from agentrl.policy.hf import HFPolicy
 from agentrl.policy.protocol import Policy, PolicyError, Sample, SamplingParams
 from agentrl.models.tokenizer import load_tokenizer
@@ -168,3 +169,23 @@ async def test_shared_prefix_batch_matches_a_full_forward_pass(policy: HFPolicy,
         assert many.token_ids == one.token_ids
         torch.testing.assert_close(torch.tensor(many.logprobs), forward_logprobs(model, prompt, many.token_ids),
                                    atol=1e-4, rtol=0)
+
+
+async def test_requests_that_arrive_spread_out_share_one_batch(policy: HFPolicy, prompts, monkeypatch) -> None:
+    """An idle worker waits while requests keep arriving (agents behind the gateway send theirs a few ms apart):
+    eight calls 20 ms apart are one batch of 8, not a batch of 1 that the other seven wait out. The quiet window is
+    widened here so that a slow machine cannot split them; a call alone still starts after one window."""
+    monkeypatch.setattr(hf, "GATHER_QUIET_S", 0.2)
+    monkeypatch.setattr(hf, "GATHER_MAX_S", 5.0)
+    batches: list[int] = []
+    decode = policy._decode
+    policy._decode = lambda rows: batches.append(len(rows)) or decode(rows)
+
+    async def call(i: int) -> list[Sample]:
+        await asyncio.sleep(0.02 * i)
+        return await policy.generate(prompts[i % len(prompts)], SamplingParams(max_tokens=4, seed=i))
+
+    assert len(await asyncio.gather(*(call(i) for i in range(8)))) == 8
+    assert batches == [8]
+    await policy.generate(prompts[0], SamplingParams(max_tokens=4, seed=9))
+    assert batches == [8, 1]

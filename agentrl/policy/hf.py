@@ -2,7 +2,8 @@
 
 Every sample (one of a request's `n`) is a row. Rows wait in a queue; one worker task takes everything pending
 (up to `max_batch_size` rows) and decodes it as one left-padded batch with a KV cache, in a thread so that
-the event loop stays free for environments. Rows that arrive during a round wait for the next one.
+the event loop stays free for environments. Rows that arrive during a round wait for the next one; an idle worker
+first waits while requests keep arriving (`_gather`), so that calls spread over a few milliseconds share a batch.
 
 Each row samples with its own `torch.Generator` seeded from `sampling.seed + sample index`, on the model's
 device (a decode step draws no noise on the CPU to copy over), so a seeded request gives the same tokens whatever
@@ -26,6 +27,10 @@ from agentrl.policy.protocol import FinishReason, PolicyError, Sample, SamplingP
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.policy.precision import autocast
 from agentrl.policy.weights import export_state_dict
+
+
+GATHER_QUIET_S = 0.005  # an idle worker starts a batch once no request arrived for this long,
+GATHER_MAX_S = 0.1  # or after this long in all
 
 
 @dataclass
@@ -129,6 +134,7 @@ class HFPolicy:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
+            await self._gather()
             while self._pending:
                 batch = [r for r in self._pending[: self.max_batch_size] if not r.future.done()]  # done: cancelled
                 del self._pending[: self.max_batch_size]
@@ -145,6 +151,16 @@ class HFPolicy:
                 for row, sample in zip(batch, samples):
                     if not row.future.done():
                         row.future.set_result(sample)
+
+    async def _gather(self) -> None:
+        """Wait while requests keep arriving (each within `GATHER_QUIET_S` of the last, `GATHER_MAX_S` in all), so that
+        calls that arrive spread out (agents behind the gateway, env steps of different lengths) share one batch
+        instead of the first few starting one that the rest then wait out."""
+        loop = asyncio.get_running_loop()
+        deadline, seen = loop.time() + GATHER_MAX_S, -1
+        while len(self._pending) != seen and len(self._pending) < self.max_batch_size and loop.time() < deadline:
+            seen = len(self._pending)
+            await asyncio.sleep(GATHER_QUIET_S)
 
     @torch.inference_mode()
     def _decode(self, rows: list[_Row]) -> list[Sample]:
