@@ -301,27 +301,53 @@ TRAIN = textwrap.dedent("""
     from agentrl.policy.hf import HFPolicy
     from agentrl.policy.protocol import SamplingParams
     from agentrl.rollout.engine import RolloutConfig
+    from agentrl.rollout.ray_pool import init_ray
     from agentrl.trainers.grpo import GRPOConfig, train
 
-    model_dir, out = sys.argv[1], Path(sys.argv[2])
+    class FrozenCopies(HFPolicy):
+        # Ray sources sample from their own copies of the weights, which syncs only renumber: what is checked here is
+        # the bookkeeping of task positions across kills, which needs no learning (and no vLLM server).
+        def sampling_copy(self):
+            copy_ = FrozenCopies(copy.deepcopy(self.model), self.tokenizer)
+            copy_.weight_version = self.weight_version
+            return copy_
+
+        async def sync_weights(self, model, version):
+            self.weight_version = version
+
+    model_dir, out, sources = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
     tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     cfg = GRPOConfig(steps=10, tasks_per_step=2, lr=1e-3, minibatch_size=4, checkpoint_every=1, max_staleness=1,
                      rollout=RolloutConfig(group_size=2, max_total_tokens=1024, sampling=SamplingParams(max_tokens=12)))
     env = lambda: ArithmeticEnv(n_tasks=5)
-    train(cfg, model, tokenizer, HFPolicy(copy.deepcopy(model), tokenizer), env, list(env().tasks), out)
+    if sources:
+        init_ray(sys.argv[4])  # the test's cluster: a killed run's actors die with it, as on a real cluster
+    policy = (FrozenCopies if sources else HFPolicy)(copy.deepcopy(model), tokenizer)
+    train(cfg, model, tokenizer, policy, env, list(env().tasks), out, sources=sources)
 """)
 
 
 @pytest.mark.slow
-def test_killed_at_random_points_the_run_trains_every_group_exactly_once(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("sources", [0, 2], ids=["source-in-a-thread", "two-ray-source-actors"])
+def test_killed_at_random_points_the_run_trains_every_group_exactly_once(tiny_model_dir, tmp_path, sources, request):
     """SIGKILL twice, each at a random moment after a random checkpoint, then run to the end: across the steps in
     metrics.jsonl (the lines after the last checkpoint are redone), every task position is trained or dropped exactly
     once, and the positions done are exactly those below the final data position and the ones the checkpoint lists
-    above. The kills follow checkpoints, not the clock: a step takes 0.4 s on an idle machine, seconds on a busy one."""
+    above. The kills follow checkpoints, not the clock: a step takes 0.4 s on an idle machine, seconds on a busy one.
+    With Ray source actors (`[ray] sources`), on a local cluster of this process that outlives the killed runs."""
     script, out, log, rng = tmp_path / "train.py", tmp_path / "run", tmp_path / "stderr.log", random.Random(0)
     script.write_text(TRAIN)
-    command = [sys.executable, str(script), str(tiny_model_dir), str(out)]
+    command = [sys.executable, str(script), str(tiny_model_dir), str(out), str(sources)]
+    if sources:
+        import ray
+
+        from agentrl.rollout.ray_pool import init_ray
+
+        if not ray.is_initialized():
+            init_ray()
+            request.addfinalizer(ray.shutdown)
+        command.append(ray.get_runtime_context().gcs_address)
 
     def step() -> int:  # of the latest checkpoint; 0 before the first
         checkpoint = latest_checkpoint(out) if out.exists() else None
