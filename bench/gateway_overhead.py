@@ -24,15 +24,15 @@ alternate (ABAB..., each pair in the other order than the last) since the machin
 fresh agents (sessions) of K turns, the seeds those of the other mode's round with the same index. `ratio` pools
 every round's calls; `median_round_ratio` is the median of the rounds' own ratios (less swayed by a slow round, when
 another job shares the cores). Each mode's calls per second (`calls_per_s`: calls over the rounds' wall time) is
-reported too: the gateway spreads the calls' arrivals at the engine (each request is ~10-15 ms of Python on the one
-loop: the client SDK's, then the server's), so the engine decodes them in more, smaller batches, which can shorten
-a call while lowering throughput. Measured (2 cores with AVX-512, quiet machine), full runs: `hf` ratio 1.147
-(rounds 0.88-1.39), p99 1.21, calls/s 13.3 against 15.8 (mean batch 16 rows against 32: the staggered arrivals
-fragment HFPolicy's batches); `vllm` ratio 1.319 (rounds 1.19-2.36), p99 2.0, calls/s 16.3 against 22.6, with
-768/768 identical calls on both. vLLM's batching does not fragment, but its server process shares the 2 cores with
-the clients and the gateway, so their Python work (~270 ms per call of SDK and HTTP, ~95 ms of the gateway's own)
-slows the engine too (its time per call 1405 ms against 1262 ms direct). `--quick`: `hf` 1.10, p99 1.58;
-`vllm` 1.28, p99 2.39.
+reported too: the gateway spreads the calls' arrivals at the engine (each request is a few ms of Python on the one
+loop: the client SDK's, then the server's); `HFPolicy` gathers calls that keep arriving into one batch (up to 100 ms),
+so both modes decode full batches (`batch_rows_mean`), the gateway's after that wait. Measured (2 cores with AVX-512,
+quiet machine), full runs: `hf` ratio 1.087 and 1.091 (rounds 1.02-1.24), p99 1.24-1.39, 768/768 identical calls,
+32 rows per batch on both sides; `--quick` 1.04-1.15. `vllm`: one full run 1.47 pooled, median of rounds 1.23,
+rounds 0.67-3.2: the same round took 3 to 11 s on either side (vLLM's server processes, the agents and the gateway
+share the 2 cores), so this figure is not a measurement of the gateway on such a machine. Before the gateway's
+server listened with TCP_NODELAY (agentrl/system/tcp.py), each request to it from its own loop waited ~44 ms for a
+delayed ACK: `hf` read 1.37 then.
 
 The server runs, by default, on the agents' own event loop (as `agentrl.gateway.agents.AgentEngine` serves it while
 training): the uvicorn server, the 32 clients and the engine's batching share one loop, and with the engine's decode
@@ -42,9 +42,9 @@ tests/test_gateway.py does): the two loops then contend for the GIL. The JSON al
 goes (means per call): `http_client_ms` (the client's time less the server's handler: the SDK, HTTP, FastAPI and
 pydantic), `gateway_core_ms` (the handler less the engine call: matching, rendering the delta in a thread, parsing
 the reply, recording it), `plan_ms` (of that, matching and rendering) and the engine's time in each mode, with the
-mean batch the engine decoded with `hf` (fewer rows per batch: the calls reached the engine spread out; vLLM's
-scheduler runs in its own process, so `vllm` reports no batch figures). With `vllm` the server runs on the same
-cores as the clients, so on a small machine it measures contention as well as the gateway.
+mean batch the engine decoded with `hf` (vLLM's scheduler runs in its own process, so `vllm` reports no batch
+figures). With `vllm` the server runs on the same cores as the clients, so on a small machine it measures
+contention as well as the gateway.
 
     python bench/gateway_overhead.py [--quick] [--engine hf|vllm] [--server loop|thread] [--sessions 32]
                                      [--turns K] [--rounds R]
