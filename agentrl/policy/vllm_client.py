@@ -317,7 +317,10 @@ class VLLMPolicy:
         self._drop_transfer()  # its group died with the old process
         if self._checkpoint is not None:
             await self._load_checkpoint(self._checkpoint)
-        elif self._synced_model is not None:  # the trainer does not step while its rollouts run
+        elif self._synced_model is not None:
+            # The synced weights when the trainer waits for its rollouts. An asynchronous trainer may have stepped
+            # since: the engine then samples from newer weights than the version its samples carry, which keeps the
+            # staleness bound (it is overstated, never understated) and the correction (the engine's own logprobs).
             await self._send_weights(self._synced_model)
         _console.print("[green]vLLM server restarted[/]")
 
