@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import math
 import random
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import bm25s
@@ -133,6 +135,17 @@ def test_save_load_round_trip_is_memory_mapped_and_identical(index, tmp_path):
     assert json.loads((tmp_path / "index" / "params.json").read_text()) == {
         "format_version": bm25_module.FORMAT_VERSION, "k1": 0.9, "b": 0.4, "stemmer": "english",
         "n_docs": 3, "n_vocab": 5}  # appl, pie, banana, cherri, tart
+
+
+def test_loading_an_index_compiles_its_query_kernel(index, tmp_path):
+    """In a fresh process, as a Ray env worker is: the kernel is compiled (or loaded from numba's cache) when the index
+    opens, not in the first search, whose tool timeout the compile outlasted on a loaded machine."""
+    index.save(tmp_path / "index")
+    probe = (f"from agentrl.envs.search import bm25; bm25.BM25Index.load({str(tmp_path / 'index')!r}); "
+             "print(len(bm25._top_k_kernel.signatures))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout.split()[-1]) >= 1
 
 
 def test_save_replaces_an_old_index_and_a_failed_save_leaves_no_partial_one(index, tmp_path, monkeypatch):

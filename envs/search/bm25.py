@@ -205,6 +205,10 @@ class BM25Index(_Documents):
         except (OSError, ValueError) as e:
             raise ValueError(f"{path} is a damaged BM25 index ({e}). {rebuild}") from e
         index._check_shapes(path, rebuild)
+        # The query kernel compiles (or loads from numba's cache) at its first call: seconds, and with no cache (a
+        # fresh checkout) on a loaded machine more than a search tool's 10 s, which then failed every episode of a
+        # Ray env worker's first batch. Here it is paid when the index opens, under the env's reset budget.
+        index._top_k([[]], 1)
         return index
 
     def _check_shapes(self, path: Path, rebuild: str) -> None:
