@@ -27,12 +27,12 @@ another job shares the cores). Each mode's calls per second (`calls_per_s`: call
 reported too: the gateway spreads the calls' arrivals at the engine (each request is a few ms of Python on the one
 loop: the client SDK's, then the server's); `HFPolicy` gathers calls that keep arriving into one batch (up to 100 ms),
 so both modes decode full batches (`batch_rows_mean`), the gateway's after that wait. Measured (2 cores with AVX-512,
-quiet machine), full runs: `hf` ratio 1.087 and 1.091 (rounds 1.02-1.24), p99 1.24-1.39, 768/768 identical calls,
-32 rows per batch on both sides; `--quick` 1.04-1.15. `vllm` (its server without prefix caching, see `main`): ratio
-1.23, median of rounds 1.14 (rounds 1.10-1.29), p99 1.25: the client's and the server's Python (~115 and ~60 ms per
-call under that load) run on the 2 cores that vLLM's two processes keep busy. Before the gateway's
+quiet machine), full runs: `hf` ratio 0.95, 1.02 and 1.14 (medians of the rounds 1.07, 1.01, 1.14), p99 0.87-1.07,
+768/768 identical calls, 32 rows per batch on both sides. `vllm` (its server without prefix caching, see `main`):
+ratio 1.22 and 1.23 (medians of the rounds 1.22, 1.14): the client's and the server's Python (115-160 ms of client
+and HTTP per call under that load) run on the 2 cores that vLLM's two processes keep busy. Before the gateway's
 server listened with TCP_NODELAY (agentrl/system/tcp.py), each request to it from its own loop waited ~44 ms for a
-delayed ACK: `hf` read 1.37 then.
+delayed ACK, and before it planned calls on the loop (not in a thread) that cost ~30 ms more: `hf` read 1.37 then.
 
 The server runs, by default, on the agents' own event loop (as `agentrl.gateway.agents.AgentEngine` serves it while
 training): the uvicorn server, the 32 clients and the engine's batching share one loop, and with the engine's decode

@@ -18,6 +18,7 @@ import pytest
 import uvicorn
 from transformers import AutoTokenizer
 
+import agentrl.gateway.sessions as gateway_sessions
 from agentrl.gateway import Gateway, GatewayConfig, create_app
 from agentrl.gateway.app import MAX_BODY_BYTES
 from agentrl.policy.protocol import Sample, SamplingParams
@@ -107,7 +108,10 @@ def assert_exact(trajectory: Trajectory, calls: list[tuple[tuple, tuple]]) -> No
     assert trajectory.turns[-1].end == len(ids)
 
 
-def test_tool_calls_round_trip_with_exact_tokens(renderer):
+@pytest.mark.parametrize("planned", ["on the loop", "in a thread"])
+def test_tool_calls_round_trip_with_exact_tokens(renderer, planned, monkeypatch):
+    if planned == "in a thread":  # as a long conversation is
+        monkeypatch.setattr(gateway_sessions, "INLINE_PLAN_CHARS", 0)
     server, policy = serve(renderer, [f"Let me compute.\n{CALL}", "<answer>5</answer>"])
     try:
         sid, client = server.session(task_id="t1", group=2)
