@@ -83,6 +83,32 @@ def sharded_worker(rank: int, model_dir: str, agg: str, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+def streamed_worker(rank: int, model_dir: str, out: str) -> None:
+    from agentrl.policy.weight_transfer import ModelWeights
+    from agentrl.trainers import fsdp
+
+    join(rank)
+    model = fsdp.shard(AutoModelForCausalLM.from_pretrained(model_dir))
+    source = ModelWeights(model, to_cpu=True, dtype=torch.bfloat16)
+    announced = [(m.name, m.dtype, tuple(m.shape)) for m in source.metadata()]
+    sent = list(source)  # every rank iterates: each tensor's gather is a collective
+    if rank == 0:
+        torch.save({"announced": announced, "sent": sent}, out)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_sharded_model_streams_full_tensors_in_the_order_it_announces(tiny_model_dir, tmp_path):
+    """What a sync by transfer sends from a model sharded over 2 ranks: each full tensor, gathered from the shards
+    as it is sent, cast to the engine's dtype, in the order and shapes `metadata()` announced to the engine."""
+    saved = on_two_ranks(streamed_worker, tmp_path, str(tiny_model_dir))
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    assert [name for name, _ in saved["sent"]] == list(plain)
+    assert [(name, t.dtype, tuple(t.shape)) for name, t in saved["sent"]] == saved["announced"]
+    for name, tensor in saved["sent"]:
+        assert torch.equal(tensor, plain[name].to(torch.bfloat16)), name
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_sharded_step_equals_the_single_process_step(tiny_model_dir, tmp_path, agg):

@@ -376,6 +376,37 @@ def test_asynchronous_training_with_the_vllm_engine(vllm_server: VLLMServer, tin
                                                     "trajectories.jsonl")} == {step}
 
 
+@pytest.mark.slow
+def test_sharded_training_streams_its_weights_into_vllm(vllm_server: VLLMServer, tiny_model_dir: Path, hf_model,
+                                                        tmp_path: Path) -> None:
+    """`agentrl train` on 2 torchrun ranks attached to the server: every sync streams the sharded weights by gloo
+    from both ranks and passes parity with the sharded model's own forward (run on both ranks), and the engine ends
+    serving exactly the checkpoint that the run wrote."""
+    import subprocess
+    import sys
+
+    from agentrl.policy.vllm_server import free_port
+
+    recipe = _train_recipe(tmp_path, tiny_model_dir, vllm_server.url, steps=2, grpo="minibatch_size = 4")
+    cli = str(Path(sys.executable).parent / "agentrl")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                          str(free_port("127.0.0.1")), cli, "train", str(recipe)], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"})
+    try:
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        parity = [line for line in run.stdout.splitlines() if line.startswith("parity after sync")]
+        assert len(parity) >= 2, run.stdout[-3000:]  # a check after each step's sync
+        trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoints" / "step-000002")
+        moved = max((a - b).abs().max().item() for a, b in zip(trained.parameters(), hf_model.parameters()))
+        assert moved > 1e-4  # the steps changed the weights that the engine must now serve
+        policy = VLLMPolicy.attach(vllm_server.url)
+        report = asyncio.run(check_parity(policy, trained, ParityCheck(prompts=((1, 2, 3, 4), (5, 6, 7)))))
+        assert report.mean_abs_diff < 1e-3, report
+        asyncio.run(policy.close())
+    finally:
+        asyncio.run(_restore(vllm_server, hf_model))
+
+
 def test_asynchronous_training_with_rollout_sources_in_ray_actors(vllm_server: VLLMServer, tiny_model_dir: Path,
                                                                   hf_model, tmp_path: Path) -> None:
     """`[ray] sources = 2`: two actors play the episodes (their envs in a Ray env worker) over HTTP copies of the

@@ -1,12 +1,17 @@
 """VLLMPolicy's own protocol with the server, on a mock HTTP transport (no vLLM needed): sleep mode frees the
-engine while the trainer steps, and the next sync wakes it before loading the weights."""
+engine while the trainer steps, and the next sync wakes it before loading the weights; a restarted engine of a
+sharded trainer waits for the next sync."""
 
 import asyncio
 
 import httpx
+import pytest
 from transformers import AutoModelForCausalLM
 
+from agentrl.policy import vllm_client
+from agentrl.policy.protocol import PolicyError, SamplingParams
 from agentrl.policy.vllm_client import VLLMPolicy
+from agentrl.policy.vllm_server import ServerConfig
 from agentrl.trainers.loop import Sharding
 
 
@@ -82,3 +87,24 @@ def test_a_sync_sends_the_weights_in_the_engines_dtype(tiny_model_dir):
     model.config.dtype = torch.bfloat16  # a hub checkpoint saved in bf16: what vLLM's "auto" serves
     assert dtype(device="gpu") == torch.bfloat16
     assert VLLMPolicy("http://engine", "m").engine_dtype(model) is None  # attached: unknown, sent as held
+
+
+async def test_a_restarted_engine_of_a_sharded_trainer_waits_for_the_next_sync(monkeypatch):
+    """A sharded trainer cannot re-send its weights to a restarted engine mid-step (its other ranks wait for the
+    rollouts, and each tensor is gathered on every rank): the engine refuses to sample, with the reason, instead of
+    serving its starting weights under the trainer's version, or hanging in a gather."""
+    calls: list = []
+
+    class Server:
+        config = ServerConfig(model="m")
+
+        def restart(self):
+            calls.append("restart")
+
+    policy = policy_on(recording(calls), server=Server())
+    policy.weight_transfer, policy._synced_model = "gloo", object()
+    monkeypatch.setattr(vllm_client, "is_sharded", lambda model: model is policy._synced_model)
+    await policy._restart_server()
+    assert calls == ["restart"]  # nothing sent to the new server
+    with pytest.raises(PolicyError, match="sharded trainer sends its own at the next sync"):
+        await policy.generate([1, 2, 3], SamplingParams(max_tokens=4))

@@ -25,7 +25,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from agentrl.policy.logprobs import HEAD_CHUNK
-from agentrl.policy.vllm_client import ties_embeddings
+from agentrl.policy.weights import ties_embeddings
 from agentrl.trainers.pipeline import TrainJob, check_shardable
 
 GIB = 2 ** 30

@@ -322,9 +322,9 @@ def check_shardable(job: TrainJob) -> None:
     if unsupported:
         raise ValueError(f"a sharded (torchrun) job runs the GRPO or PPO loop only; remove {unsupported}. Run warm "
                          "starts in one process first and set model to their output (e.g. runs/X/sft_model).")
-    if job.engine.kind == "vllm" and job.engine.transfer in ("nccl", "ipc"):
-        raise ValueError(f"a sharded job syncs from rank 0's gathered CPU copy, which weight_transfer "
-                         f"{job.engine.transfer!r} cannot send: use 'gloo' (tied embeddings too) or 'checkpoint'")
+    if job.engine.kind == "vllm" and job.engine.transfer == "ipc":
+        raise ValueError("weight_transfer 'ipc' hands the engine one GPU's memory, and a sharded trainer's weights "
+                         "are spread over the ranks' GPUs: use 'nccl' (an engine on GPUs of its own) or 'gloo'")
 
 
 def warm_start(job: TrainJob, model, tokenizer, policy, renderer, make_env, tasks, summary: dict,

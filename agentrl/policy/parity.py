@@ -23,7 +23,7 @@ from pydantic import with_config
 
 from agentrl.config import STRICT
 from agentrl.policy.protocol import Policy, Sample, SamplingParams
-from agentrl.policy.logprobs import token_logprobs
+from agentrl.policy.logprobs import is_sharded, token_logprobs
 from agentrl.policy.precision import autocast
 
 # The mean |Δlogp| (nats) a sync may show, by the served dtype: float32 engines match an fp32 trainer to ~1e-5;
@@ -99,9 +99,36 @@ class ParityCheck:
         return out
 
 
-@torch.no_grad()
 def trainer_logprobs(model: Any, prompt_ids: Sequence[int], sampled_ids: Sequence[int]) -> torch.Tensor:
-    """log p(sampled[i] | prompt + sampled[:i]) as the trainer computes it (`token_logprobs`). Returns [T]."""
+    """log p(sampled[i] | prompt + sampled[:i]) as the trainer computes it (`token_logprobs`). Returns [T].
+
+    A model sharded over ranks (FSDP) runs its forward on every rank at once: rank 0 first hands the sequence to
+    the others, which wait for it in `follow_trainer_logprobs`."""
+    if is_sharded(model):
+        torch.distributed.broadcast_object_list([(list(prompt_ids), list(sampled_ids))], src=0)
+    return _trainer_logprobs(model, prompt_ids, sampled_ids)
+
+
+def follow_trainer_logprobs(model: Any) -> None:
+    """On the ranks after 0 of a sharded `model`: the forwards of rank 0's `trainer_logprobs` (its parity checks
+    during a sync), until rank 0 calls `end_trainer_logprobs`."""
+    while (sequence := _received()) is not None:
+        _trainer_logprobs(model, *sequence)
+
+
+def end_trainer_logprobs() -> None:
+    """Rank 0 of a sharded model: release the other ranks from `follow_trainer_logprobs`."""
+    torch.distributed.broadcast_object_list([None], src=0)
+
+
+def _received() -> Any:
+    box = [None]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@torch.no_grad()
+def _trainer_logprobs(model: Any, prompt_ids: Sequence[int], sampled_ids: Sequence[int]) -> torch.Tensor:
     device = next(model.parameters()).device
     ids_BT = torch.tensor([[*prompt_ids, *sampled_ids]], device=device)
     was_training = model.training

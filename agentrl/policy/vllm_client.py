@@ -37,9 +37,11 @@ from typing import Any, Sequence
 import httpx
 from rich.console import Console
 
+from agentrl.policy.logprobs import is_sharded
 from agentrl.policy.parity import ParityCheck, ParityError, check_parity
 from agentrl.policy.protocol import PolicyError, Sample, SamplingParams
 from agentrl.policy.vllm_server import ServerConfig, ServerError, VLLMServer, WeightTransfer, free_port
+from agentrl.policy.weights import refuse_tied_embeddings, save_checkpoint
 
 _console = Console(stderr=True)
 # The request never reached the server: safe to send again.
@@ -172,6 +174,11 @@ class VLLMPolicy:
         if name == "auto":  # vLLM serves the checkpoint's dtype, but casts a float32 one: leave that to it
             name = str(getattr(model.config, "dtype", None) or "").removeprefix("torch.")
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
+
+    def transfer_for_ranks(self, model: Any) -> tuple[str, Any] | None:
+        """(backend, dtype) with which the other ranks of a sharded `model` join each sync's gathers
+        (`weight_transfer.open_transfer` at rank > 0); None for a checkpoint sync, which rank 0 writes alone."""
+        return None if self.weight_transfer == "checkpoint" else (self.weight_transfer, self.engine_dtype(model))
 
     async def release_memory(self) -> None:
         """With `sleep_mode`, the trainer is about to step: put the engine to sleep (vLLM's level 1: its weights
@@ -317,6 +324,9 @@ class VLLMPolicy:
         self._drop_transfer()  # its group died with the old process
         if self._checkpoint is not None:
             await self._load_checkpoint(self._checkpoint)
+        elif self._synced_model is not None and is_sharded(self._synced_model):  # its other ranks wait for rollouts
+            self._rejected = ("the vLLM server restarted with the weights it started with; a sharded trainer sends "
+                              "its own at the next sync, on every rank (until then, episodes fail)")
         elif self._synced_model is not None:
             # The synced weights when the trainer waits for its rollouts. An asynchronous trainer may have stepped
             # since: the engine then samples from newer weights than the version its samples carry, which keeps the
@@ -451,45 +461,6 @@ def _parse_choice(choice: dict) -> Sample:
         # The renderer relies on the turn-end token being in the sampled ids (a closed turn).
         raise PolicyError(f"vLLM stopped on token {stop_id} but did not return it; this vLLM version is unsupported")
     return Sample(ids, values, finish)
-
-
-def ties_embeddings(config: Any) -> bool:
-    """Whether a model's config ties its input and output embeddings (on itself or its text config)."""
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return bool(getattr(text_config, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False))
-
-
-def refuse_tied_embeddings(model: Any) -> None:
-    """Raise `PolicyError` for a model whose input and output embeddings are tied: vLLM's checkpoint reload
-    leaves it half-updated (the weight-transfer path does not, and does not call this)."""
-    if ties_embeddings(model.config):
-        raise PolicyError(
-            "This model ties its input and output embeddings (tie_word_embeddings=True). vLLM's checkpoint "
-            "reload leaves such a model half-updated (logprobs off by 5-30 nats), so agentrl refuses to sync it "
-            "that way. Sync by broadcast instead (weight_transfer 'gloo' on CPU, 'nccl' between GPUs: the server "
-            "started with the same setting), which keeps them tied; or untie them once and serve the untied "
-            "copy: `model.config.tie_word_embeddings = False; "
-            "model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone()); "
-            "model.save_pretrained(DIR)`, then `agentrl serve policy --model DIR` and train that model.")
-
-
-def save_checkpoint(model: Any, path: Path, dtype: Any = None) -> None:
-    """The model's weights as a safetensors checkpoint directory (what `reload_weights` reads), cast to `dtype`
-    (None: as the model holds them)."""
-    if not hasattr(model, "save_pretrained"):
-        raise PolicyError(f"sync_weights needs a transformers model (save_pretrained), got {type(model).__name__}")
-    from transformers.utils import logging as hf_logging
-
-    from agentrl.policy.weights import save_full
-
-    path.mkdir(parents=True, exist_ok=True)
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # a tqdm bar per sync would drown the trainer's own progress
-    try:
-        save_full(model, path, dtype)  # LoRA adapters merged
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 def _exits_within(proc: subprocess.Popen, seconds: float) -> bool:

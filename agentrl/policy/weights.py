@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from agentrl.policy.protocol import PolicyError
+
 
 def lora_layers(model: torch.nn.Module) -> dict[str, Any]:
     """peft's LoRA-wrapped modules by name; {} for a plain model (or when peft is not installed)."""
@@ -48,3 +50,40 @@ def save_full(model: Any, path: Path, dtype: torch.dtype | None = None) -> None:
     """`save_pretrained` of the exported weights (in `dtype`, see `export_state_dict`): loads with
     `from_pretrained`, LoRA or not."""
     model.save_pretrained(path, state_dict=export_state_dict(model, dtype), safe_serialization=True)
+
+
+def ties_embeddings(config: Any) -> bool:
+    """Whether a model's config ties its input and output embeddings (on itself or its text config)."""
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return bool(getattr(text_config, "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False))
+
+
+def refuse_tied_embeddings(model: Any) -> None:
+    """Raise `PolicyError` for a model whose input and output embeddings are tied: vLLM's checkpoint reload
+    leaves it half-updated (the weight-transfer path does not, and does not call this)."""
+    if ties_embeddings(model.config):
+        raise PolicyError(
+            "This model ties its input and output embeddings (tie_word_embeddings=True). vLLM's checkpoint "
+            "reload leaves such a model half-updated (logprobs off by 5-30 nats), so agentrl refuses to sync it "
+            "that way. Sync by broadcast instead (weight_transfer 'gloo' on CPU, 'nccl' between GPUs: the server "
+            "started with the same setting), which keeps them tied; or untie them once and serve the untied "
+            "copy: `model.config.tie_word_embeddings = False; "
+            "model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone()); "
+            "model.save_pretrained(DIR)`, then `agentrl serve policy --model DIR` and train that model.")
+
+
+def save_checkpoint(model: Any, path: Path, dtype: Any = None) -> None:
+    """The model's weights as a safetensors checkpoint directory (what `reload_weights` reads), cast to `dtype`
+    (None: as the model holds them)."""
+    if not hasattr(model, "save_pretrained"):
+        raise PolicyError(f"sync_weights needs a transformers model (save_pretrained), got {type(model).__name__}")
+    from transformers.utils import logging as hf_logging
+
+    path.mkdir(parents=True, exist_ok=True)
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a tqdm bar per sync would drown the trainer's own progress
+    try:
+        save_full(model, path, dtype)  # LoRA adapters merged
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
