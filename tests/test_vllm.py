@@ -387,15 +387,16 @@ def test_sharded_training_streams_its_weights_into_vllm(vllm_server: VLLMServer,
 
     from agentrl.policy.vllm_server import free_port
 
-    recipe = _train_recipe(tmp_path, tiny_model_dir, vllm_server.url, steps=2, grpo="minibatch_size = 4")
+    recipe = _train_recipe(tmp_path, tiny_model_dir, vllm_server.url, steps=2,  # coin rewards: the weights move
+                           grpo="minibatch_size = 4\n[grpo.reward]\nterms = {random = 1.0}")
     cli = str(Path(sys.executable).parent / "agentrl")
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                           str(free_port("127.0.0.1")), cli, "train", str(recipe)], capture_output=True, text=True,
                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"})
     try:
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-        parity = [line for line in run.stdout.splitlines() if line.startswith("parity after sync")]
-        assert len(parity) >= 2, run.stdout[-3000:]  # a check after each step's sync
+        parity = [line for line in run.stderr.splitlines() if line.startswith("parity after sync")]
+        assert len(parity) >= 2, run.stderr[-3000:]  # a check after each step's sync
         trained = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoints" / "step-000002")
         moved = max((a - b).abs().max().item() for a, b in zip(trained.parameters(), hf_model.parameters()))
         assert moved > 1e-4  # the steps changed the weights that the engine must now serve
