@@ -45,41 +45,51 @@ def on_two_ranks(worker, tmp_path, *args) -> dict:
     return torch.load(out)
 
 
-def batch() -> Batch:
-    """6 sequences with different numbers of sampled tokens (so the ranks' shares differ)."""
+def batch(varied: bool = False) -> Batch:
+    """6 sequences with different numbers of sampled tokens (so the ranks' shares differ). `varied`: lengths 5 to
+    24 tokens, so that each rank's share of a minibatch runs packed (fewer tokens than padded)."""
     g = torch.Generator().manual_seed(0)
-    B, T = 6, 12
+    B, T = 6, 24 if varied else 12
     ids = torch.randint(10, 4000, (B, T), generator=g)
     attention = torch.ones(B, T, dtype=torch.long)
-    attention[1, 9:], attention[3, 6:] = 0, 0
     mask = torch.zeros(B, T)
-    mask[0, 3:], mask[1, 5:9], mask[2, 8:], mask[3, 2:6], mask[4, 1:], mask[5, 10:] = 1, 1, 1, 1, 1, 1
+    if varied:
+        for row, length in enumerate((24, 6, 5, 24, 7, 5)):
+            attention[row, length:], mask[row, 2:length] = 0, 1
+    else:
+        attention[1, 9:], attention[3, 6:] = 0, 0
+        mask[0, 3:], mask[1, 5:9], mask[2, 8:], mask[3, 2:6], mask[4, 1:], mask[5, 10:] = 1, 1, 1, 1, 1, 1
     adv = torch.randn(B, 1, generator=g) * mask
     return Batch(ids, attention, mask, torch.full((B, T), -8.0) * mask, adv)
 
 
-def config(agg: str) -> GRPOConfig:
+def config(agg: str, rows: int = 3) -> GRPOConfig:
     # minibatches of 3 rows: one rank gets 2 rows, the other 1. No clipping and plain SGD, so that the step is
     # the gradient itself (Adam and clipping would hide a wrongly scaled one); the norm is compared instead.
-    return GRPOConfig(minibatch_size=3, epochs=2, max_grad_norm=1e9, policy_loss=PolicyLossConfig(agg=agg))
+    return GRPOConfig(minibatch_size=rows, epochs=2, max_grad_norm=1e9, policy_loss=PolicyLossConfig(agg=agg))
 
 
-def step(model, agg: str) -> dict:
+def step(model, agg: str, varied: bool = False) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    return update(model, None, optimizer, batch(), config(agg), torch.Generator().manual_seed(0))
+    # varied: one minibatch of all 6 rows, so that each rank's 3 pack (a long row in one bin, two short in another)
+    return update(model, None, optimizer, batch(varied), config(agg, 6 if varied else 3),
+                  torch.Generator().manual_seed(0))
 
 
-def sharded_worker(rank: int, model_dir: str, agg: str, out: str) -> None:
+def sharded_worker(rank: int, model_dir: str, agg: str, varied: bool, out: str) -> None:
     from agentrl.trainers import fsdp
 
     join(rank)
     model = fsdp.shard(AutoModelForCausalLM.from_pretrained(model_dir))
     assert hasattr(model, SHARDED_FORWARD)  # the step's logprobs take the masked path, the head on sampled tokens
     shapes = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
-    metrics = step(model, agg)
+    passes = []  # per decoder pass: packed (position ids restart per row, no attention mask) or padded
+    model.base_model.register_forward_pre_hook(
+        lambda module, args, kwargs: passes.append(kwargs.get("position_ids") is not None), with_kwargs=True)
+    metrics = step(model, agg, varied)
     state = fsdp.full_state_dict(model)
     if rank == 0:
-        torch.save({"state": state, "local_shapes": shapes, "grad_norm": metrics["grad_norm"]}, out)
+        torch.save({"state": state, "local_shapes": shapes, "grad_norm": metrics["grad_norm"], "passes": passes}, out)
     torch.distributed.destroy_process_group()
 
 
@@ -110,13 +120,16 @@ def test_a_sharded_model_streams_full_tensors_in_the_order_it_announces(tiny_mod
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_sharded_step_equals_the_single_process_step(tiny_model_dir, tmp_path, agg):
-    saved = on_two_ranks(sharded_worker, tmp_path, str(tiny_model_dir), agg)
+@pytest.mark.parametrize("agg,varied", [("token-mean", False), ("seq-mean-token-mean", False),
+                                        ("token-mean", True)])
+def test_sharded_step_equals_the_single_process_step(tiny_model_dir, tmp_path, agg, varied):
+    """Also with rows of varied lengths, which each rank runs packed."""
+    saved = on_two_ranks(sharded_worker, tmp_path, str(tiny_model_dir), agg, varied)
+    assert saved["passes"] and all(saved["passes"]) == varied  # rank 0 packed every pass, or none
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     before = {n: p.detach().clone() for n, p in reference.named_parameters()}
-    metrics = step(reference, agg)
+    metrics = step(reference, agg, varied)
     assert saved["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4)  # the norm over all shards
     full = dict(reference.named_parameters())
     assert set(saved["state"]) >= set(full)  # every parameter, gathered whole on rank 0

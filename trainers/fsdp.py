@@ -74,10 +74,11 @@ def shard(model: torch.nn.Module, reshard_after_forward: bool = True) -> torch.n
     for layer in layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
-    # The masked logprobs (the head on sampled tokens only, in chunks) as a forward of the root, which gathers the
-    # embeddings and the head around it; each layer once per pass (no packing, no shared prefix).
+    # The masked logprobs (the head on sampled tokens only, in chunks; rows packed when that saves work) as a
+    # forward of the root, which gathers the embeddings and the head around it; no shared prefix, whose two passes
+    # would gather each layer twice on some ranks and once on others.
     setattr(model, SHARDED_FORWARD, types.MethodType(
-        lambda self, *args: masked_logprobs(self, *args, pack=False, share_prefix=False), model))
+        lambda self, *args: masked_logprobs(self, *args, share_prefix=False), model))
     register_fsdp_forward_method(model, SHARDED_FORWARD)
     return model
 

@@ -65,7 +65,7 @@ def token_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: t
       False never does. The logprobs are the same up to float rounding (tests/test_packing.py)."""
     sharded = is_sharded(model)
     if mask_BT is not None and sharded and hasattr(model, SHARDED_FORWARD):  # FSDP gathers the root around it
-        return getattr(model, SHARDED_FORWARD)(ids_BT, attention_BT, with_entropy, mask_BT, head_chunk)
+        return getattr(model, SHARDED_FORWARD)(ids_BT, attention_BT, with_entropy, mask_BT, head_chunk, pack, pack_tokens)
     if mask_BT is None or sharded:  # FSDP gathers parameters in the root's forward: call only that
         logits_BTV = model(input_ids=ids_BT, attention_mask=attention_BT).logits[:, :-1]
         # The head ran in the forward, over every position; its float32 log-softmax still goes in chunks of rows.
@@ -85,7 +85,8 @@ def masked_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: 
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs`' masked path: the decoder over the rows (padded, packed, or after a shared prefix), the
     chunked head on the hidden states that predict masked tokens. Sharded, FSDP runs it as a forward of the root
-    (`trainers/fsdp.py`), packing and prefix sharing off: each decoder layer must run once per pass."""
+    (`trainers/fsdp.py`), without prefix sharing: every rank must run each decoder layer once per pass (its
+    parameters are gathered collectively), which one padded or one packed pass does, and a shared prefix does not."""
     B, T = ids_BT.shape
     # Gradient checkpointing turns the KV cache off in training, and with it the prefix sharing.
     checkpointing = model.training and getattr(model, "is_gradient_checkpointing", False)
