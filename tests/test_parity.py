@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.policy.hf import HFPolicy
-from agentrl.policy.parity import (ParityCheck, ParityError, ParityReport, check_parity, compare, mean_threshold_for,
-                                   trainer_logprobs)
+from agentrl.policy.parity import (ParityCheck, ParityError, ParityReport, batch_trainer_logprobs, check_parity, compare,
+                                   mean_threshold_for, trainer_logprobs)
 from agentrl.policy.protocol import Sample
 
 QUESTIONS = ["What is 3 * (4 + 5)?", "Hi", "Compute 12 + 30, then halve it."]
@@ -118,3 +118,13 @@ async def test_confident_broken_engine_fails_the_tail(trainer, prompts, tiny_mod
     check = ParityCheck(prompts=prompts, mean_threshold=1e3)  # the mean gate off: the tail alone catches it
     with pytest.raises(ParityError, match="of tokens over 2 nats"):
         await engine_check(broken, trainer, tiny_model_dir, check)
+
+
+def test_one_padded_forward_gives_each_sequence_its_own_logprobs(trainer):
+    """The parity check's trainer side runs all its sequences in one right-padded forward (under FSDP every
+    forward gathers the whole model): each row's logprobs are those of its own forward."""
+    sequences = [((5, 6, 7), tuple(range(100, 140))), ((8,), (9, 10)), ((11, 12, 13, 14, 15), tuple(range(200, 220)))]
+    batched = batch_trainer_logprobs(trainer, sequences)
+    for (prompt, sampled), logp in zip(sequences, batched):
+        alone = trainer_logprobs(trainer, prompt, sampled)
+        assert logp.shape == (len(sampled),) and torch.allclose(logp, alone, atol=1e-5), (logp - alone).abs().max()

@@ -65,7 +65,8 @@ def token_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: t
       False never does. The logprobs are the same up to float rounding (tests/test_packing.py)."""
     sharded = is_sharded(model)
     if mask_BT is not None and sharded and hasattr(model, SHARDED_FORWARD):  # FSDP gathers the root around it
-        return getattr(model, SHARDED_FORWARD)(ids_BT, attention_BT, with_entropy, mask_BT, head_chunk, pack, pack_tokens)
+        return getattr(model, SHARDED_FORWARD)(ids_BT, attention_BT, with_entropy, mask_BT, head_chunk, pack,
+                                               pack_tokens)
     if mask_BT is None or sharded:  # FSDP gathers parameters in the root's forward: call only that
         logits_BTV = model(input_ids=ids_BT, attention_mask=attention_BT).logits[:, :-1]
         # The head ran in the forward, over every position; its float32 log-softmax still goes in chunks of rows.

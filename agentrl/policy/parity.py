@@ -100,20 +100,26 @@ class ParityCheck:
 
 
 def trainer_logprobs(model: Any, prompt_ids: Sequence[int], sampled_ids: Sequence[int]) -> torch.Tensor:
-    """log p(sampled[i] | prompt + sampled[:i]) as the trainer computes it (`token_logprobs`). Returns [T].
+    """log p(sampled[i] | prompt + sampled[:i]) as the trainer computes it (`token_logprobs`). Returns [T]."""
+    return batch_trainer_logprobs(model, [(prompt_ids, sampled_ids)])[0]
 
-    A model sharded over ranks (FSDP) runs its forward on every rank at once: rank 0 first hands the sequence to
-    the others, which wait for it in `follow_trainer_logprobs`."""
+
+def batch_trainer_logprobs(model: Any, sequences: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[torch.Tensor]:
+    """`trainer_logprobs` of each (prompt ids, sampled ids), in one forward over the right-padded rows.
+
+    A model sharded over ranks (FSDP) runs its forward on every rank at once: rank 0 first hands the sequences to
+    the others, which wait for them in `follow_trainer_logprobs`."""
+    sequences = [(list(prompt), list(sampled)) for prompt, sampled in sequences]
     if is_sharded(model):
-        torch.distributed.broadcast_object_list([(list(prompt_ids), list(sampled_ids))], src=0)
-    return _trainer_logprobs(model, prompt_ids, sampled_ids)
+        torch.distributed.broadcast_object_list([sequences], src=0)
+    return _forward(model, sequences)
 
 
 def follow_trainer_logprobs(model: Any) -> None:
-    """On the ranks after 0 of a sharded `model`: the forwards of rank 0's `trainer_logprobs` (its parity checks
-    during a sync), until rank 0 calls `end_trainer_logprobs`."""
-    while (sequence := _received()) is not None:
-        _trainer_logprobs(model, *sequence)
+    """On the ranks after 0 of a sharded `model`: the forwards of rank 0's `batch_trainer_logprobs` (its parity
+    checks during a sync), until rank 0 calls `end_trainer_logprobs`."""
+    while (sequences := _received()) is not None:
+        _forward(model, sequences)
 
 
 def end_trainer_logprobs() -> None:
@@ -128,36 +134,38 @@ def _received() -> Any:
 
 
 @torch.no_grad()
-def _trainer_logprobs(model: Any, prompt_ids: Sequence[int], sampled_ids: Sequence[int]) -> torch.Tensor:
+def _forward(model: Any, sequences: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
+    rows = [prompt + sampled for prompt, sampled in sequences]
+    ids_BT = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    attention_BT = torch.zeros_like(ids_BT)
+    for b, row in enumerate(rows):
+        ids_BT[b, :len(row)], attention_BT[b, :len(row)] = torch.tensor(row), 1
     device = next(model.parameters()).device
-    ids_BT = torch.tensor([[*prompt_ids, *sampled_ids]], device=device)
     was_training = model.training
     model.eval()  # dropout off: the engine has none
     try:
         with autocast(model):  # the numerics the loss sees (mixed precision: bf16 matmuls over float32 weights)
-            logp_BT, _ = token_logprobs(model, ids_BT, torch.ones_like(ids_BT))
+            logp_BT, _ = token_logprobs(model, ids_BT.to(device), attention_BT.to(device))
     finally:
         model.train(was_training)
-    return logp_BT[0, len(prompt_ids):].float().cpu()
+    return [logp_BT[b, len(prompt):len(prompt) + len(sampled)].float().cpu()
+            for b, (prompt, sampled) in enumerate(sequences)]
 
 
 def compare(model: Any, prompts: Sequence[Sequence[int]], samples: Sequence[Sample],
             tail_nats: float = 2.0) -> ParityReport:
     """Parity of the engine's `samples` (one per prompt) against `model`'s forward pass."""
-    engine, trainer = [], []
-    for prompt, sample in zip(prompts, samples, strict=True):
-        if sample.token_ids:
-            engine.append(torch.tensor(sample.logprobs, dtype=torch.float32))
-            trainer.append(trainer_logprobs(model, prompt, sample.token_ids))
-    if not engine:
+    pairs = [(prompt, sample) for prompt, sample in zip(prompts, samples, strict=True) if sample.token_ids]
+    if not pairs:
         raise ParityError("no sampled tokens to compare: every sample was empty")
-    engine_N, trainer_N = torch.cat(engine), torch.cat(trainer)
+    engine_N = torch.cat([torch.tensor(sample.logprobs, dtype=torch.float32) for _, sample in pairs])
+    trainer_N = torch.cat(batch_trainer_logprobs(model, [(prompt, sample.token_ids) for prompt, sample in pairs]))
     diff_N = (trainer_N - engine_N).abs()
     p50, p99 = torch.quantile(diff_N, torch.tensor([0.5, 0.99])).tolist()
     return ParityReport(mean_abs_diff=diff_N.mean().item(), p50_abs_diff=p50, p99_abs_diff=p99,
                         max_abs_diff=diff_N.max().item(), tail_share=(diff_N > tail_nats).float().mean().item(),
                         tail_nats=tail_nats, mean_importance_ratio=(trainer_N - engine_N).exp().mean().item(),
-                        num_tokens=diff_N.numel(), num_sequences=len(engine))
+                        num_tokens=diff_N.numel(), num_sequences=len(pairs))
 
 
 async def check_parity(policy: Policy, model: Any, check: ParityCheck) -> ParityReport:

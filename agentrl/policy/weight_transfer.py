@@ -16,7 +16,7 @@ Three backends speak the same protocol:
 
 A trainer sharded over ranks (FSDP) joins with every rank (vLLM's multi-rank protocol): rank 0 sends, and each
 tensor is gathered from its shards (`full_tensor()`, a collective) as it is sent, so the weights stream one
-tensor at a time from the devices they live on, with no gathered copy of the whole model.
+tensor at a time from the devices they live on, never the whole model gathered at once.
 """
 
 from __future__ import annotations
