@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.policy.hf import HFPolicy
-from agentrl.policy.parity import (ParityCheck, ParityError, ParityReport, batch_trainer_logprobs, check_parity, compare,
-                                   mean_threshold_for, trainer_logprobs)
+from agentrl.policy.parity import (ParityCheck, ParityError, ParityReport, batch_trainer_logprobs, check_parity,
+                                   compare, mean_threshold_for, trainer_logprobs)
 from agentrl.policy.protocol import Sample
 
 QUESTIONS = ["What is 3 * (4 + 5)?", "Hi", "Compute 12 + 30, then halve it."]
