@@ -205,7 +205,7 @@ async def test_failed_parity_rolls_back(policy: VLLMPolicy, hf_model, prompts, m
             broken.lm_head.weight.mul_(1.5)
         broken.save_pretrained(path)
 
-    monkeypatch.setattr(vllm_client, "save_checkpoint", save_other_weights)
+    monkeypatch.setattr(vllm_client, "save_for_reload", save_other_weights)
     policy.parity = ParityCheck(prompts=prompts[:2])
     with pytest.raises(ParityError, match="disagree"):
         await policy.sync_weights(hf_model, version=3)

@@ -41,7 +41,7 @@ from agentrl.policy.logprobs import is_sharded
 from agentrl.policy.parity import ParityCheck, ParityError, check_parity
 from agentrl.policy.protocol import PolicyError, Sample, SamplingParams
 from agentrl.policy.vllm_server import ServerConfig, ServerError, VLLMServer, WeightTransfer, free_port
-from agentrl.policy.weights import refuse_tied_embeddings, save_checkpoint
+from agentrl.policy.weights import refuse_tied_embeddings, save_for_reload
 
 _console = Console(stderr=True)
 # The request never reached the server: safe to send again.
@@ -152,7 +152,7 @@ class VLLMPolicy:
             self._checkpoints = Path(tempfile.mkdtemp(prefix="agentrl-weights-"))
         path, previous = self._checkpoints / f"v{version}-{self.syncs + 1}", self._checkpoint
         try:
-            await asyncio.to_thread(save_checkpoint, model, path, self.engine_dtype(model))
+            await asyncio.to_thread(save_for_reload, model, path, self.engine_dtype(model))
             await self._load_checkpoint(path)
             if self.parity is not None and self.parity.due(self.syncs + 1):
                 await self._check_or_roll_back(model, previous)

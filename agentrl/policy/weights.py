@@ -9,6 +9,9 @@ to the export dtype: a bf16 W plus a bf16-rounded delta would round the early, s
 With mixed precision (`agentrl.policy.precision`) the parameters are float32 master weights; checkpoints keep
 them so, and an engine that serves bf16 gets them cast once (`dtype`), the rounding its trainer's autocast
 forward sees too.
+
+A checkpoint for vLLM's `reload_weights` (`save_for_reload`) cannot carry tied embeddings: the reload leaves the
+output projection on the old weights, so such a sync is refused (`refuse_tied_embeddings`) in favour of a transfer.
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ def refuse_tied_embeddings(model: Any) -> None:
             "model.save_pretrained(DIR)`, then `agentrl serve policy --model DIR` and train that model.")
 
 
-def save_checkpoint(model: Any, path: Path, dtype: Any = None) -> None:
+def save_for_reload(model: Any, path: Path, dtype: Any = None) -> None:
     """The model's weights as a safetensors checkpoint directory (what `reload_weights` reads), cast to `dtype`
     (None: as the model holds them)."""
     if not hasattr(model, "save_pretrained"):
