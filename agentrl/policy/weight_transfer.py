@@ -262,6 +262,6 @@ def open_transfer(backend: Backend, base_url: str | None, model: Any, address: s
         info = IPCTrainerInitInfo(rank=rank)
     else:
         info = GlooTrainerInitInfo(address, port, world_size, rank=rank)
-    source = ModelWeights(model, to_cpu=backend == "gloo", dtype=dtype)
+    source = ModelWeights(model, to_cpu=backend == "gloo" and rank == 0, dtype=dtype)  # other ranks send nothing
     client = HTTPVLLMWeightSyncClient(base_url) if rank == 0 else None
     return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
