@@ -192,10 +192,10 @@ class Sharding:
             if self.main:
                 asyncio.run(self.policy.sync_weights(self.plain or self.model, version))
         elif self.main:  # the other ranks gather each tensor with it, then run its parity forwards
-            try:
-                asyncio.run(self.policy.sync_weights(self.model, version))
-            finally:
-                end_trainer_logprobs()
+            # A failed sync raises here and ends the job (torchrun then stops the other ranks): telling them to
+            # stop instead could meet them in another collective.
+            asyncio.run(self.policy.sync_weights(self.model, version))
+            end_trainer_logprobs()
         else:
             self.follower.send_weights()
             follow_trainer_logprobs(self.model)
