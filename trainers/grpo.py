@@ -26,6 +26,7 @@ from agentrl.trainers.advantages import ADVANTAGES
 from agentrl.trainers.batch import Batch, make_batch
 from agentrl.trainers.confidence import CONFIDENCE_SOURCES, score_confidence
 from agentrl.trainers.rewards import group_rewards, reward_metrics
+from agentrl.trainers.sharding import Sharding
 from agentrl.types import Group, Task
 
 
@@ -110,7 +111,7 @@ class GRPO:
                                        cfg, torch.Generator().manual_seed(cfg.seed + step)))
         return metrics
 
-    def checkpoint_state(self, sharding: loop.Sharding) -> tuple[dict, dict]:
+    def checkpoint_state(self, sharding: Sharding) -> tuple[dict, dict]:
         """Nothing beyond the policy: the reference model is the initial policy, rebuilt on resume (it is copied
         before the loop restores the checkpoint)."""
         return {}, {}

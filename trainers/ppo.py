@@ -39,6 +39,7 @@ from agentrl.trainers.confidence import CONFIDENCE_SOURCES, score_confidence
 from agentrl.trainers.fsdp import data_parallel, frozen_copy, full_state_dict, load_full_state_dict, shard
 from agentrl.trainers.losses import kl_in_reward, masked_mean, value_loss
 from agentrl.trainers.rewards import reward_metrics, rewarded
+from agentrl.trainers.sharding import Sharding
 from agentrl.types import Group, Task, Trajectory
 
 
@@ -196,7 +197,7 @@ class PPO:
                                      generator()))
         return metrics
 
-    def checkpoint_state(self, sharding: loop.Sharding) -> tuple[dict, dict]:
+    def checkpoint_state(self, sharding: Sharding) -> tuple[dict, dict]:
         """The critic and its optimizer state (gathered on rank 0 when sharded: a collective on every rank)."""
         critic, optimizer_state = sharding.gathered(self.critic, self.critic_optimizer, self.plain_critic)
         return ({"critic_optimizer": optimizer_state}, {"critic": critic}) if sharding.main else ({}, {})

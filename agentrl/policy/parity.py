@@ -111,24 +111,25 @@ def batch_trainer_logprobs(model: Any, sequences: Sequence[tuple[Sequence[int], 
     the others, which wait for them in `follow_trainer_logprobs`."""
     sequences = [(list(prompt), list(sampled)) for prompt, sampled in sequences]
     if is_sharded(model):
-        torch.distributed.broadcast_object_list([sequences], src=0)
+        _from_rank0(sequences)
     return _forward(model, sequences)
 
 
 def follow_trainer_logprobs(model: Any) -> None:
     """On the ranks after 0 of a sharded `model`: the forwards of rank 0's `batch_trainer_logprobs` (its parity
     checks during a sync), until rank 0 calls `end_trainer_logprobs`."""
-    while (sequences := _received()) is not None:
+    while (sequences := _from_rank0()) is not None:
         _forward(model, sequences)
 
 
 def end_trainer_logprobs() -> None:
     """Rank 0 of a sharded model: release the other ranks from `follow_trainer_logprobs`."""
-    torch.distributed.broadcast_object_list([None], src=0)
+    _from_rank0(None)
 
 
-def _received() -> Any:
-    box = [None]
+def _from_rank0(obj: Any = None) -> Any:
+    """Rank 0's `obj` on every rank (the others pass nothing)."""
+    box = [obj]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
 

@@ -39,6 +39,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
     materialize_full_tensor,
 )
+from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLTrainerWeightTransferEngine
 
 from agentrl.policy.weights import export_state_dict
 
@@ -204,17 +205,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             received = pool.submit(self.client.update_weights, asdict(update))  # the workers receive meanwhile
-            sent = 0
-            for name, tensor in self.source:  # one tensor at a time: no copy of the whole model
-                expected = meta[sent] if sent < len(meta) else None
-                if expected is None or (name, tensor.dtype, tuple(tensor.shape)) != (
-                        expected.name, expected.dtype, tuple(expected.shape)):
-                    raise ValueError(f"the weight source sent {name!r} {tensor.dtype} {tuple(tensor.shape)} where its "
-                                     f"metadata announced {expected}")
+            # one tensor at a time (no copy of the whole model), each checked against what was announced
+            for _, tensor in NCCLTrainerWeightTransferEngine._checked_iter(self.source, meta):
                 broadcast(self.group, tensor)
-                sent += 1
-            if sent != len(meta):
-                raise ValueError(f"the weight source sent {sent} tensors but announced {len(meta)}")
             received.result()
         finally:
             pool.shutdown(wait=False)  # after a failed broadcast the worker never answers: do not wait for it
@@ -250,8 +243,6 @@ def open_transfer(backend: Backend, base_url: str | None, model: Any, address: s
 
     register()
     if backend == "nccl":
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
         info = NCCLTrainerInitInfo(address, port, world_size, rank=rank)
     elif backend == "ipc":
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
