@@ -20,6 +20,11 @@ steps). Two envs:
    remote tool or a sandbox start that only waits), and turns ended by half the vocabulary (as stop tokens), so that
    the random model's episodes take their 4 turns: 5 s of waiting per episode.
 
+Each row also reports `cpu_busy`, the share of the machine's CPU time (all cores, every process: Chromium and
+Docker included) that was busy while it trained. An asynchronous run does the same work as the synchronous one;
+where all of it runs on these cores, it can be at most `1 / cpu_busy` of the synchronous row times faster
+(`<env>_overlap_bound`): overlapping only fills cores that a synchronous step leaves idle, waiting.
+
 The model is the tiny one (5 M parameters, random weights: it writes no valid tool call, so every episode runs to
 its turn limit, and rewards are 0: the update still runs its forward and backward passes over every trained token).
 
@@ -80,8 +85,16 @@ def with_latency(env):
     return env
 
 
+def cpu_jiffies() -> tuple[int, int]:
+    """The machine's (busy, total) CPU time so far, over all cores and processes (Chromium, Docker included)."""
+    user, nice, system, idle, iowait, *rest = map(int, Path("/proc/stat").read_text().split("\n")[0].split()[1:])
+    total = user + nice + system + idle + iowait + sum(rest[:3])  # irq, softirq, steal (guest is inside user)
+    return total - idle - iowait, total
+
+
 def run_row(model_dir: Path, env_name: str, max_staleness: int, steps: int, out: Path) -> dict:
-    """One training run; its trained tokens per second over the steps and mean idle fractions."""
+    """One training run; its trained tokens per second over the steps, mean idle fractions, and the share of the
+    machine's CPU time that was busy while it ran."""
     env_id, env_kwargs, (tasks_per_step, group_size, concurrency, max_tokens) = ENVS[env_name]
     tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
@@ -94,13 +107,16 @@ def run_row(model_dir: Path, env_name: str, max_staleness: int, steps: int, out:
                                            sampling=SamplingParams(max_tokens=max_tokens, stop_token_ids=stops)))
     make_env = lambda: (with_latency if slow else lambda e: e)(agentrl.make(env_id, **env_kwargs))  # noqa: E731
     policy = HFPolicy(copy.deepcopy(model), tokenizer)  # the sampler's own copy, in every row alike
-    rows = train(cfg, model, tokenizer, policy, make_env, list(make_env().tasks), out)
+    tasks, before = list(make_env().tasks), cpu_jiffies()
+    rows = train(cfg, model, tokenizer, policy, make_env, tasks, out)
+    (busy0, total0), (busy1, total1) = before, cpu_jiffies()
     seconds = sum(sum(r["time"].values()) for r in rows)
     tokens = sum(r["trained_tokens"] for r in rows)
     return {"env": env_name, "max_staleness": max_staleness, "trained_tokens": tokens, "seconds": round(seconds, 2),
             "trained_tokens_per_s": round(tokens / seconds, 1),
             "idle": {k: round(statistics.mean(r["idle"][k] for r in rows), 3) for k in rows[0]["idle"]},
-            "stale_groups": sum(r.get("stale_groups", 0) for r in rows)}
+            "stale_groups": sum(r.get("stale_groups", 0) for r in rows),
+            "cpu_busy": round((busy1 - busy0) / (total1 - total0), 3)}
 
 
 def main() -> None:
@@ -126,8 +142,11 @@ def main() -> None:
     for (env_name, k), row in results.items():
         figures[f"{env_name}_k{k}_tokens_per_s"] = row["trained_tokens_per_s"]
         figures[f"{env_name}_k{k}_idle"] = row["idle"]
+        figures[f"{env_name}_k{k}_cpu_busy"] = row["cpu_busy"]
         if k:
             figures[f"{env_name}_k{k}_ratio"] = ratio(env_name, k)
+        else:
+            figures[f"{env_name}_overlap_bound"] = round(1 / row["cpu_busy"], 2)
     print(json.dumps(figures))
 
 

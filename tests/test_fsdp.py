@@ -107,6 +107,37 @@ def streamed_worker(rank: int, model_dir: str, out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+def from_rank0_worker(rank: int, model_dir: str, out: str) -> None:
+    from agentrl.trainers import fsdp
+
+    join(rank)
+    if rank:  # this rank must not read the weights
+        AutoModelForCausalLM.from_pretrained = lambda *a, **k: pytest.fail("rank 1 read the weights")
+    model = fsdp.from_pretrained(model_dir, torch.float32, None, "cpu")
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(10, 40).unsqueeze(0)).logits  # each rank's own forward
+    state, every_ranks = fsdp.full_state_dict(model), [None, None]
+    torch.distributed.all_gather_object(every_ranks, logits)
+    if rank == 0:
+        torch.save({"state": state, "logits": every_ranks}, out)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_only_rank0_reads_the_weights_and_every_rank_computes_with_them(tiny_model_dir, tmp_path):
+    """The sharded trainer's start: rank 1 builds the model on the meta device and gets its shards and buffers (the
+    rotary frequencies, in no state dict) from rank 0; both ranks' forwards equal the plain model's."""
+    saved = on_two_ranks(from_rank0_worker, tmp_path, str(tiny_model_dir))
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert list(saved["state"]) == list(plain.state_dict())
+    for name, tensor in plain.state_dict().items():
+        assert torch.equal(saved["state"][name], tensor), name
+    with torch.no_grad():
+        expected = plain(input_ids=torch.arange(10, 40).unsqueeze(0)).logits
+    for logits in saved["logits"]:
+        torch.testing.assert_close(logits, expected)
+
+
 @pytest.mark.slow
 def test_a_sharded_model_streams_full_tensors_in_the_order_it_announces(tiny_model_dir, tmp_path):
     """What a sync by transfer sends from a model sharded over 2 ranks: each full tensor, gathered from the shards

@@ -83,6 +83,36 @@ def shard(model: torch.nn.Module, reshard_after_forward: bool = True) -> torch.n
     return model
 
 
+def from_pretrained(path: str, dtype: torch.dtype, compute: torch.dtype | None,
+                    device: torch.device | str) -> torch.nn.Module:
+    """The causal LM at `path` in `dtype` (mixed precision in `compute`, if given), sharded (a collective): only rank
+    0 reads the weights (`shard_from_rank0`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if dist.get_rank() == 0:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    return shard_from_rank0(mixed_precision(model, compute), device)
+
+
+def shard_from_rank0(model: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    """Shards `model` (a collective) when only rank 0's has its weights, on `device`: the other ranks pass the same
+    architecture built on the meta device and receive their shards and buffers from rank 0. So a job holds one full
+    copy of the model while it starts, not one per rank (nor spends each rank's time initializing one)."""
+    rank = dist.get_rank()
+    full = model.state_dict() if rank == 0 else {}  # rank 0's full tensors outlive the sharding, until sent
+    shard(model)
+    if rank:
+        model.to_empty(device=device)
+    load_full_state_dict(model, full)
+    with torch.no_grad():
+        for buffer in model.buffers():  # non-persistent ones (rotary frequencies) are in no state dict
+            dist.broadcast(buffer, src=0)
+    return model
+
+
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A frozen copy of `model` (a reference policy), in eval mode. A sharded model cannot be deep-copied, so its copy
     is built on the meta device, sharded the same way, and each rank copies its own shards and buffers: no rank

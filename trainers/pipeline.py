@@ -244,11 +244,11 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         policy = open_policy(job.model, job.engine, parity_prompts=prompts)
     if in_process and world == 1 and not job.rl.max_staleness:  # the sampler shares the trainer's model: free syncs
         model = policy.model
-    else:  # the trainer has its own copy (sharded over the ranks under torchrun; asynchronous: the sampler runs on)
+    elif world > 1:  # the trainer sharded over the ranks under torchrun
+        model = fsdp.from_pretrained(os.path.expanduser(job.model), param_dtype, autocast_dtype, job.device)
+    else:  # the trainer has its own copy (asynchronous: the sampler runs on)
         model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(job.model), dtype=param_dtype).to(job.device)
-        mixed_precision(model, autocast_dtype)  # before shard(): FSDP's MixedPrecisionPolicy follows it
-        if world > 1:
-            fsdp.shard(model)
+        mixed_precision(model, autocast_dtype)
     if job.lora:  # in place: the in-process sampler holds this very model
         add_lora(model, job.lora)
     if job.gradient_checkpointing:  # non-reentrant: works when the embeddings are frozen (LoRA)

@@ -15,6 +15,7 @@ It is saved with each checkpoint under `critic/` and loads with `from_pretrained
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,7 +37,7 @@ from agentrl.trainers.advantages import gae, masked_whiten, turn_rewards_to_toke
 from agentrl.trainers.batch import Batch, make_batch
 from agentrl.trainers.checkpoint import restore
 from agentrl.trainers.confidence import CONFIDENCE_SOURCES, score_confidence
-from agentrl.trainers.fsdp import data_parallel, frozen_copy, full_state_dict, load_full_state_dict, shard
+from agentrl.trainers.fsdp import data_parallel, frozen_copy, full_state_dict, shard_from_rank0
 from agentrl.trainers.losses import kl_in_reward, masked_mean, value_loss
 from agentrl.trainers.rewards import reward_metrics, rewarded
 from agentrl.trainers.sharding import Sharding
@@ -67,25 +68,26 @@ class PPOConfig(loop.LoopConfig):
 def make_critic(model: torch.nn.Module) -> torch.nn.Module:
     """The policy's transformer with a scalar value head at 0 (no dropout: values must not be noisy), in the
     policy's precision (float32 master weights and its autocast dtype, `agentrl.policy.precision`). From a
-    policy sharded with FSDP, the critic is made from the gathered weights and sharded the same way."""
+    policy sharded with FSDP, rank 0 makes the critic from the gathered weights and it is sharded the same way."""
     rank, world = data_parallel()
     config = copy.deepcopy(model.config)
     config.num_labels, config.classifier_dropout = 1, 0.0
-    critic = AutoModelForTokenClassification.from_config(config, dtype=next(model.parameters()).dtype)
+    device = next(model.parameters()).device
+    with torch.device("meta") if rank else contextlib.nullcontext():  # the other ranks get their shards from rank 0
+        critic = AutoModelForTokenClassification.from_config(config, dtype=next(model.parameters()).dtype)
     if world == 1:
         critic.base_model.load_state_dict(model.base_model.state_dict())
     elif (full := full_state_dict(model)):  # rank 0; a collective, every rank takes part
         prefix = model.base_model_prefix + "."
         critic.base_model.load_state_dict({k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)})
-    head = [m for m in critic.modules() if isinstance(m, torch.nn.Linear) and m.out_features == 1][-1]
-    torch.nn.init.zeros_(head.weight)
-    if head.bias is not None:
-        torch.nn.init.zeros_(head.bias)
-    critic = mixed_precision(critic.to(next(model.parameters()).device), compute_dtype(model))
-    if world > 1:
-        start = critic.state_dict() if rank == 0 else {}
-        load_full_state_dict(shard(critic), start)
-    return critic
+    if rank == 0:
+        head = [m for m in critic.modules() if isinstance(m, torch.nn.Linear) and m.out_features == 1][-1]
+        torch.nn.init.zeros_(head.weight)
+        if head.bias is not None:
+            torch.nn.init.zeros_(head.bias)
+        critic.to(device)
+    critic = mixed_precision(critic, compute_dtype(model))
+    return shard_from_rank0(critic, device) if world > 1 else critic
 
 
 def token_values(critic: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: torch.Tensor) -> torch.Tensor:
