@@ -33,7 +33,7 @@ its turn limit, and rewards are 0: the update still runs its forward and backwar
 `--quick` (51 s): `math+latency` only, synchronous against max_staleness 1, 2 steps; that checks the bench runs,
 but 2 steps mostly measure the asynchronous run's filling up (0.95x in one run), not its speed. The full run: every
 env at max_staleness 0, 1 and 2, 6 steps each, after one untimed step of each env (sandbox pools, browsers and
-caches warm up there, not in the first row; 14 minutes on 2 cores with AVX-512). The web
+caches warm up there, not in the first row; 14-29 minutes on 2 cores with AVX-512). The web
 rows need Chromium and Playwright (`make setup-browser`). The last line is one JSON object.
 """
 
