@@ -107,9 +107,10 @@ def run_row(model_dir: Path, env_name: str, max_staleness: int, steps: int, out:
                                            sampling=SamplingParams(max_tokens=max_tokens, stop_token_ids=stops)))
     make_env = lambda: (with_latency if slow else lambda e: e)(agentrl.make(env_id, **env_kwargs))  # noqa: E731
     policy = HFPolicy(copy.deepcopy(model), tokenizer)  # the sampler's own copy, in every row alike
-    tasks, before = list(make_env().tasks), cpu_jiffies()
+    tasks = list(make_env().tasks)
+    busy0, total0 = cpu_jiffies()
     rows = train(cfg, model, tokenizer, policy, make_env, tasks, out)
-    (busy0, total0), (busy1, total1) = before, cpu_jiffies()
+    busy1, total1 = cpu_jiffies()
     seconds = sum(sum(r["time"].values()) for r in rows)
     tokens = sum(r["trained_tokens"] for r in rows)
     return {"env": env_name, "max_staleness": max_staleness, "trained_tokens": tokens, "seconds": round(seconds, 2),
@@ -135,8 +136,9 @@ def main() -> None:
             row = run_row(model_dir, env_name, k, steps, Path(tmp) / f"{env_name}-{k}")
             results[(env_name, k)] = row
             print(json.dumps(row), file=sys.stderr)
-    ratio = lambda env, k: round(results[(env, k)]["trained_tokens_per_s"] / results[(env, 0)]["trained_tokens_per_s"],
-                                 3)  # noqa: E731
+    def ratio(env: str, k: int) -> float:
+        return round(results[(env, k)]["trained_tokens_per_s"] / results[(env, 0)]["trained_tokens_per_s"], 3)
+
     headline = "web" if "web" in envs else envs[0]
     figures = {"ratio": ratio(headline, 1), "goal": f">= 1.5 ({headline}, max_staleness 1 vs 0)", "steps": steps}
     for (env_name, k), row in results.items():

@@ -72,9 +72,9 @@ def make_critic(model: torch.nn.Module) -> torch.nn.Module:
     rank, world = data_parallel()
     config = copy.deepcopy(model.config)
     config.num_labels, config.classifier_dropout = 1, 0.0
-    device = next(model.parameters()).device
+    weight = next(model.parameters())
     with torch.device("meta") if rank else contextlib.nullcontext():  # the other ranks get their shards from rank 0
-        critic = AutoModelForTokenClassification.from_config(config, dtype=next(model.parameters()).dtype)
+        critic = AutoModelForTokenClassification.from_config(config, dtype=weight.dtype)
     if world == 1:
         critic.base_model.load_state_dict(model.base_model.state_dict())
     elif (full := full_state_dict(model)):  # rank 0; a collective, every rank takes part
@@ -85,9 +85,9 @@ def make_critic(model: torch.nn.Module) -> torch.nn.Module:
         torch.nn.init.zeros_(head.weight)
         if head.bias is not None:
             torch.nn.init.zeros_(head.bias)
-        critic.to(device)
+        critic.to(weight.device)
     critic = mixed_precision(critic, compute_dtype(model))
-    return shard_from_rank0(critic, device) if world > 1 else critic
+    return shard_from_rank0(critic, weight.device) if world > 1 else critic
 
 
 def token_values(critic: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: torch.Tensor) -> torch.Tensor:
