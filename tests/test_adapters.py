@@ -20,7 +20,6 @@ import agentrl
 from agentrl.env.adapters.openenv_server import build_app
 from agentrl.env.adapters.trl_env import trl_dataset, trl_environment
 from agentrl.env.conformance import conformance
-from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.policy.scripted import ScriptedPolicy, playing
 from agentrl.types import Status
@@ -28,11 +27,6 @@ from agentrl.types import Status
 RG_ENV = "verifiers.envs.integrations.reasoninggym_env:ReasoningGymEnv"
 ADAPTED = ["gymnasium/FrozenLake-v1", "textarena/GuessTheNumber-v0", "skyrl/gsm8k-v0", "skyrl/gsm8k_multi_turn-v0",
            "verifiers/arith-tools-v0", "verifiers/guess-v0"]
-
-
-@pytest.fixture(scope="module")
-def renderer(tiny_model_dir):
-    return Renderer(AutoTokenizer.from_pretrained(tiny_model_dir))
 
 
 @pytest.fixture(scope="module")

@@ -16,17 +16,11 @@ from agentrl.gateway.agents import AgentConfig, AgentEngine, AgentEngines, load_
 from agentrl.policy import scripted
 from agentrl.policy.hf import HFPolicy
 from agentrl.policy.protocol import SamplingParams
-from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig
 from agentrl.trainers import grpo
 from agentrl.types import Status, StopReason, Task
 
 ENV = dict(parser="react", kinds=["expression"], max_ops=2)
-
-
-@pytest.fixture(scope="module")
-def renderer(tiny_model_dir):
-    return Renderer(AutoTokenizer.from_pretrained(tiny_model_dir))
 
 
 def engine(program, policy, renderer, **agent) -> AgentEngine:

@@ -9,23 +9,16 @@ from collections import Counter
 
 import pytest
 from agents.models.chatcmpl_converter import Converter
-from transformers import AutoTokenizer
 
 from agentrl.envs.math import ArithmeticEnv
 from agentrl.gateway.agents import AgentConfig, AgentEngine, load_program
 from agentrl.policy import scripted
-from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig
 from agentrl.types import Status
 from examples.agents.calculator_agents_sdk import CHECKER, SYSTEM, calculator
 
 PROGRAM = "examples.agents.calculator_agents_sdk:solve"
 ENV = dict(parser="react", kinds=["expression"], max_ops=2)
-
-
-@pytest.fixture(scope="module")
-def renderer(tiny_model_dir):
-    return Renderer(AutoTokenizer.from_pretrained(tiny_model_dir))
 
 
 @pytest.mark.parametrize("thought", ["", "Thought: I use the calculator.\n"])

@@ -340,14 +340,7 @@ def test_killed_at_random_points_the_run_trains_every_group_exactly_once(tiny_mo
     script.write_text(TRAIN)
     command = [sys.executable, str(script), str(tiny_model_dir), str(out), str(sources)]
     if sources:
-        import ray
-
-        from agentrl.rollout.ray_pool import init_ray
-
-        if not ray.is_initialized():
-            init_ray()
-            request.addfinalizer(ray.shutdown)
-        command.append(ray.get_runtime_context().gcs_address)
+        command.append(request.getfixturevalue("ray_cluster"))
 
     def step() -> int:  # of the latest checkpoint; 0 before the first
         checkpoint = latest_checkpoint(out) if out.exists() else None

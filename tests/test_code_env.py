@@ -7,12 +7,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from transformers import AutoTokenizer
 
 import agentrl
 from agentrl.envs.code.harness import run_tests, split_check
 from agentrl.envs.code.tasks import TEMPLATES, generated, humaneval
-from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.policy.scripted import ScriptedPolicy, playing
 from agentrl.tools.sandbox import Limits, LocalRuntime
@@ -136,11 +134,6 @@ def test_humaneval_canonical_solutions_pass_in_the_sandbox_and_wrong_ones_fail()
     finally:
         env.close()
     assert agentrl.check("code/humaneval-v0") == []
-
-
-@pytest.fixture(scope="module")
-def renderer(tiny_model_dir):
-    return Renderer(AutoTokenizer.from_pretrained(tiny_model_dir))
 
 
 @pytest.mark.docker

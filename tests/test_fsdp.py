@@ -3,6 +3,7 @@ minibatch, and the gathered full state dict is what the engine's weight sync rec
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 
@@ -27,21 +28,79 @@ def free_port() -> None:
         os.environ["TEST_FSDP_PORT"] = str(s.getsockname()[1])
 
 
-def join(rank: int) -> None:
-    """A worker's rank `rank` of the 2-rank gloo group."""
+def serve(rank: int, port: str, jobs, done) -> None:
+    """Rank `rank` of the 2-rank gloo group: joins once, then runs `worker(rank, *args)` for each job until None.
+    Every check of this module runs in the same two processes (one spawn, one torch import per rank)."""
+    import traceback
+
     from agentrl.trainers import fsdp
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["TEST_FSDP_PORT"], RANK=str(rank),
-                      WORLD_SIZE="2")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
     assert fsdp.init("gloo") == (rank, 2)
+    while (job := jobs.get()) is not None:
+        worker, args = job
+        try:
+            worker(rank, *args)
+            done.put((rank, None))
+        except BaseException:  # reported to the test, which fails with it
+            done.put((rank, traceback.format_exc()))
 
 
-def on_two_ranks(worker, tmp_path, *args) -> dict:
-    """`worker(rank, *args, out)` on 2 ranks; what rank 0 saved at `out`."""
-    free_port()
+class TwoRanks:
+    """Two persistent ranks; `run(worker, *args)` runs `worker(rank, *args)` on both and waits for them. A failed
+    check kills them (the other rank may wait in a collective forever); the next check starts two new ones."""
+
+    def __init__(self) -> None:
+        self.ranks: list = []
+
+    def start(self) -> None:
+        free_port()
+        context = mp.get_context("spawn")
+        self.jobs, self.done = [context.Queue() for _ in range(2)], context.Queue()
+        self.ranks = [context.Process(target=serve, args=(rank, os.environ["TEST_FSDP_PORT"], self.jobs[rank],
+                                                          self.done), daemon=True) for rank in range(2)]
+        for process in self.ranks:
+            process.start()
+
+    def run(self, worker, *args) -> None:
+        import queue
+
+        if not self.ranks:
+            self.start()
+        for jobs in self.jobs:
+            jobs.put((worker, args))
+        for _ in range(2):
+            try:
+                error = self.done.get(timeout=300)[1]
+            except queue.Empty:
+                error = f"{worker.__name__}: a rank did not finish within 300 s"
+            if error:
+                self.close(kill=True)
+                pytest.fail(error)
+
+    def close(self, kill: bool = False) -> None:
+        for process, jobs in zip(self.ranks, self.jobs):
+            if kill:
+                process.kill()
+            elif process.is_alive():
+                jobs.put(None)
+        for process in self.ranks:
+            process.join(30)
+        self.ranks = []
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    pool = TwoRanks()
+    yield pool
+    pool.close()
+
+
+def on_two_ranks(two_ranks: TwoRanks, worker, tmp_path, *args) -> dict:
+    """`worker(rank, *args, out)` on the 2 ranks; what rank 0 saved at `out`."""
     out = tmp_path / "rank0.pt"
-    mp.spawn(worker, args=(*args, str(out)), nprocs=2, join=True)
+    two_ranks.run(worker, *args, str(out))
     return torch.load(out)
 
 
@@ -79,7 +138,6 @@ def step(model, agg: str, varied: bool = False) -> dict:
 def sharded_worker(rank: int, model_dir: str, agg: str, varied: bool, out: str) -> None:
     from agentrl.trainers import fsdp
 
-    join(rank)
     model = fsdp.shard(AutoModelForCausalLM.from_pretrained(model_dir))
     assert hasattr(model, SHARDED_FORWARD)  # the step's logprobs take the masked path, the head on sampled tokens
     shapes = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
@@ -90,44 +148,41 @@ def sharded_worker(rank: int, model_dir: str, agg: str, varied: bool, out: str) 
     state = fsdp.full_state_dict(model)
     if rank == 0:
         torch.save({"state": state, "local_shapes": shapes, "grad_norm": metrics["grad_norm"], "passes": passes}, out)
-    torch.distributed.destroy_process_group()
 
 
 def streamed_worker(rank: int, model_dir: str, out: str) -> None:
     from agentrl.policy.weight_transfer import ModelWeights
     from agentrl.trainers import fsdp
 
-    join(rank)
     model = fsdp.shard(AutoModelForCausalLM.from_pretrained(model_dir))
     source = ModelWeights(model, to_cpu=True, dtype=torch.bfloat16)
     announced = [(m.name, m.dtype, tuple(m.shape)) for m in source.metadata()]
     sent = list(source)  # every rank iterates: each tensor's gather is a collective
     if rank == 0:
         torch.save({"announced": announced, "sent": sent}, out)
-    torch.distributed.destroy_process_group()
 
 
 def from_rank0_worker(rank: int, model_dir: str, out: str) -> None:
     from agentrl.trainers import fsdp
 
-    join(rank)
-    if rank:  # this rank must not read the weights
-        AutoModelForCausalLM.from_pretrained = lambda *a, **k: pytest.fail("rank 1 read the weights")
-    model = fsdp.from_pretrained(model_dir, torch.float32, None, "cpu")
+    from unittest import mock
+
+    unread = mock.patch.object(AutoModelForCausalLM, "from_pretrained", side_effect=AssertionError("rank 1 read"))
+    with unread if rank else contextlib.nullcontext():  # rank 1 must not read the weights
+        model = fsdp.from_pretrained(model_dir, torch.float32, None, "cpu")
     with torch.no_grad():
         logits = model(input_ids=torch.arange(10, 40).unsqueeze(0)).logits  # each rank's own forward
     state, every_ranks = fsdp.full_state_dict(model), [None, None]
     torch.distributed.all_gather_object(every_ranks, logits)
     if rank == 0:
         torch.save({"state": state, "logits": every_ranks}, out)
-    torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_only_rank0_reads_the_weights_and_every_rank_computes_with_them(tiny_model_dir, tmp_path):
+def test_only_rank0_reads_the_weights_and_every_rank_computes_with_them(two_ranks, tiny_model_dir, tmp_path):
     """The sharded trainer's start: rank 1 builds the model on the meta device and gets its shards and buffers (the
     rotary frequencies, in no state dict) from rank 0; both ranks' forwards equal the plain model's."""
-    saved = on_two_ranks(from_rank0_worker, tmp_path, str(tiny_model_dir))
+    saved = on_two_ranks(two_ranks, from_rank0_worker, tmp_path, str(tiny_model_dir))
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert list(saved["state"]) == list(plain.state_dict())
     for name, tensor in plain.state_dict().items():
@@ -139,10 +194,10 @@ def test_only_rank0_reads_the_weights_and_every_rank_computes_with_them(tiny_mod
 
 
 @pytest.mark.slow
-def test_a_sharded_model_streams_full_tensors_in_the_order_it_announces(tiny_model_dir, tmp_path):
+def test_a_sharded_model_streams_full_tensors_in_the_order_it_announces(two_ranks, tiny_model_dir, tmp_path):
     """What a sync by transfer sends from a model sharded over 2 ranks: each full tensor, gathered from the shards
     as it is sent, cast to the engine's dtype, in the order and shapes `metadata()` announced to the engine."""
-    saved = on_two_ranks(streamed_worker, tmp_path, str(tiny_model_dir))
+    saved = on_two_ranks(two_ranks, streamed_worker, tmp_path, str(tiny_model_dir))
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     assert [name for name, _ in saved["sent"]] == list(plain)
     assert [(name, t.dtype, tuple(t.shape)) for name, t in saved["sent"]] == saved["announced"]
@@ -153,9 +208,9 @@ def test_a_sharded_model_streams_full_tensors_in_the_order_it_announces(tiny_mod
 @pytest.mark.slow
 @pytest.mark.parametrize("agg,varied", [("token-mean", False), ("seq-mean-token-mean", False),
                                         ("token-mean", True)])
-def test_sharded_step_equals_the_single_process_step(tiny_model_dir, tmp_path, agg, varied):
+def test_sharded_step_equals_the_single_process_step(two_ranks, tiny_model_dir, tmp_path, agg, varied):
     """Also with rows of varied lengths, which each rank runs packed."""
-    saved = on_two_ranks(sharded_worker, tmp_path, str(tiny_model_dir), agg, varied)
+    saved = on_two_ranks(two_ranks, sharded_worker, tmp_path, str(tiny_model_dir), agg, varied)
     assert saved["passes"] and all(saved["passes"]) == varied  # rank 0 packed every pass, or none
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -183,7 +238,6 @@ def test_sharded_step_equals_the_single_process_step(tiny_model_dir, tmp_path, a
 def kl_worker(rank: int, model_dir: str, out: str) -> None:
     from agentrl.trainers import fsdp
 
-    join(rank)
     model = fsdp.shard(AutoModelForCausalLM.from_pretrained(model_dir))
     ref = fsdp.frozen_copy(model)
     local = {n: tuple(p.to_local().shape) for n, p in ref.named_parameters()}
@@ -193,16 +247,15 @@ def kl_worker(rank: int, model_dir: str, out: str) -> None:
     state, ref_state = fsdp.full_state_dict(model), fsdp.full_state_dict(ref)
     if rank == 0:
         torch.save({"state": state, "ref": ref_state, "local": local, "kl": metrics["kl"]}, out)
-    torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_a_sharded_reference_model_gives_the_single_process_kl_step(tiny_model_dir, tmp_path):
+def test_a_sharded_reference_model_gives_the_single_process_kl_step(two_ranks, tiny_model_dir, tmp_path):
     """FSDP2 modules cannot be deep-copied: `frozen_copy` builds the reference on the meta device, shards it like
     the policy and copies each rank's shards. Two steps with a KL term then equal the single process's, whose
     reference is a deep copy, and the reference stays the initial policy."""
     import copy
-    saved = on_two_ranks(kl_worker, tmp_path, str(tiny_model_dir))
+    saved = on_two_ranks(two_ranks, kl_worker, tmp_path, str(tiny_model_dir))
     single = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     start = {n: p.detach().clone() for n, p in single.named_parameters()}
     ref = copy.deepcopy(single).eval().requires_grad_(False)
@@ -223,24 +276,22 @@ def mixed_worker(rank: int, model_dir: str, out: str) -> None:
     from agentrl.policy.precision import mixed_precision
     from agentrl.trainers import fsdp
 
-    join(rank)
     model = fsdp.shard(mixed_precision(AutoModelForCausalLM.from_pretrained(model_dir), torch.bfloat16))
     shard_dtypes = {p.to_local().dtype for p in model.parameters()}
     metrics = step(model, "token-mean")
     state = fsdp.full_state_dict(model)
     if rank == 0:
         torch.save({"state": state, "shard_dtypes": shard_dtypes, "grad_norm": metrics["grad_norm"]}, out)
-    torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_sharded_mixed_precision_keeps_float32_shards_and_takes_the_mixed_step(tiny_model_dir, tmp_path):
+def test_sharded_mixed_precision_keeps_float32_shards_and_takes_the_mixed_step(two_ranks, tiny_model_dir, tmp_path):
     """A model marked for bf16 compute shards with FSDP2's MixedPrecisionPolicy: float32 shards (AdamW's
     masters), bf16 forwards, float32 gradient reduction; the step matches one process's autocast step to bf16's
     noise, and the gathered weights are float32."""
     from agentrl.policy.precision import mixed_precision
 
-    saved = on_two_ranks(mixed_worker, tmp_path, str(tiny_model_dir))
+    saved = on_two_ranks(two_ranks, mixed_worker, tmp_path, str(tiny_model_dir))
     assert saved["shard_dtypes"] == {torch.float32}
     assert all(t.dtype == torch.float32 for t in saved["state"].values())
 

@@ -16,7 +16,6 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from transformers import AutoTokenizer
 
 import agentrl.gateway.sessions as gateway_sessions
 from agentrl.gateway import Gateway, GatewayConfig, create_app
@@ -83,11 +82,6 @@ class Server:
     def stop(self):
         self.server.should_exit = True
         self.thread.join(10)
-
-
-@pytest.fixture(scope="module")
-def renderer(tiny_model_dir):
-    return Renderer(AutoTokenizer.from_pretrained(tiny_model_dir))
 
 
 def serve(renderer: Renderer, texts: list[str], **config) -> tuple[Server, QueuePolicy]:

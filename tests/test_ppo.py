@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from agentrl.envs.math import ArithmeticEnv
 from agentrl.policy.hf import HFPolicy
+from agentrl.policy.logprobs import token_logprobs
 from agentrl.policy.protocol import SamplingParams
 from agentrl.rollout.engine import RolloutConfig
 from agentrl.models.tokenizer import load_tokenizer
@@ -67,12 +68,22 @@ def test_gae_advantages_by_hand(tiny_model_dir):
     # position 7: 1.0; 6: 0.5 * 1.0; 3: 0.5 + 0.5 * 0.5; 2: 0.5 * 0.75
     out, *_ = advantages(batch, [t], [1.5], critic, None, PPOConfig(gamma=0.5, lam=1.0, whiten_advantages=False))
     assert out.adv_BT.tolist() == [[0, 0, 0.375, 0.75, 0, 0, 0.5, 1.0]]
-    # KL folded into the reward (k1 on every sampled token): old logp -1 vs the reference's own logprobs
+    # KL folded into the reward: r_t - 0.1 * (logp_t - ref_logp_t) on every sampled token (k1), the policy's own
+    # logprobs against a reference that differs from it; with gamma = lam = 1 each A_t is the reward to go
     ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
+    logp_BT, _ = token_logprobs(model, batch.ids_BT, batch.attention_BT, mask_BT=batch.mask_BT)
+    ref_logp_BT, _ = token_logprobs(ref, batch.ids_BT, batch.attention_BT, mask_BT=batch.mask_BT)
+    kl = [(logp_BT - ref_logp_BT)[0, i].item() for i in (2, 3, 6, 7)]
+    assert min(abs(k) for k in kl) > 1e-3  # the reference really differs on every sampled token
+    r2, r3, r6, r7 = (r - 0.1 * k for r, k in zip((0.0, 0.5, 0.0, 1.0), kl))
     kl_cfg = PPOConfig(gamma=1.0, lam=1.0, whiten_advantages=False, kl_coef=0.1)
     out_kl, _, _, metrics = advantages(batch, [t], [1.5], critic, ref, kl_cfg, policy=model)
-    assert "kl" in metrics
-    assert not torch.allclose(out_kl.adv_BT, out.adv_BT)
+    expected = [0, 0, r2 + r3 + r6 + r7, r3 + r6 + r7, 0, 0, r6 + r7, r7]
+    torch.testing.assert_close(out_kl.adv_BT, torch.tensor([expected]), atol=1e-6, rtol=0)
+    assert metrics["kl"] == pytest.approx(sum(kl) / 4, abs=1e-6)
     # whitened: mean 0 and unit std over the four sampled tokens, 0 elsewhere
     out, *_ = advantages(batch, [t], [1.5], critic, None, PPOConfig(gamma=1.0, lam=1.0))
     sampled = out.adv_BT[batch.mask_BT.bool()]

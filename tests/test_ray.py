@@ -9,15 +9,13 @@ import time
 
 import pytest
 import ray
-from transformers import AutoTokenizer
 
 import agentrl
 from agentrl.policy.protocol import Sample
 from agentrl.policy.scripted import ScriptedPolicy, playing
-from agentrl.renderer import Renderer
 from agentrl.rollout.buffer import GroupBuffer, RolloutSourceError, group_position, group_version
 from agentrl.rollout.engine import EnvEngines, RolloutConfig, RolloutEngine
-from agentrl.rollout.ray_pool import RayConfig, RayEnvPool, WorkerLost, init_ray
+from agentrl.rollout.ray_pool import RayConfig, RayEnvPool, WorkerLost
 from agentrl.rollout.ray_source import RaySources
 from agentrl.rollout.timeline import Timeline
 from agentrl.types import Status
@@ -26,17 +24,10 @@ ENV, KWARGS = "math/arith-v0", {"n_tasks": 12}
 
 
 @pytest.fixture(scope="module")
-def pool():
-    init_ray()
+def pool(ray_cluster):
     pool = RayEnvPool(ENV, KWARGS, RayConfig(workers=2))
     yield pool
     pool.close()
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def renderer(tiny_model_dir):
-    return Renderer(AutoTokenizer.from_pretrained(tiny_model_dir))
 
 
 def play(make_env, renderer, on_turn=None):
@@ -119,14 +110,14 @@ def test_retries_are_bounded(pool):
     assert len(calls) == 3
 
 
-def test_rollout_command_runs_envs_on_ray(tiny_model_dir, tmp_path):
+def test_rollout_command_runs_envs_on_ray(ray_cluster, tiny_model_dir, tmp_path):
     import json
     import subprocess
     import sys
     from pathlib import Path
 
     config = tmp_path / "rollout.toml"
-    config.write_text("env = \"math/arith-v0\"\n[ray]\nworkers = 2\n")
+    config.write_text(f"env = \"math/arith-v0\"\n[ray]\nworkers = 2\naddress = \"{ray_cluster}\"\n")
     out = tmp_path / "out.jsonl"
     agentrl_cli = str(Path(sys.executable).parent / "agentrl")  # this venv's, whether or not it is on PATH
     subprocess.run([agentrl_cli, "rollout", "--config", str(config), "--model", str(tiny_model_dir), "--n", "4",
@@ -135,7 +126,7 @@ def test_rollout_command_runs_envs_on_ray(tiny_model_dir, tmp_path):
     assert len(trajectories) == 4 and all(t["status"] != "error" for t in trajectories), trajectories
 
 
-def test_asynchronous_training_with_envs_on_ray(tiny_model_dir, tmp_path):
+def test_asynchronous_training_with_envs_on_ray(ray_cluster, tiny_model_dir, tmp_path):
     """`max_staleness = 1` with the envs in Ray workers: the rollout source only sees `make_env`, so the async loop
     runs over remote envs as over local ones; every trained group is at most one version old, none in error."""
     import json
@@ -151,6 +142,7 @@ out_dir = "{tmp_path / 'run'}"
 env_kwargs = {{ n_tasks = 8 }}
 [ray]
 workers = 2
+address = "{ray_cluster}"
 [grpo]
 steps = 3
 tasks_per_step = 2
@@ -194,7 +186,6 @@ class Answers:
 
 def sources_over(renderer, keep, tasks_at=None, count=2, tasks_per_step=4):
     """`count` rollout sources in Ray actors (the envs made in them) filling a trainer-side buffer."""
-    init_ray()
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors unpickle this module's policy
     tokenizer = renderer.tokenizer
     ids = tuple(tokenizer.encode("5", add_special_tokens=False)) + (tokenizer.convert_tokens_to_ids("<|im_end|>"),)
@@ -206,7 +197,7 @@ def sources_over(renderer, keep, tasks_at=None, count=2, tasks_per_step=4):
     return sources, buffer
 
 
-def test_rollout_sources_in_ray_actors_keep_the_staleness_bound_and_the_versions(renderer):
+def test_rollout_sources_in_ray_actors_keep_the_staleness_bound_and_the_versions(ray_cluster, renderer):
     """Two sources in actors, each playing every other task position; the trainer's buffer refuses the groups of
     positions 1, 5, 9, ... (all source 1's). With no sync, the sources stop once each has its share of two steps
     kept in the buffer (the refused ones counted back to source 1 and played again by others); a sync lets them
@@ -241,7 +232,7 @@ def test_rollout_sources_in_ray_actors_keep_the_staleness_bound_and_the_versions
     assert not any(pump.is_alive() for pump in sources._pumps)
 
 
-def test_a_rollout_source_that_fails_or_dies_fails_the_trainers_take(renderer):
+def test_a_rollout_source_that_fails_or_dies_fails_the_trainers_take(ray_cluster, renderer):
     def task_at(position):
         if position == 3:
             raise LookupError("no task at position 3")

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from agentrl.envs.math import ArithmeticEnv
 from agentrl.policy import scripted
@@ -69,11 +68,6 @@ class ScriptedPolicy(scripted.ScriptedPolicy):
         self.calls.append((tuple(prompt_ids), ids))
         finish = "length" if len(ids) == sampling.max_tokens and self.finish_reason == "length" else "stop"
         return [Sample(ids, tuple(-0.5 for _ in ids), finish)]
-
-
-@pytest.fixture(scope="module")
-def renderer(tiny_model_dir):
-    return Renderer(AutoTokenizer.from_pretrained(tiny_model_dir))
 
 
 def gold_scripts(env: ArithmeticEnv) -> dict[str, list[str]]:

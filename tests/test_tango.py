@@ -3,11 +3,9 @@
 import asyncio
 
 import pytest
-from transformers import AutoTokenizer
 
 from agentrl.envs.math import ArithmeticEnv
 from gymnasium.utils.env_checker import check_env
-from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.policy.scripted import ScriptedPolicy, playing
 from agentrl.trainers.tango import (Judgement, VerifierEnv, agreement, combined_reward, format_judgement,
@@ -36,11 +34,6 @@ def test_math_env_process_checker_judges_one_step():
     assert env.check_step("3 + 4 = 7\nFinal Answer: 7") is True
     assert env.check_step("2 * 3 = 6, then 6 + 1 = 8") is False
     assert env.check_step('{"name": "calculator", "arguments": {"expression": "3 + 4"}}') is None
-
-
-@pytest.fixture(scope="module")
-def renderer(tiny_model_dir):
-    return Renderer(AutoTokenizer.from_pretrained(tiny_model_dir))
 
 
 def generator_episodes(renderer, wrong: bool):

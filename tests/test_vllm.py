@@ -408,13 +408,12 @@ def test_sharded_training_streams_its_weights_into_vllm(vllm_server: VLLMServer,
         asyncio.run(_restore(vllm_server, hf_model))
 
 
-def test_asynchronous_training_with_rollout_sources_in_ray_actors(vllm_server: VLLMServer, tiny_model_dir: Path,
-                                                                  hf_model, tmp_path: Path) -> None:
+def test_asynchronous_training_with_rollout_sources_in_ray_actors(ray_cluster: str, vllm_server: VLLMServer,
+                                                                  tiny_model_dir: Path, hf_model, tmp_path: Path) -> None:
     """`[ray] sources = 2`: two actors play the episodes (their envs in a Ray env worker) over HTTP copies of the
     policy, while the trainer's process syncs the weights and evaluates: every step trains its 2 groups, at most one
     version old, from both sources' positions, none twice; the held-out evaluations sample that step's weights, and
     the sources' busy intervals are on the step's timeline."""
-    import ray
     from agentrl.cli.main import app
 
     recipe = _train_recipe(tmp_path, tiny_model_dir, vllm_server.url, steps=4, evaluate="every = 1",
@@ -423,7 +422,6 @@ def test_asynchronous_training_with_rollout_sources_in_ray_actors(vllm_server: V
     try:
         trained = CliRunner().invoke(app, ["train", str(recipe)])
     finally:
-        ray.shutdown()
         asyncio.run(_restore(vllm_server, hf_model))
     assert trained.exit_code == 0, trained.output
     rows = _jsonl(tmp_path / "run" / "metrics.jsonl")
