@@ -92,11 +92,15 @@ methods: setup
 
 # Every tier (`-m ""` lifts the unit-tier filter of pyproject.toml's addopts), the real components included (vLLM on
 # CPU, Chromium, Docker, the generated SWE tasks, and the libraries of the adapters), with the 30 slowest listed.
+# Two xdist workers: much of the time is spent waiting (on a vLLM server, a container, a browser, a subprocess),
+# which the other worker fills; tests/conftest.py groups the tests so that each shared server starts once.
 # The fuzz suite plays 1,000 adversarial outputs per env family here (its 10,000 take over 40 minutes on 2 AVX2
 # cores, which CI's 90 cannot hold beside the rest): `make fuzz` runs the full battery. Plain `pytest` (or
 # `make unit`) runs only the unit tier, in minutes.
+TEST_WORKERS ?= 2
 test: setup setup-vllm setup-browser setup-swe setup-adapters model-smollm2
-	AGENTRL_FUZZ_OUTPUTS=1000 $(PY) -m pytest -q -rs -m "" --durations=30
+	AGENTRL_FUZZ_OUTPUTS=1000 $(PY) -m pytest -q -rs -m "" --durations=30 \
+		-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 unit: setup
 	$(PY) -m pytest -q

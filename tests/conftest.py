@@ -7,6 +7,7 @@ tests (gloo weight transfer)."""
 
 from __future__ import annotations
 
+import collections
 import os
 from pathlib import Path
 
@@ -19,17 +20,27 @@ from agentrl.models.tokenizer import load_tokenizer
 from agentrl.renderer import Renderer
 
 
-# Session resources that cost seconds to minutes to start: under xdist (`make test`) the tests that use one run on
-# the same worker, which starts it once. Every other test runs on the worker of its file, whose module fixtures
-# (indexes, sandboxes, repositories) are then built once.
+# Session resources that cost seconds to minutes to start: under xdist (`make test`: `--dist loadgroup`) the tests
+# that use one run on the same worker, which starts it once. Every other test runs on the worker of its file, whose
+# module fixtures (indexes, sandboxes, repositories) are then built once.
 SHARED = ("vllm_server", "ray_cluster")
+TIERS = ("slow", "docker", "browser", "vllm", "real_model")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    groups = {}
     for item in items:
         group = next((name for name in SHARED if name in getattr(item, "fixturenames", ())), item.path.name)
         item.add_marker(pytest.mark.xdist_group(group))
+        groups[item] = group
+    # The groups with the most integration-tier tests first (with `--no-loadscope-reorder` xdist hands the groups
+    # out in this order): the long ones start early instead of leaving one worker busy at the end.
+    weight = collections.Counter(groups[item] for item in items if any(item.get_closest_marker(m) for m in TIERS))
+    first = {}  # each group stays contiguous, in the order of its first test
+    for i, group in enumerate(groups.values()):
+        first.setdefault(group, i)
+    items.sort(key=lambda item: (-weight[groups[item]], first[groups[item]]))
 
 
 @pytest.fixture(scope="session")

@@ -122,6 +122,7 @@ def test_streamable_http_servers_answer_like_stdio_ones(http_server):
     assert remote["remote_refuse"].run({"reason": "http"}).endswith("refused: http")
 
 
+@pytest.mark.slow
 def test_envs_in_one_process_share_a_server_and_per_episode_servers_start_fresh():
     shared_a = {t.name: t for t in McpTools([spec(name="shared")])}
     shared_b = {t.name: t for t in McpTools([spec(name="shared")])}

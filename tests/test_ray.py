@@ -21,6 +21,7 @@ from agentrl.rollout.timeline import Timeline
 from agentrl.types import Status
 
 ENV, KWARGS = "math/arith-v0", {"n_tasks": 12}
+pytestmark = pytest.mark.slow  # every test here runs on the session's Ray cluster (seconds to start)
 
 
 @pytest.fixture(scope="module")

@@ -111,6 +111,7 @@ def pair(tiny_model_dir):
     return senior, junior, load_tokenizer(tiny_model_dir)
 
 
+@pytest.mark.slow
 def test_tandem_episodes_train_only_on_the_seniors_tokens(pair):
     senior, junior, tokenizer = pair
     renderer = Renderer(tokenizer)
