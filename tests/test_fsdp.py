@@ -45,6 +45,7 @@ def serve(rank: int, port: str, jobs, done) -> None:
             done.put((rank, None))
         except BaseException:  # reported to the test, which fails with it
             done.put((rank, traceback.format_exc()))
+    torch.distributed.destroy_process_group()
 
 
 class TwoRanks:
@@ -163,9 +164,9 @@ def streamed_worker(rank: int, model_dir: str, out: str) -> None:
 
 
 def from_rank0_worker(rank: int, model_dir: str, out: str) -> None:
-    from agentrl.trainers import fsdp
-
     from unittest import mock
+
+    from agentrl.trainers import fsdp
 
     unread = mock.patch.object(AutoModelForCausalLM, "from_pretrained", side_effect=AssertionError("rank 1 read"))
     with unread if rank else contextlib.nullcontext():  # rank 1 must not read the weights
