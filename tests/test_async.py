@@ -330,7 +330,8 @@ TRAIN = textwrap.dedent("""
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sources", [0, 2], ids=["source-in-a-thread", "two-ray-source-actors"])
-def test_killed_at_random_points_the_run_trains_every_group_exactly_once(tiny_model_dir, tmp_path, sources, request):
+def test_killed_at_random_points_the_run_trains_every_group_exactly_once(tiny_model_dir, tmp_path, sources,
+                                                                         ray_cluster):
     """SIGKILL twice, each at a random moment after a random checkpoint, then run to the end: across the steps in
     metrics.jsonl (the lines after the last checkpoint are redone), every task position is trained or dropped exactly
     once, and the positions done are exactly those below the final data position and the ones the checkpoint lists
@@ -340,7 +341,7 @@ def test_killed_at_random_points_the_run_trains_every_group_exactly_once(tiny_mo
     script.write_text(TRAIN)
     command = [sys.executable, str(script), str(tiny_model_dir), str(out), str(sources)]
     if sources:
-        command.append(request.getfixturevalue("ray_cluster"))
+        command.append(ray_cluster)
 
     def step() -> int:  # of the latest checkpoint; 0 before the first
         checkpoint = latest_checkpoint(out) if out.exists() else None

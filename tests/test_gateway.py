@@ -15,7 +15,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
+from transformers import AutoModelForCausalLM
 
 import agentrl.gateway.sessions as gateway_sessions
 from agentrl.gateway import Gateway, GatewayConfig, create_app
@@ -357,23 +359,26 @@ class Recording:
         await self.policy.close()
 
 
-@pytest.mark.parametrize("engine", ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)])
-def test_a_real_policy_through_the_gateway_keeps_its_sampled_tokens(engine, renderer, tiny_model_dir, request):
+def test_a_real_policy_through_the_gateway_keeps_its_sampled_tokens(renderer, tiny_model_dir):
     """A real engine's samples through the official client: the trajectory holds them verbatim, and the trainer's
     logprobs of each turn in the trajectory's context equal the engine's: the context is the one it sampled from."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from agentrl.policy.hf import HFPolicy
-    from agentrl.policy.parity import trainer_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    if engine == "vllm":
-        from agentrl.policy.vllm_client import VLLMPolicy
+    keeps_its_sampled_tokens(HFPolicy(model, renderer.tokenizer), model, renderer)
 
-        inner = VLLMPolicy.attach(request.getfixturevalue("vllm_server").url)
-    else:
-        inner = HFPolicy(model, renderer.tokenizer)
+
+@pytest.mark.vllm
+def test_vllm_through_the_gateway_keeps_its_sampled_tokens(vllm_server, renderer, tiny_model_dir):
+    from agentrl.policy.vllm_client import VLLMPolicy
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    keeps_its_sampled_tokens(VLLMPolicy.attach(vllm_server.url), model, renderer)
+
+
+def keeps_its_sampled_tokens(inner, model, renderer) -> None:
+    from agentrl.policy.parity import trainer_logprobs
+
     policy = Recording(inner)
     server = Server(Gateway(policy, renderer, GatewayConfig(max_tokens=24)))
     try:
