@@ -32,7 +32,7 @@ from agentrl.trainers.losses import PolicyLossConfig, ppo_clip_loss
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="~/.cache/agentrl/models/tiny", help="model dir (the tiny one is built)")
+    parser.add_argument("--model", help="a model dir or hub name (default: the tiny model, built on first use)")
     parser.add_argument("--env", default="math/arith-v0", help="any registered env id")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--tasks-per-step", type=int, default=4)
@@ -45,7 +45,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     torch.manual_seed(args.seed)
-    policy = HFPolicy.load(build_tiny_model(args.model, quiet=True))  # a hub name or any local model works too
+    policy = HFPolicy.load(args.model or build_tiny_model("~/.cache/agentrl/models/tiny", quiet=True))
     model, renderer = policy.model, Renderer(policy.tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     tasks = list(agentrl.make(args.env).tasks)  # the training split
@@ -62,12 +62,13 @@ def main() -> None:
 
         # 2. Group advantages: each episode's reward against the other episodes of its task. Episodes that ended
         #    in `error` (a crashed tool, a timeout) are data, not zero rewards: they stay out of the baseline.
-        trajectories, advantages = [], []
+        trajectories, advantages, beat_B = [], [], []
         for group in groups:
             if len(group.valid) >= 2:
                 rewards_G = torch.tensor([t.reward for t in group.valid])
                 trajectories += group.valid
                 advantages += grpo_advantages(rewards_G).tolist()
+                beat_B += (rewards_G - rewards_G.mean()).tolist()  # how much each beat its group, for step 5
         if not trajectories:
             print(json.dumps({"step": step + 1, "skipped": "no group with two valid episodes"}))
             continue
@@ -87,11 +88,20 @@ def main() -> None:
         model.eval()
         asyncio.run(policy.sync_weights(model, version=step + 1))
 
+        # 5. Did the step move towards the better episodes? Each episode's change in logprob, weighted by how much its
+        #    reward beat its group's mean (the rewards, not the advantages: this also checks their sign). > 0 when the
+        #    episodes that did better became more likely.
+        with torch.no_grad():
+            new_logp_BT, _ = token_logprobs(model, batch.ids_BT, batch.attention_BT, mask_BT=batch.mask_BT)
+        dlogp_B = ((new_logp_BT - logp_BT.detach()) * batch.mask_BT).sum(-1)
+        toward_better = (torch.tensor(beat_B) * dlogp_B).sum().item()
+
         rewards = [t.reward for g in groups for t in g.valid]
         print(json.dumps({"step": step + 1, "episodes": sum(len(g.trajectories) for g in groups),
                           "trained": len(trajectories), "reward": round(sum(rewards) / max(len(rewards), 1), 4),
                           "loss": round(loss.item(), 6), "grad_norm": round(grad_norm.item(), 6),
-                          "clip_frac": round(metrics["clip_frac"], 4), "sampled_tokens": int(batch.mask_BT.sum())}))
+                          "clip_frac": round(metrics["clip_frac"], 4), "toward_better": float(f"{toward_better:.4g}"),
+                          "sampled_tokens": int(batch.mask_BT.sum())}))
     asyncio.run(policy.close())
 
 

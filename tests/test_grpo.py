@@ -1,9 +1,11 @@
 """The GRPO loop on the tiny model: it runs, logs, checkpoints, and resumes exactly."""
 
+import dataclasses
 import json
+import math
 
 import pytest
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from agentrl.config import load_config
 from agentrl.envs.math import ArithmeticEnv
@@ -26,7 +28,7 @@ def run(model_dir, out_dir, steps):
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     policy = HFPolicy(model, tokenizer)
     tasks = list(ArithmeticEnv(n_tasks=16).tasks)
-    cfg = GRPOConfig(**{**CFG.__dict__, "steps": steps})
+    cfg = dataclasses.replace(CFG, steps=steps)
     return train(cfg, model, tokenizer, policy, lambda: ArithmeticEnv(n_tasks=16), tasks, out_dir)
 
 
@@ -35,10 +37,17 @@ def test_grpo_runs_and_resumes_exactly(tiny_model_dir, tmp_path):
     straight = run(tiny_model_dir, tmp_path / "straight", 4)
     assert len(straight) == 4
     m = straight[0]
-    for key in ("mean_reward", "success", "loss", "grad_norm", "entropy", "clip_frac", "approx_kl", "ratio_mean",
-                "zero_variance_groups", "error_frac", "truncated_frac", "tokens_per_s", "time"):
-        assert key in m, key
-    assert m["groups_trained"] == 2 and m["error_frac"] == 0
+    # the untrained model earns nothing and writes until max_tokens: 2 groups of 4 single-turn episodes of 12 tokens
+    assert m["mean_reward"] == m["success"] == m["train_reward"] == 0 and m["zero_variance_groups"] == 1
+    assert m["error_frac"] == 0 and m["truncated_frac"] == 1 and m["groups_trained"] == 2
+    assert m["sampled_tokens"] == m["trained_tokens"] == 8 * 12
+    assert m["tokens_per_s"] == pytest.approx(m["sampled_tokens"] / m["time"]["rollout"], rel=1e-9)
+    assert all(v > 0 for v in m["time"].values())
+    # no reward signal (all advantages 0): the loss is the KL term alone, which moves the policy once AdamW's weight
+    # decay has made it differ from the reference
+    assert m["loss"] == pytest.approx(CFG.kl_coef * m["kl"], rel=1e-5) and m["kl"] > 0 and m["grad_norm"] > 0
+    assert 0 < m["entropy"] <= math.log(AutoConfig.from_pretrained(tiny_model_dir).vocab_size)  # nearly uniform
+    assert 0 <= m["clip_frac"] <= 1 and m["approx_kl"] >= 0 and m["ratio_min"] <= m["ratio_mean"] <= m["ratio_max"]
     assert m["sampler_logprob_diff_max"] < 1e-4  # before the first update, trainer logprobs == sampler's
 
     run(tiny_model_dir, tmp_path / "resumed", 2)  # "killed" after step 2: only its checkpoint survives

@@ -1,11 +1,13 @@
 """PPO: token rewards, the critic's alignment, GAE advantages by hand, exact gradient accumulation, and the
 loop on the tiny model (runs, logs, checkpoints both models, resumes exactly)."""
 
+import dataclasses
 import json
+import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from agentrl.envs.math import ArithmeticEnv
 from agentrl.policy.hf import HFPolicy
@@ -107,7 +109,7 @@ def test_micro_batches_give_the_same_update_as_the_whole_minibatch(tiny_model_di
     for micro in (None, 1):
         model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
         cfg = GRPOConfig(minibatch_size=4, micro_batch_size=micro, max_grad_norm=1e9)
-        cfg = GRPOConfig(**{**cfg.__dict__, "policy_loss": cfg.policy_loss.__class__(agg=agg)})
+        cfg = dataclasses.replace(cfg, policy_loss=dataclasses.replace(cfg.policy_loss, agg=agg))
         update(model, None, torch.optim.SGD(model.parameters(), lr=1.0), batch, cfg, torch.Generator().manual_seed(0))
         results.append(list(model.parameters()))
     for p, q in zip(*results):
@@ -124,7 +126,7 @@ def run(model_dir, out_dir, steps):
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     policy = HFPolicy(model, tokenizer)
     tasks = list(ArithmeticEnv(n_tasks=16).tasks)
-    cfg = PPOConfig(**{**CFG.__dict__, "steps": steps})
+    cfg = dataclasses.replace(CFG, steps=steps)
     return train(cfg, model, tokenizer, policy, lambda: ArithmeticEnv(n_tasks=16), tasks, out_dir)
 
 
@@ -132,11 +134,20 @@ def run(model_dir, out_dir, steps):
 def test_ppo_runs_and_resumes_exactly(tiny_model_dir, tmp_path):
     straight = run(tiny_model_dir, tmp_path / "straight", 4)
     m = straight[0]
-    for key in ("mean_reward", "train_reward", "loss", "grad_norm", "entropy", "clip_frac", "approx_kl", "kl",
-                "value_loss", "value_grad_norm", "value_clip_frac", "value_mean", "return_mean", "advantage_mean",
-                "error_frac", "tokens_per_s", "time"):
-        assert key in m, key
-    assert m["groups_trained"] == 4
+    # the untrained model earns nothing and writes until max_tokens: 4 single-turn episodes of 12 tokens, so the
+    # training reward is the length penalty alone, -0.001 * 12 / 1024
+    assert m["mean_reward"] == 0 and m["error_frac"] == 0 and m["truncated_frac"] == 1 and m["groups_trained"] == 4
+    assert m["sampled_tokens"] == m["trained_tokens"] == 4 * 12
+    assert m["train_reward"] == pytest.approx(-0.001 * 12 / CFG.reward.length_norm, rel=1e-6)
+    assert m["tokens_per_s"] == pytest.approx(m["sampled_tokens"] / m["time"]["rollout"], rel=1e-9)
+    # before the first update the policy is the reference (KL 0) and the critic is 0 (advantages = returns)
+    assert m["kl"] == 0 and m["advantage_mean"] == pytest.approx(m["return_mean"], abs=1e-9)
+    assert m["return_mean"] < 0  # the length penalty
+    assert m["grad_norm"] > 0 and m["value_grad_norm"] > 0
+    assert m["value_loss"] == pytest.approx(0.5 * m["value_mse"], rel=1e-5)  # the clipped loss, nothing clipped
+    assert m["value_clip_frac"] == 0
+    assert 0 < m["entropy"] <= math.log(AutoConfig.from_pretrained(tiny_model_dir).vocab_size)  # nearly uniform
+    assert 0 <= m["clip_frac"] <= 1 and m["approx_kl"] >= 0 and m["ratio_min"] <= m["ratio_mean"] <= m["ratio_max"]
     assert m["sampler_logprob_diff_max"] < 1e-4  # before the first update, trainer logprobs == sampler's
 
     run(tiny_model_dir, tmp_path / "resumed", 2)  # "killed" after step 2: only its checkpoint survives

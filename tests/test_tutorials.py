@@ -63,13 +63,60 @@ def test_code_agent(tmp_path, tiny_model_dir) -> None:
     assert (tmp_path / "out" / "summary.json").exists()
 
 
+def half_careful_walker(tiny_model_dir: Path, out: Path) -> Path:
+    """The tiny model after SFT on two walks across FrozenLake (one map for every task), told apart by the first move:
+    down, then the solver's safe path to the goal (reward 1), or right, then down into a hole (reward 0). It learns
+    both, so its episodes succeed about half of the time: groups whose rewards vary."""
+    import asyncio
+    import re
+
+    import agentrl
+    from agentrl.env.adapters.gymnasium_env import frozen_lake_solver
+    from agentrl.policy.hf import HFPolicy
+    from agentrl.policy.scripted import ScriptedPolicy
+    from agentrl.renderer import Renderer
+    from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+    from agentrl.trainers.checkpoint import save_model
+    from agentrl.trainers.sft import SFTConfig, sft
+
+    lake = agentrl.make("gymnasium/FrozenLake-v1")
+    policy = HFPolicy.load(tiny_model_dir)
+    renderer = Renderer(policy.tokenizer)
+
+    def walk(first_move: str):
+        def respond(prompt: str, turn: int) -> str:
+            if turn == 0:
+                return first_move
+            if first_move == "2":  # from square 1, down into the hole at square 5
+                return "1"
+            square = int(re.findall(r"\(observation: (\d+)\)", prompt)[-1])
+            return str(frozen_lake_solver(lake.inner, square))  # the solver's move from the square last observed
+        return respond
+
+    demos = []
+    for first_move in ("1", "2"):
+        engine = RolloutEngine(lambda: agentrl.make("gymnasium/FrozenLake-v1"),
+                               ScriptedPolicy(renderer, walk(first_move), renderer.generation_prompt), renderer,
+                               RolloutConfig(group_size=1, max_total_tokens=512))
+        demos += [t for g in asyncio.run(engine.run(lake.tasks[:1])) for t in g.trajectories]
+        engine.close()
+    assert [t.reward for t in demos] == [1.0, 0.0]
+    sft(policy.model, demos, SFTConfig(epochs=40, lr=1e-3, batch_size=2))
+    save_model(policy.model, policy.tokenizer, out)
+    return out
+
+
 def test_minimal_grpo_loop(tmp_path, tiny_model_dir) -> None:
     """examples/minimal_grpo.py: each step trains every valid episode of its groups, on exactly the sampled tokens
-    (the script asserts that). The untrained tiny model earns no arithmetic reward, so the advantages, the loss
-    and the gradient are exactly 0: with no signal, no update."""
-    out = run_tutorial(str(ROOT / "examples" / "minimal_grpo.py"), tmp_path, tiny_model_dir, "--model",
-                       str(tiny_model_dir), "--steps", "2", "--tasks-per-step", "2", "--group-size", "4")
+    (the script asserts that), and moves the policy towards the episodes that beat their group: on a model whose
+    rewards vary (the untrained one earns none), the step's logprob changes weighted by reward minus the group's
+    mean are > 0. A flipped advantage sign makes them < 0."""
+    model = half_careful_walker(tiny_model_dir, tmp_path / "walker")
+    out = run_tutorial(str(ROOT / "examples" / "minimal_grpo.py"), tmp_path, model, "--model", str(model),
+                       "--env", "gymnasium/FrozenLake-v1", "--steps", "2", "--tasks-per-step", "2", "--group-size", "4")
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["episodes"] == r["trained"] == 8 and r["sampled_tokens"] > 0 for r in rows)
-    assert all(r["reward"] == r["loss"] == r["grad_norm"] == 0.0 for r in rows)
+    assert all(0 < r["reward"] < 1 for r in rows), rows  # some episodes reach the goal, some fall in
+    assert all(r["grad_norm"] > 0 for r in rows)
+    assert min(r["toward_better"] for r in rows) > 0, [r["toward_better"] for r in rows]
