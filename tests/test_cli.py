@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from agentrl.cli.common import console
 from agentrl.cli.main import app
 from agentrl.rollout.jsonl import read_jsonl
 from agentrl.types import Status
@@ -46,7 +47,7 @@ def test_rollout_64_episodes_with_tiny_model(tiny_model_dir, tmp_path):
 
 
 def test_compare_training_runs(tmp_path, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "200")  # one table row per run
+    monkeypatch.setattr(console, "width", 200)  # one table row per run (COLUMNS is read when the console is made)
 
     def held_out(successes, n=200):
         return {"episodes": n, "valid": n, "successes": successes, "success": successes / n}
@@ -78,7 +79,7 @@ def test_compare_pools_held_out_suites_and_pairs_their_tasks(tmp_path, monkeypat
     from agentrl.rollout.jsonl import write_jsonl
     from agentrl.types import Trajectory
 
-    monkeypatch.setenv("COLUMNS", "220")
+    monkeypatch.setattr(console, "width", 220)
     run = tmp_path / "search"
     # split x: tasks 0-9, solved before {0, 1, 2}, after {0, 3, 4, 5, 6}; split y: 0-9, before {0}, after {0, 1}.
     # The same task id in two splits is two tasks. Gained 3, 4, 5, 6 and y's 1; lost 1 and 2.

@@ -535,6 +535,7 @@ async def test_server_killed_mid_rollout(vllm_server: VLLMServer, hf_model, toke
     assert all(t.weight_version == 5 for t in trajectories)
     await check_parity(policy, perturbed, ParityCheck(prompts=prompts[:2]))  # the synced weights came back
     await policy.close()
+    await _restore(vllm_server, hf_model)  # the tests after this one expect the original weights
 
 
 async def test_restarted_server_gets_the_broadcast_weights_again(vllm_server: VLLMServer, hf_model, prompts) -> None:
@@ -558,6 +559,7 @@ async def test_restarted_server_gets_the_broadcast_weights_again(vllm_server: VL
     with pytest.raises(ParityError):
         await check_parity(policy, hf_model, ParityCheck(prompts=prompts[:2]))
     await policy.close()
+    await _restore(vllm_server, hf_model)
 
 
 def test_the_transfer_metadata_is_what_is_sent_without_a_merge(tiny_model_dir) -> None:
