@@ -113,7 +113,8 @@ fuzz: setup setup-browser setup-swe
 # mutant must fail a unit test. mutmut names a mutant after its file's path and runs the tests in its own copy,
 # so it works in build/mutate, the package as installed (trainers/ at agentrl/trainers/, as package-dir maps it):
 # the names match the imported modules and the checkout is never touched. One worker, niced: the machine stays
-# usable. Then the score per module and the mutants that survived ([tool.mutmut] in pyproject.toml).
+# usable. Then the score per module (a mutant that makes the tests time out counts as killed) and every mutant
+# that was not killed ([tool.mutmut] in pyproject.toml; `mutmut show NAME` in build/mutate prints one).
 MUTATE  := build/mutate
 MUTANTS := 'agentrl.trainers.losses.*' 'agentrl.trainers.advantages.*' 'agentrl.renderer.*' \
 	'agentrl.rollout.engine.x?_Episode?extend*' 'agentrl.rollout.engine.x?_Episode?freeze*' \
@@ -127,7 +128,7 @@ mutate: setup
 	for d in trainers envs tools containers; do cp -r $$d $(MUTATE)/agentrl/$$d || exit 1; done
 	cd $(MUTATE) && nice -n 19 $(VENV)/bin/mutmut run --max-children 1 $(MUTANTS) > mutmut.log
 	cd $(MUTATE) && $(VENV)/bin/mutmut results --all true | grep -v ': not checked$$' > results.txt
-	awk -F': ' '{ m = $$1; gsub(/ /, "", m); sub(/[.][^.]*$$/, "", m); n[m]++; k[m] += ($$2 == "killed") } \
+	awk -F': ' '{ m = $$1; gsub(/ /, "", m); sub(/[.][^.]*$$/, "", m); n[m]++; k[m] += ($$2 == "killed" || $$2 == "timeout") } \
 		END { for (m in n) printf "%-30s %4d / %-4d killed (%.0f%%)\n", m, k[m], n[m], 100 * k[m] / n[m] }' \
 		$(MUTATE)/results.txt | sort
 	grep -v ': killed$$' $(MUTATE)/results.txt || echo "no surviving mutants"

@@ -165,3 +165,62 @@ def test_turn_level_group_advantages():
     # Without the second (an error): turn 0 across [1, 1] has no spread, turn 1 has one member -> all 0.
     adv = turn_level_group_advantages(rewards, spans, T=6, valid_G=T_([True, False, True]))
     close(adv, torch.zeros(3, 6).tolist())
+
+
+# --- cases that mutation testing found unguarded (docs/mutation.md) ----------------------------------------
+
+def test_integer_rewards_give_float_advantages():
+    # 0/1 rewards as an int tensor (a verifier's pass/fail): RLOO 1 - (0 + 0)/2 = 1, 0 - (1 + 0)/2 = -0.5, not 0
+    adv = rloo_advantages(T_([1, 0, 0]))
+    assert adv.dtype == torch.float32 and adv.tolist() == [1.0, -0.5, -0.5]
+    # Dr.GRPO over three groups {1, 0}, {0, 1}, {3, 1}: [0.5, -0.5], [-0.5, 0.5], [1, -1]
+    adv = ADVANTAGES["dr_grpo"](T_([1, 0, 0, 1, 3, 1]), None, T_([0, 0, 1, 1, 2, 2]))
+    assert adv.dtype == torch.float32 and adv.tolist() == [0.5, -0.5, -0.5, 0.5, 1.0, -1.0]
+
+
+def test_registry_honours_valid_without_group_ids():
+    # valid [1, 0, 0] (the 9 is an error): RLOO [1, -0.5, -0.5]; REINFORCE++ over [3, 1, 0, 0] as in
+    # test_reinforce_pp_whitens_across_the_batch, and its baseline variant, one group without group ids, the same
+    # (whitening is blind to the group mean subtracted first)
+    close(ADVANTAGES["rloo"](T_([1.0, 0.0, 9.0, 0.0]), T_([True, True, False, True])), [1.0, -0.5, 0.0, -0.5])
+    valid = T_([True, True, True, True, False])
+    for name in ("reinforce_pp", "reinforce_pp_baseline"):
+        close(ADVANTAGES[name](T_([3.0, 1.0, 0.0, 0.0, 50.0]), valid), [1.41421, 0.0, -0.70711, -0.70711, 0.0])
+
+
+def test_reinforce_pp_baseline_with_three_groups():
+    # groups {1, 0}, {3, 1}, {5, 5}: centered [0.5, -0.5, 1, -1, 0, 0]; mean 0, var = 2.5/5 = 0.5, std 0.70711
+    adv = reinforce_pp_advantages(T_([1.0, 0.0, 3.0, 1.0, 5.0, 5.0]), group_ids_B=T_([0, 0, 1, 1, 2, 2]))
+    close(adv, [0.70711, -0.70711, 1.41421, -1.41421, 0.0, 0.0])
+
+
+def test_turn_spans_at_the_edges_and_bad_spans():
+    # a turn may start at position 0 and end at T; Dr.GRPO across [1, 0]: +-0.5
+    adv = turn_level_group_advantages([[1.0], [0.0]], [[(0, 2)], [(2, 4)]], T=4, scale_by_std=False)
+    assert adv.tolist() == [[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, -0.5, -0.5]]
+    with pytest.raises(ValueError, match=r"trajectory 0: turn span \[2, 2\) is empty"):
+        turn_level_group_advantages([[1.0], [0.0]], [[(2, 2)], [(2, 4)]], T=4)
+    with pytest.raises(ValueError, match="2 trajectories of values but 1 of turn spans"):
+        turn_level_group_advantages([[1.0], [0.0]], [[(0, 2)]], T=4)
+    # a turn that ends at 1 puts its reward on position 0
+    assert turn_rewards_to_tokens([[1, 4]], [[0.5, 1.0]], T=4).tolist() == [[0.5, 0.0, 0.0, 1.0]]
+
+
+def test_turn_level_discounted_returns_and_eps():
+    # gamma 0.5: returns to go [1 + 0.5 * 1, 1] = [1.5, 1] and [0]. Turn 0 across [1.5, 0]: mean 0.75, Dr.GRPO
+    # +-0.75; turn 1 has one member -> 0. With std and eps 1: std 1.06066 -> 0.75 / 2.06066 = 0.36396
+    rewards, spans = [[1.0, 1.0], [0.0]], [[(0, 1), (1, 2)], [(0, 1)]]
+    close(turn_level_group_advantages(rewards, spans, T=2, gamma=0.5, scale_by_std=False), [[0.75, 0.0], [-0.75, 0.0]])
+    close(turn_level_group_advantages(rewards, spans, T=2, gamma=0.5, eps=1.0), [[0.36396, 0.0], [-0.36396, 0.0]])
+    assert turn_level_group_advantages([], [], T=3).shape == (0, 3)
+
+
+def test_gae_error_says_where_rewards_go():
+    with pytest.raises(ValueError, match=r"^gae: nonzero rewards at mask-0 positions would be ignored; put each "
+                                         r"turn's reward on its last sampled token \(turn_rewards_to_tokens\)$"):
+        gae(T_([[1.0, 0.0]]), torch.zeros(1, 2), T_([[0, 1]]))
+
+
+def test_valid_of_another_shape_is_an_error():
+    with pytest.raises(ValueError, match=r"^valid has shape \(3,\), rewards \(4,\)$"):
+        grpo_advantages(T_([1.0, 0.0, 0.0, 1.0]), T_([True, True, False]))

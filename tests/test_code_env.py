@@ -181,3 +181,21 @@ def test_a_sandbox_that_dies_mid_episode_ends_it_as_error(renderer):
     t = group.trajectories[0]
     assert t.status == Status.ERROR and "SandboxError" in t.reason and "died" in t.reason, t.reason
     assert [m.content for m in t.messages if m.role == "tool"] == ["1"]
+
+
+def test_the_code_reward_is_the_fraction_of_hidden_tests_passed():
+    # a generated task's gold solution passes every hidden test; its stub passes none: the reward is the fraction
+    # passed (tests_passed), and outcome is 1 exactly when all pass
+    env = agentrl.make("code/generated-v0", sandbox="local", n_tasks=1)
+    try:
+        env.reset(seed=0)
+        task = env.task
+        gold = env.score(task, env.solution(task), ())
+        stub = env.score(task, task.data["prompt"] + "    pass\n", ())
+    finally:
+        env.close()
+    assert gold.components == {"tests_passed": 1.0, "outcome": 1.0}
+    n = gold.detail.split("/")[1].split(" ")[0]
+    assert gold.detail == f"{n}/{n} hidden tests"
+    assert stub.components == {"tests_passed": 0.0, "outcome": 0.0}
+    assert stub.detail.startswith(f"0/{n} hidden tests; ")

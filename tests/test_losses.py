@@ -389,3 +389,172 @@ def test_masked_positions_are_inert_under_the_correction():
         return ppo_clip_loss(lp, old, adv_c, mask_c, PolicyLossConfig())[0]
 
     _assert_mask_zero_positions_are_inert(corrected_loss)
+
+
+# --- cases that mutation testing found unguarded (docs/mutation.md) ----------------------------------------
+
+def test_micro_batch_weights_make_accumulation_exact():
+    # minibatch rows: 2 tokens, none, 1 token. Micro-batches rows {0} and {1, 2}.
+    # token-mean: 2/3 and 1/3 of the tokens; seq-mean modes: 1/2 and 1/2 of the rows that have tokens
+    from agentrl.trainers.losses import micro_batch_weight
+
+    mask = T_([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    loss = T_([[1.0, 2.0, 9.0], [9.0, 9.0, 9.0], [4.0, 9.0, 9.0]])
+    assert micro_batch_weight(mask[:1], mask, "token-mean") == 2 / 3
+    assert micro_batch_weight(mask[1:], mask, "token-mean") == 1 / 3
+    assert micro_batch_weight(mask[1:], mask, "seq-mean-token-mean") == 0.5
+    for mode in AGG_MODES:
+        norm = 3.0 if mode == "seq-mean-token-sum-norm" else None
+        parts = sum(micro_batch_weight(mask[s], mask, mode) * aggregate(loss[s], mask[s], mode, norm_const=norm)
+                    for s in (slice(0, 1), slice(1, 3)))
+        assert parts.item() == pytest.approx(aggregate(loss, mask, mode, norm_const=norm).item(), rel=1e-6)
+    # one token in the whole minibatch: weight 1; no tokens at all: 0
+    one = T_([[0.0, 1.0]])
+    assert micro_batch_weight(one, one, "token-mean") == 1.0 and micro_batch_weight(one, one, "seq-mean-token-sum") == 1.0
+    assert micro_batch_weight(torch.zeros(1, 2), torch.zeros(2, 2), "token-mean") == 0.0
+
+
+def test_masked_mean_of_one_token():
+    assert masked_mean(T_([[3.0, 5.0]]), T_([[0, 1]])).item() == 5.0
+
+
+def test_value_loss_default_clip_lower_side_and_metrics():
+    # default clip 0.2, old V 0: V -1 -> V' = -0.2; R -2: unclipped (-1 + 2)^2 = 1, clipped (-0.2 + 2)^2 = 3.24
+    # -> 0.5 * 3.24 = 1.62. V 0.1 (inside the clip), R 0: 0.01 both ways
+    values, old, returns = T_([[-1.0, 0.1]]), T_([[0.0, 0.0]]), T_([[-2.0, 0.0]])
+    loss, metrics = value_loss(values, old, returns, T_([[1, 0]]))
+    assert loss.item() == pytest.approx(1.62)
+    assert metrics == pytest.approx({"value_clip_frac": 1.0, "value_mean": -1.0, "value_mse": 1.0})
+    # seq-mean-token-sum-norm with norm_const 2: 0.5 * (3.24 + 0.01) / 2 / 1 row
+    loss, _ = value_loss(values, old, returns, T_([[1, 1]]), agg="seq-mean-token-sum-norm", norm_const=2.0)
+    assert loss.item() == pytest.approx(0.5 * 3.25 / 2)
+
+
+def test_correction_config_lists_every_problem():
+    with pytest.raises(ValueError) as raised:
+        CorrectionConfig(decoupled=True, tis="token", tis_cap=0.0, mis_threshold=1.0)
+    assert str(raised.value) == ("invalid CorrectionConfig: tis_cap must be > 0 (e.g. 2.0), got 0.0; "
+                                 "mis_threshold must be > 1 (the kept weights are [1/C, C]), got 1.0")
+    assert CorrectionConfig(decoupled=True, tis="sequence", tis_cap=0.5).tis_cap == 0.5  # a cap below 1 is allowed
+
+
+@pytest.mark.parametrize("ratio, detached", [
+    (2e-4, [0.25]),  # max(1, int(2e-4 * 4)) = 1 of the 2 candidates, drawn at random
+    (0.5, [0.5]),    # int(0.5 * 4) = 2: both candidates
+    (1.0, [0.5]),    # 4 asked for, but only the 2 candidates can be detached
+])
+def test_clip_cov_detaches_a_fraction_of_the_candidates(ratio, detached):
+    # A = [2, 2, -2, -2] (mean 0), logp = -3 + [1.5, 2.5, -2.5, -1.5] (mean -3): Cov = [3, 5, 5, 3]. Band (1, 5):
+    # tokens 0 and 3 (5 is not < 5). Ratios 1: loss mean(-A) = 0, gradient -A / 4 = [-0.5, -0.5, 0.5, 0.5].
+    logp = T_([[-1.5, -0.5, -5.5, -4.5]], requires_grad=True)
+    loss, m = clip_cov_loss(logp, logp.detach(), T_([[2.0, 2.0, -2.0, -2.0]]), torch.ones(1, 4),
+                            PolicyLossConfig(clip_cov_ratio=ratio))
+    assert loss.item() == 0.0 and [m["cov_detach_frac"]] == detached
+    loss.backward()
+    g = logp.grad[0].tolist()
+    assert g[1:3] == [-0.5, 0.5]  # never candidates
+    assert g[0] in (-0.5, 0.0) and g[3] in (0.0, 0.5) and (g[0] == 0.0) + (g[3] == 0.0) == detached[0] * 4
+
+
+def test_kl_loss_metrics_and_norm_const():
+    # k1 on the two sampled tokens: logp - ref = [-1 + 1.5, -2 + 1] = [0.5, -1]: mean -0.25, max 0.5
+    logp, ref, mask = T_([[-1.0, -2.0, 5.0]]), T_([[-1.5, -1.0, 0.0]]), T_([[1, 1, 0]])
+    loss, metrics = kl_loss(logp, ref, mask, "k1", "seq-mean-token-sum-norm", norm_const=4.0)
+    assert loss.item() == -0.125 and metrics == {"kl": -0.25, "kl_max": 0.5}  # (0.5 - 1) / 4
+    loss, metrics = kl_loss(logp, ref, torch.zeros(1, 3), "k1")  # no sampled tokens
+    assert loss.item() == 0.0 and metrics == {"kl": 0.0, "kl_max": 0.0}
+
+
+def test_gspo_ratio_against_nonzero_old_logprobs():
+    # seq 0, one sampled token: log ratio -1 - (-1.1) = 0.1 -> s0 = e^0.1 = 1.10517 (inside [0.8, 1.2]), A = +1
+    # seq 1: log ratios [-2 + 1.9, -0.5 + 0.7] = [-0.1, 0.2], mean 0.05 -> s1 = e^0.05 = 1.05127, A = -1
+    # seq-mean-token-mean: (-1.10517 + 1.05127) / 2
+    logp = T_([[-1.0, 7.0], [-2.0, -0.5]], requires_grad=True)
+    old = T_([[-1.1, -9.0], [-1.9, -0.7]])
+    loss, m = gspo_loss(logp, old, T_([[1.0, 1.0], [-1.0, -1.0]]), T_([[1, 0], [1, 1]]),
+                        PolicyLossConfig(agg="seq-mean-token-mean"))
+    assert loss.item() == pytest.approx((-math.exp(0.1) + math.exp(0.05)) / 2, abs=1e-6)  # -0.02695
+    assert m["ratio_max"] == pytest.approx(math.exp(0.1), rel=1e-6)
+    with pytest.raises(ValueError, match=r"^gspo_loss clips the sequence ratio only; set dual_clip=None$"):
+        gspo_loss(logp, old, T_([[1.0, 1.0], [-1.0, -1.0]]), T_([[1, 0], [1, 1]]), PolicyLossConfig(dual_clip=3.0))
+
+
+def test_dpo_loss_with_default_beta_and_unequal_masks():
+    # Three (chosen, rejected) pairs, ref 0, each row its own mask (NaN where it is 0). Sequence sums s:
+    # pair 1: 0.5 + 0.5 = 1 vs -1 -> margin 2; pair 2: 0 + 0.5 + 0.5 = 1 vs 0.5 + 0.5 = 1 -> 0; pair 3: -1 vs 0 -> -1.
+    # beta 0.1: z = [0.2, 0, -0.1]; loss = mean(-log sigmoid(z)) = (softplus(-0.2) + ln 2 + softplus(0.1)) / 3
+    from agentrl.trainers.losses import dpo_loss
+
+    logp = T_([[0.5, 0.5, NAN], [-1.0, NAN, NAN], [0.0, 0.5, 0.5], [NAN, 0.5, 0.5], [-1.0, NAN, NAN], [0.0, 0.0, 0.0]])
+    mask = T_([[1, 1, 0], [1, 0, 0], [1, 1, 1], [0, 1, 1], [1, 0, 0], [1, 1, 1]])
+    ref = torch.where(mask.bool(), 0.0, NAN)
+    loss, metrics = dpo_loss(logp, ref, mask)
+    softplus = lambda x: math.log1p(math.exp(x))  # noqa: E731
+    assert loss.item() == pytest.approx((softplus(-0.2) + LN2 + softplus(0.1)) / 3, abs=1e-6)
+    assert metrics == pytest.approx({"reward_accuracy": 1 / 3, "reward_margin": 1 / 3})
+    with pytest.raises(ValueError, match=r"^DPO needs \(chosen, rejected\) row pairs; got 3 rows$"):
+        dpo_loss(logp[:3, :2], ref[:3, :2], mask[:3, :2])
+
+
+def test_kl_cov_penalizes_a_fraction_of_the_tokens_and_refuses_dual_clip():
+    # Cov = [3, 5, 5, 3] as in test_clip_cov_detaches_a_fraction_of_the_candidates: ratio 0.5 of 4 tokens -> the
+    # top 2 (tokens 1 and 2). Ratios 1: loss mean(-A) = 0, and every |log ratio| is 0.
+    logp = T_([[-1.5, -0.5, -5.5, -4.5]])
+    adv = T_([[2.0, 2.0, -2.0, -2.0]])
+    loss, m = kl_cov_loss(logp, logp, adv, torch.ones(1, 4), PolicyLossConfig(kl_cov_ratio=0.5))
+    assert loss.item() == 0.0 and m["kl_cov_frac"] == 0.5
+    with pytest.raises(ValueError, match=r"^kl_cov_loss does not clip \(the covariance penalty replaces clipping\); "
+                                         r"set dual_clip=None$"):
+        kl_cov_loss(logp, logp, adv, torch.ones(1, 4), PolicyLossConfig(dual_clip=3.0))
+
+
+def test_ppo_ratio_against_nonzero_old_logprobs():
+    # log ratios -1 - (-1.1) = 0.1 and -2 - (-1.5) = -0.5: r = [1.10517, 0.60653]; A = [1, -1], clip 0.2.
+    # token 0: max(-1.10517, -1.10517) (inside the clip); token 1: max(0.60653, clip(0.60653) = 0.8) = 0.8 (clipped)
+    loss, m = ppo_clip_loss(T_([[-1.0, -2.0]]), T_([[-1.1, -1.5]]), T_([[1.0, -1.0]]), torch.ones(1, 2),
+                            PolicyLossConfig())
+    assert loss.item() == pytest.approx((-math.exp(0.1) + 0.8) / 2, abs=1e-6)
+    assert m["clip_frac"] == 0.5 and m["ratio_min"] == pytest.approx(math.exp(-0.5), rel=1e-6)
+
+
+def test_dual_clip_boundaries():
+    # c = 2. A = -1, r = 2: max(2, 1.2) = 2 equals the cap -A c = 2, so the cap is not active (the gradient r / 2 = 1
+    # flows, dual_clip_frac 0). A = +0.5, r = 1: -0.5, never capped (the cap is for A < 0). Loss (2 - 0.5) / 2.
+    logp = T_([[math.log(2.0), 0.0]], requires_grad=True)
+    loss, m = ppo_clip_loss(logp, torch.zeros(1, 2), T_([[-1.0, 0.5]]), torch.ones(1, 2), PolicyLossConfig(dual_clip=2.0))
+    assert loss.item() == pytest.approx(0.75)
+    loss.backward()
+    close(logp.grad, [[1.0, -0.25]])
+    assert m["dual_clip_frac"] == 0.0
+
+
+def test_policy_loss_config_boundaries_and_message():
+    for valid in (dict(clip_low=0.0, clip_high=0.0, dual_clip=1.5, kl_cov_ratio=1.0, kl_cov_coef=0.0),
+                  dict(agg="seq-mean-token-sum-norm", norm_const=0.5, kl_cov_coef=0.5, clip_cov_ratio=1.0)):
+        PolicyLossConfig(**valid)
+    for invalid in (dict(clip_high=-0.1), dict(agg="seq-mean-token-sum-norm", norm_const=0.0), dict(clip_cov_ratio=0.0),
+                    dict(clip_cov_ratio=1.5), dict(clip_cov_lb=5.0), dict(kl_cov_coef=-1.0)):
+        with pytest.raises(ValueError, match="^invalid PolicyLossConfig: "):
+            PolicyLossConfig(**invalid)
+    with pytest.raises(ValueError) as raised:
+        PolicyLossConfig(clip_low=1.0, clip_high=-0.1, dual_clip=1.0, agg="sum", norm_const=-1.0, clip_cov_ratio=0.0,
+                         clip_cov_lb=5.0, kl_cov_coef=-1.0)
+    assert str(raised.value) == (
+        "invalid PolicyLossConfig: clip_low must be in [0, 1), got 1.0; clip_high must be >= 0, got -0.1; "
+        "dual_clip must be > 1 (e.g. 3.0) or None, got 1.0; agg must be one of token-mean, seq-mean-token-mean, "
+        "seq-mean-token-sum, seq-mean-token-sum-norm, got 'sum'; norm_const must be set exactly when agg is "
+        "'seq-mean-token-sum-norm'; norm_const must be > 0, got -1.0; clip_cov_ratio and kl_cov_ratio must be in "
+        "(0, 1]; clip_cov_lb (5.0) must be < clip_cov_ub (5.0); kl_cov_coef must be >= 0, got -1.0")
+    with pytest.raises(ValueError, match=r"^unknown aggregation mode 'mean'; modes: token-mean, seq-mean-token-mean, "
+                                         r"seq-mean-token-sum, seq-mean-token-sum-norm$"):
+        aggregate(LOSS_2x3, MASK_2x3, "mean")
+
+
+def test_shape_errors_name_both_shapes():
+    logp, cfg = torch.zeros(1, 2), PolicyLossConfig()
+    with pytest.raises(ValueError, match=r"^shape mismatch: \(1, 2\) vs \(1, 3\)$"):
+        ppo_clip_loss(logp, torch.zeros(1, 3), torch.zeros(1, 2), torch.ones(1, 2), cfg)
+    with pytest.raises(ValueError, match=r"^mask has shape \(1, 3\), inputs \(1, 2\)$"):
+        ppo_clip_loss(logp, logp, logp, torch.ones(1, 3), cfg)
+    with pytest.raises(ValueError, match=r"must be in \(0, 1\]$"):
+        PolicyLossConfig(kl_cov_ratio=1.5)

@@ -386,3 +386,38 @@ def test_turn_seeds_reach_the_engine_only_when_seeded_sampling_is_on(renderer):
                                    RolloutConfig(seeded_sampling=seeded, seed=5)), list(env.tasks))
         assert spy.seeds and all((s is not None) == seeded for s in spy.seeds)
         assert [g.trajectories[0].seed for g in groups] == [5 * 100_003 + i for i in range(3)]  # resets stay seeded
+
+
+class PartnerPolicy(ScriptedPolicy):
+    """As in tandem rollouts: the first two sampled ids of every turn are a frozen partner's (trainable 0), and
+    the weights that sampled call k (from 1) are version 5 - k."""
+
+    async def generate(self, prompt_ids, sampling: SamplingParams) -> list[Sample]:
+        [sample] = await super().generate(prompt_ids, sampling)
+        n = len(sample.token_ids)
+        return [Sample(sample.token_ids, sample.logprobs, sample.finish_reason, (0, 0) + (1,) * (n - 2),
+                       5 - len(self.calls))]
+
+
+def test_partner_tokens_keep_loss_mask_zero_and_are_counted(renderer):
+    env = ArithmeticEnv(n_tasks=1)
+    engine = RolloutEngine(lambda: ArithmeticEnv(n_tasks=1), PartnerPolicy(renderer, gold_scripts(env)), renderer)
+    [t] = run(engine, list(env.tasks))[0].trajectories
+    assert t.status is Status.OK and len(t.turns) == 2, t.reason
+    # the mask: 0 on the prompt, the observation and each turn's first two ids, 1 on the rest of each turn
+    expected = [0] * len(t.token_ids)
+    for turn in t.turns:
+        expected[turn.start + 2:turn.end] = [1] * (turn.end - turn.start - 2)
+    assert list(t.loss_mask) == expected
+    assert t.info["untrained_tokens"] == 4  # 2 per turn
+    assert [turn.weight_version for turn in t.turns] == [4, 3] and t.weight_version == 3  # the oldest turn's
+    assert "close_error" not in t.info and t.info["tool_calls"] == 1 and t.info["answer"] == env.tasks[0].data["answer"]
+    assert isinstance(t.info["seconds"], float) and 0.0 <= t.info["seconds"] < 600.0
+    assert (t.task_id, t.group) == (env.tasks[0].id, 0)
+    # every id the trained policy wrote: no untrained_tokens at all; each trajectory has its task's group index
+    env = ArithmeticEnv(n_tasks=2)
+    engine = RolloutEngine(lambda: ArithmeticEnv(n_tasks=2), ScriptedPolicy(renderer, gold_scripts(env)), renderer)
+    trajectories = [g.trajectories[0] for g in run(engine, list(env.tasks))]
+    assert [t.group for t in trajectories] == [0, 1]
+    for t in trajectories:
+        assert "untrained_tokens" not in t.info and sum(t.loss_mask) == sum(turn.end - turn.start for turn in t.turns)

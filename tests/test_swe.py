@@ -320,3 +320,106 @@ def test_sabotaging_the_grader_is_a_failure_not_an_error(env, sabotage):
     call(env, "bash", command=sabotage)
     _, reward, terminated, _, info = call(env, "submit", summary="done")
     assert terminated and reward == 0.0 and "outcome" in info["reward_components"], info
+
+
+# --- grading, without Docker: SWEEnv.score with local sandboxes -----------------------------------------------
+# The test command prints `report.txt`, which the agent writes: each case's test output is written by hand, and the
+# grader reaches it through the agent's diff, the test patch and the fresh copy, as in a real episode.
+
+def pytest_report(*status_lines: str, final: str) -> str:
+    return "===== short test summary info =====\n" + "".join(f"{s}\n" for s in status_lines) + f"===== {final} =====\n"
+
+
+ALL_PASS = pytest_report("PASSED t.py::a", "PASSED t.py::b", "PASSED t.py::c", final="3 passed in 0.01s")
+
+
+@pytest.mark.parametrize("report, fail_to_pass, pass_to_pass, components, detail", [
+    # FAIL_TO_PASS 1 of 2, PASS_TO_PASS 1 of 1: not resolved
+    (pytest_report("PASSED t.py::a", "FAILED t.py::b - assert 0", "PASSED t.py::c", final="1 failed, 2 passed in 0.01s"),
+     ["t.py::a", "t.py::b"], ["t.py::c"], {"outcome": 0.0, "fail_to_pass": 0.5, "pass_to_pass": 1.0},
+     "FAIL_TO_PASS 0.50, PASS_TO_PASS 1.00"),
+    (ALL_PASS, ["t.py::a", "t.py::b"], ["t.py::c"], {"outcome": 1.0, "fail_to_pass": 1.0, "pass_to_pass": 1.0},
+     "FAIL_TO_PASS 1.00, PASS_TO_PASS 1.00"),
+    # a broken PASS_TO_PASS test (1 of 4 pass: 0.25) sinks the fix; an empty PASS_TO_PASS counts as all passed
+    (pytest_report("PASSED t.py::a", "ERROR t.py::b", "XFAIL t.py::c", "XPASS t.py::d", "FAILED t.py::e",
+                   final="1 failed, 1 passed, 1 xfailed, 1 xpassed, 1 error in 0.01s"),
+     ["t.py::a"], ["t.py::a", "t.py::b", "t.py::c", "t.py::e"],
+     {"outcome": 0.0, "fail_to_pass": 1.0, "pass_to_pass": 0.25}, "FAIL_TO_PASS 1.00, PASS_TO_PASS 0.25"),
+    (ALL_PASS, ["t.py::c"], [], {"outcome": 1.0, "fail_to_pass": 1.0, "pass_to_pass": 1.0},
+     "FAIL_TO_PASS 1.00, PASS_TO_PASS 1.00"),
+    # output that contradicts itself (3 PASSED lines, "2 passed") passes nothing, even an instance with no tests
+    (ALL_PASS.replace("3 passed", "2 passed"), ["t.py::a"], ["t.py::c"],
+     {"outcome": 0.0, "fail_to_pass": 0.0, "pass_to_pass": 0.0},
+     "FAIL_TO_PASS 0.00, PASS_TO_PASS 0.00; the test output is not to be trusted: 3 passed status lines, but the "
+     "final line says 2 (2 passed)"),
+    (ALL_PASS.replace("3 passed", "2 passed"), [], [], {"outcome": 0.0, "fail_to_pass": 1.0, "pass_to_pass": 1.0},
+     "FAIL_TO_PASS 1.00, PASS_TO_PASS 1.00; the test output is not to be trusted"),
+    # no final counts line: the run never finished
+    ("PASSED t.py::a\n", ["t.py::a"], [], {"outcome": 0.0, "fail_to_pass": 0.0, "pass_to_pass": 1.0},
+     "FAIL_TO_PASS 0.00, PASS_TO_PASS 1.00; the tests did not run: "),
+])
+def test_the_grade_is_the_fraction_of_each_test_list_that_passed(tmp_path, monkeypatch, report, fail_to_pass,
+                                                                  pass_to_pass, components, detail):
+    import subprocess
+
+    from agentrl.envs.swe.env import SWEEnv
+    from agentrl.tools.sandbox import LocalRuntime
+    from agentrl.tools.sandbox.pool import SandboxPool
+
+    upstream = tmp_path / "upstream"  # the instance's repository: `repo_dir`, copied by `setup` as from an image
+    upstream.mkdir()
+    (upstream / "report.txt").write_text("not run\n")
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(upstream)]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "base"]):
+        subprocess.run(git + args, check=True)
+    task = to_task({"instance_id": "local-1", "problem_statement": "-", "image": "none", "repo_dir": str(upstream),
+                    "FAIL_TO_PASS": fail_to_pass, "PASS_TO_PASS": pass_to_pass, "test_cmd": "cat report.txt",
+                    "test_patch": file_diff("t.py", None, "def test_a():\n    pass\n")})
+    env = SWEEnv(instances=str(tmp_path))
+    pool = SandboxPool(lambda: LocalRuntime(env.limits), size=2, warm=False)
+    monkeypatch.setattr(env, "_pool", lambda: pool)  # local sandboxes in place of the instance's Docker image
+    try:
+        env.on_reset(task)
+        env.sandbox.write("repo/report.txt", report)  # the agent's work: what the tests will print
+        score = env.score(task, "", ())
+    finally:
+        env.close()
+        pool.close()
+    assert score.components == components
+    assert score.detail.startswith(detail)
+    assert "+++ b/report.txt" in score.detail.split("\n--- diff\n", 1)[1]
+
+
+def test_the_agents_edits_to_tests_and_test_settings_are_not_graded(tmp_path, monkeypatch):
+    import subprocess
+
+    from agentrl.envs.swe.env import SWEEnv
+    from agentrl.tools.sandbox import LocalRuntime
+    from agentrl.tools.sandbox.pool import SandboxPool
+
+    upstream = tmp_path / "upstream"
+    upstream.mkdir()
+    (upstream / "report.txt").write_text(ALL_PASS.replace("PASSED t.py::b", "FAILED t.py::b").replace(
+        "3 passed", "1 failed, 2 passed"))
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(upstream)]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "base"]):
+        subprocess.run(git + args, check=True)
+    # the test patch makes the test command print report.txt as the tests leave it; the agent's own t.py and
+    # conftest.py would print a passing one
+    task = to_task({"instance_id": "local-2", "problem_statement": "-", "image": "none", "repo_dir": str(upstream),
+                    "FAIL_TO_PASS": ["t.py::b"], "PASS_TO_PASS": [], "test_cmd": "cat report.txt",
+                    "test_patch": file_diff("t.py", None, "def test_b():\n    pass\n")})
+    env = SWEEnv(instances=str(tmp_path))
+    pool = SandboxPool(lambda: LocalRuntime(env.limits), size=2, warm=False)
+    monkeypatch.setattr(env, "_pool", lambda: pool)
+    try:
+        env.on_reset(task)
+        env.sandbox.write("repo/t.py", "print('PASSED t.py::b')\n")
+        env.sandbox.write("repo/conftest.py", "import sys\n")
+        score = env.score(task, "", ())
+    finally:
+        env.close()
+        pool.close()
+    assert score.components == {"outcome": 0.0, "fail_to_pass": 0.0, "pass_to_pass": 1.0}
+    assert score.detail.startswith("FAIL_TO_PASS 0.00, PASS_TO_PASS 1.00; not graded (tests or test settings): "
+                                   "conftest.py, t.py\n--- diff\n")
