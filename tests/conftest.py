@@ -8,7 +8,9 @@ tests (gloo weight transfer)."""
 from __future__ import annotations
 
 import collections
+import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,27 +22,66 @@ from agentrl.models.tokenizer import load_tokenizer
 from agentrl.renderer import Renderer
 
 
-# Session resources that cost seconds to minutes to start: under xdist (`make test`: `--dist loadgroup`) the tests
-# that use one run on the same worker, which starts it once. Every other test runs on the worker of its file, whose
-# module fixtures (indexes, sandboxes, repositories) are then built once.
+# Session resources that cost seconds to minutes to start. Under xdist (`make test`: `--dist loadgroup`) the tests
+# that use one run on the same worker, which starts it once; every other test runs on the worker of its file, whose
+# module fixtures (indexes, sandboxes, repositories) are then built once. xdist's own loadgroup reads the group from a
+# suffix it writes into the node id, which pytest 9.2's structured node ids ignore (every test became its own group):
+# here the workers write the groups to a file that the controller's scheduler reads.
 SHARED = ("vllm_server", "ray_cluster")
 TIERS = ("slow", "docker", "browser", "vllm", "real_model")
+GROUPS = "AGENTRL_TEST_GROUPS"  # the file of {node id: group}, made by the controller
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def group_of(item: pytest.Item) -> str:
+    return next((name for name in SHARED if name in getattr(item, "fixturenames", ())), item.path.name)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    groups = {}
-    for item in items:
-        group = next((name for name in SHARED if name in getattr(item, "fixturenames", ())), item.path.name)
-        item.add_marker(pytest.mark.xdist_group(group))
-        groups[item] = group
-    # The groups with the most integration-tier tests first (with `--no-loadscope-reorder` xdist hands the groups
-    # out in this order): the long ones start early instead of leaving one worker busy at the end.
-    weight = collections.Counter(groups[item] for item in items if any(item.get_closest_marker(m) for m in TIERS))
-    first = {}  # each group stays contiguous, in the order of its first test
-    for i, group in enumerate(groups.values()):
-        first.setdefault(group, i)
-    items.sort(key=lambda item: (-weight[groups[item]], first[groups[item]]))
+    """The groups with the most integration-tier tests first (`--no-loadscope-reorder` hands them out in this order):
+    the long ones start early instead of leaving one worker busy at the end. Each group stays contiguous."""
+    weight = collections.Counter(group_of(item) for item in items if any(item.get_closest_marker(m) for m in TIERS))
+    first = {}
+    for i, item in enumerate(items):
+        first.setdefault(group_of(item), i)
+    items.sort(key=lambda item: (-weight[group_of(item)], first[group_of(item)]))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("dist", "no") == "loadgroup" and GROUPS not in os.environ:  # the controller; workers inherit
+        config.groups_file = os.environ[GROUPS] = tempfile.mkstemp(prefix="agentrl-test-groups-", suffix=".json")[1]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if getattr(config, "groups_file", None):
+        Path(config.groups_file).unlink(missing_ok=True)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist tells the controller that this worker has collected
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if (worker := os.environ.get("PYTEST_XDIST_WORKER")) and GROUPS in os.environ:
+        path = Path(os.environ[GROUPS])
+        written = path.with_suffix(f".{worker}")  # then renamed: the file is whole whenever it is read
+        written.write_text(json.dumps({item.nodeid: group_of(item) for item in session.items}))
+        os.replace(written, path)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getoption("dist", "no") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Groups(LoadScopeScheduling):
+        """xdist's scheduling by scope, with our groups as the scopes (read once every worker has collected)."""
+
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:
+                self.groups = json.loads(Path(os.environ[GROUPS]).read_text())
+            return self.groups[nodeid]
+
+    return Groups(config, log)
 
 
 @pytest.fixture(scope="session")
