@@ -102,7 +102,7 @@ test: setup setup-vllm setup-browser setup-swe setup-adapters model-smollm2
 	AGENTRL_FUZZ_OUTPUTS=1000 $(PY) -m pytest -q -rs -m "" --durations=30 \
 		-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
-unit: setup
+unit: setup setup-adapters
 	$(PY) -m pytest -q
 
 fuzz: setup setup-browser setup-swe
