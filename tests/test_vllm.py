@@ -409,7 +409,8 @@ def test_sharded_training_streams_its_weights_into_vllm(vllm_server: VLLMServer,
 
 
 def test_asynchronous_training_with_rollout_sources_in_ray_actors(ray_cluster: str, vllm_server: VLLMServer,
-                                                                  tiny_model_dir: Path, hf_model, tmp_path: Path) -> None:
+                                                                  tiny_model_dir: Path, hf_model,
+                                                                  tmp_path: Path) -> None:
     """`[ray] sources = 2`: two actors play the episodes (their envs in a Ray env worker) over HTTP copies of the
     policy, while the trainer's process syncs the weights and evaluates: every step trains its 2 groups, at most one
     version old, from both sources' positions, none twice; the held-out evaluations sample that step's weights, and
