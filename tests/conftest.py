@@ -39,11 +39,12 @@ def group_of(item: pytest.Item) -> str:
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The groups with the most integration-tier tests first (`--no-loadscope-reorder` hands them out in this order):
     the long ones start early instead of leaving one worker busy at the end. Each group stays contiguous."""
-    weight = collections.Counter(group_of(item) for item in items if any(item.get_closest_marker(m) for m in TIERS))
+    groups = {item: group_of(item) for item in items}
+    weight = collections.Counter(groups[item] for item in items if any(item.get_closest_marker(m) for m in TIERS))
     first = {}
-    for i, item in enumerate(items):
-        first.setdefault(group_of(item), i)
-    items.sort(key=lambda item: (-weight[group_of(item)], first[group_of(item)]))
+    for i, group in enumerate(groups.values()):
+        first.setdefault(group, i)
+    items.sort(key=lambda item: (-weight[groups[item]], first[groups[item]]))
 
 
 def pytest_configure(config: pytest.Config) -> None:
