@@ -1,7 +1,7 @@
 """Asynchronous against synchronous GRPO: trained tokens per second at `max_staleness` 0 (synchronous), 1 and 2,
 measured in the same run on the same model, envs, batch and number of optimizer steps.
 
-Each row runs GRPO (`agentrl.trainers.grpo.train`) for the same steps from the same weights, with the in-process
+Each row runs GRPO (`agentrl.trainers.methods.grpo.train`) for the same steps from the same weights, with the in-process
 engine on its own copy of the model, and reads the loop's own metrics: trained tokens (the sampled tokens of the
 groups trained) over the steps' wall time, and the engine, env and trainer idle fractions of each step (mean over the
 steps). Two envs:
@@ -56,7 +56,7 @@ from agentrl.models.tokenizer import load_tokenizer
 from agentrl.policy.hf import HFPolicy
 from agentrl.policy.protocol import SamplingParams
 from agentrl.rollout.engine import RolloutConfig
-from agentrl.trainers.grpo import GRPOConfig, train
+from agentrl.trainers.methods.grpo import GRPOConfig, train
 
 MODEL_DIR = Path("~/.cache/agentrl/models/tiny").expanduser()
 ENVS = {  # env id, its kwargs, (tasks per step, group size, concurrency = env threads, max tokens per turn)

@@ -94,7 +94,7 @@ from agentrl.rollout.engine import RolloutConfig
 from agentrl.models.tiny import build_tiny_model
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers.batch import Batch, make_batch
-from agentrl.trainers.grpo import GRPOConfig, to_batch
+from agentrl.trainers.methods.grpo import GRPOConfig, to_batch
 from agentrl.trainers.loop import update
 from agentrl.trainers.rewards import group_rewards
 from agentrl.trainers.losses import PolicyLossConfig

@@ -2,7 +2,7 @@
 
     python examples/minimal_grpo.py [--model DIR] [--steps N] [--env ID]
 
-The library's own pieces in one visible loop, read top to bottom. `agentrl train` (trainers/grpo.py) runs the
+The library's own pieces in one visible loop, read top to bottom. `agentrl train` (trainers/methods/grpo.py) runs the
 same four steps and adds what a real run needs around them: micro-batches, KL to a reference, dynamic
 sampling, held-out evaluation, checkpoints and resume, vLLM engines with weight sync and parity checks, FSDP.
 Here the policy samples in-process from the very model being trained, so a weight sync is a version number.

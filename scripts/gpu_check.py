@@ -82,7 +82,7 @@ def batch(vocab: int, rows: int, length: int, device: str):
 
 def check_mixed_precision(device: str, big: bool) -> dict:
     from agentrl.policy.precision import mixed_precision
-    from agentrl.trainers.grpo import GRPOConfig
+    from agentrl.trainers.methods.grpo import GRPOConfig
     from agentrl.trainers.loop import update
 
     model = mixed_precision(small_qwen(1024, 2, 256 if big else 64, device), torch.bfloat16)
@@ -129,15 +129,15 @@ def check_fsdp(device: str, big: bool) -> dict:
     import torch.distributed as dist
 
     from agentrl.policy.precision import mixed_precision
-    from agentrl.trainers import fsdp
-    from agentrl.trainers.grpo import GRPOConfig
+    from agentrl.trainers import distributed
+    from agentrl.trainers.methods.grpo import GRPOConfig
     from agentrl.trainers.loop import update
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29517"), RANK="0",
                       WORLD_SIZE="1", LOCAL_RANK="0")
-    fsdp.init()
+    distributed.init()
     try:
-        model = fsdp.shard(mixed_precision(small_qwen(1024, 2, 128, device), torch.bfloat16))
+        model = distributed.shard(mixed_precision(small_qwen(1024, 2, 128, device), torch.bfloat16))
         before = [p.detach().full_tensor().clone() for p in model.parameters()]
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         metrics = update(model, None, optimizer, batch(1024, 4, 128, device), GRPOConfig(minibatch_size=4),
@@ -152,8 +152,9 @@ def check_fsdp(device: str, big: bool) -> dict:
 
 def check_resume(device: str, big: bool) -> dict:
     from agentrl.policy.precision import mixed_precision
-    from agentrl.trainers.checkpoint import resume, save_checkpoint
-    from agentrl.trainers.grpo import GRPOConfig
+    from agentrl.trainers.checkpoint import save_checkpoint
+    from agentrl.trainers.distributed import resume
+    from agentrl.trainers.methods.grpo import GRPOConfig
     from agentrl.trainers.loop import update
 
     cfg, data = GRPOConfig(minibatch_size=2, epochs=1), batch(1024, 4, 128, device)

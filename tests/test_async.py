@@ -32,7 +32,7 @@ from agentrl.rollout.timeline import Busy, idle_fractions
 from agentrl.trainers.batch import make_batch
 from agentrl.trainers.checkpoint import latest_checkpoint
 from agentrl.trainers.losses import tis_weights
-from agentrl.trainers.pipeline import TrainJob
+from agentrl.trainers.job.pipeline import TrainJob
 from agentrl.types import Group, Message, Status, Task, Trajectory, Turn
 
 
@@ -302,7 +302,7 @@ TRAIN = textwrap.dedent("""
     from agentrl.policy.protocol import SamplingParams
     from agentrl.rollout.engine import RolloutConfig
     from agentrl.rollout.ray_pool import init_ray
-    from agentrl.trainers.grpo import GRPOConfig, train
+    from agentrl.trainers.methods.grpo import GRPOConfig, train
 
     class FrozenCopies(HFPolicy):
         # Ray sources sample from their own copies of the weights, which syncs only renumber: what is checked here is

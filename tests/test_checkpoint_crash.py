@@ -26,8 +26,9 @@ from agentrl.policy.protocol import SamplingParams
 from agentrl.rollout.engine import RolloutConfig
 from agentrl.rollout.jsonl import JsonlWriter, read_records
 from agentrl.trainers import loop
-from agentrl.trainers.checkpoint import CheckpointError, resume, save_checkpoint
-from agentrl.trainers.grpo import GRPOConfig, train
+from agentrl.trainers.checkpoint import CheckpointError, save_checkpoint
+from agentrl.trainers.distributed import resume
+from agentrl.trainers.methods.grpo import GRPOConfig, train
 from agentrl.trainers.metrics import MetricsLogger, NonFiniteLoss
 from agentrl.trainers.sft import SFTConfig, sft
 from agentrl.types import Trajectory, Turn

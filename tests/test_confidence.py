@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from agentrl.trainers.confidence import confidence_metrics, confidence_of, response_confidence, score_confidence
-from agentrl.trainers.grpo import GRPO, GRPOConfig
+from agentrl.trainers.rewards.confidence import confidence_metrics, confidence_of, response_confidence, score_confidence
+from agentrl.trainers.methods.grpo import GRPO, GRPOConfig
 from agentrl.trainers.rewards import RewardConfig, group_rewards
 from agentrl.types import Group, Status, Task, Trajectory, Turn
 
@@ -94,7 +94,7 @@ def test_grpo_steps_on_rent_alone_keep_every_group_and_lower_the_entropy(tiny_mo
 
 
 def test_dpo_pairs_by_confidence_need_the_model(tiny_model_dir):
-    from agentrl.trainers.dpo import preference_pairs
+    from agentrl.trainers.methods.dpo import preference_pairs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     V = model.config.vocab_size
@@ -110,7 +110,7 @@ def test_dpo_pairs_by_confidence_need_the_model(tiny_model_dir):
 
 
 def test_a_ppo_step_scores_the_confidence_it_trains_on(tiny_model_dir):
-    from agentrl.trainers.ppo import PPO, PPOConfig
+    from agentrl.trainers.methods.ppo import PPO, PPOConfig
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
     V = model.config.vocab_size

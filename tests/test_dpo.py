@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from agentrl.trainers.dpo import DPOConfig, preference_pairs, train_dpo
+from agentrl.trainers.methods.dpo import DPOConfig, preference_pairs, train_dpo
 from agentrl.trainers.losses import dpo_loss
 from agentrl.trainers.rewards import RewardConfig
 from agentrl.types import Group, Status, Task, Trajectory

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from agentrl.cli.main import app
 from agentrl.config import load_config
-from agentrl.trainers.dry_run import Hardware, estimate, meta_model, plan
-from agentrl.trainers.pipeline import TrainJob
+from agentrl.trainers.job.dry_run import Hardware, estimate, meta_model, plan
+from agentrl.trainers.job.pipeline import TrainJob
 
 ROOT = Path(__file__).parents[1]
 CONFIGS = ROOT / "tests" / "data" / "model_configs"  # the hub models' config.json, for planning offline

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from agentrl.policy.logprobs import SHARDED_FORWARD
 from agentrl.trainers.batch import Batch
-from agentrl.trainers.grpo import GRPOConfig
+from agentrl.trainers.methods.grpo import GRPOConfig
 from agentrl.trainers.loop import update
 from agentrl.trainers.losses import PolicyLossConfig
 
@@ -33,11 +33,11 @@ def serve(rank: int, port: str, jobs, done) -> None:
     Every check of this module runs in the same two processes (one spawn, one torch import per rank)."""
     import traceback
 
-    from agentrl.trainers import fsdp
+    from agentrl.trainers import distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE="2")
     torch.set_num_threads(1)
-    assert fsdp.init("gloo") == (rank, 2)
+    assert distributed.init("gloo") == (rank, 2)
     while (job := jobs.get()) is not None:
         worker, args = job
         try:
@@ -137,25 +137,25 @@ def step(model, agg: str, varied: bool = False) -> dict:
 
 
 def sharded_worker(rank: int, model_dir: str, agg: str, varied: bool, out: str) -> None:
-    from agentrl.trainers import fsdp
+    from agentrl.trainers import distributed
 
-    model = fsdp.shard(AutoModelForCausalLM.from_pretrained(model_dir))
+    model = distributed.shard(AutoModelForCausalLM.from_pretrained(model_dir))
     assert hasattr(model, SHARDED_FORWARD)  # the step's logprobs take the masked path, the head on sampled tokens
     shapes = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
     passes = []  # per decoder pass: packed (position ids restart per row, no attention mask) or padded
     model.base_model.register_forward_pre_hook(
         lambda module, args, kwargs: passes.append(kwargs.get("position_ids") is not None), with_kwargs=True)
     metrics = step(model, agg, varied)
-    state = fsdp.full_state_dict(model)
+    state = distributed.full_state_dict(model)
     if rank == 0:
         torch.save({"state": state, "local_shapes": shapes, "grad_norm": metrics["grad_norm"], "passes": passes}, out)
 
 
 def streamed_worker(rank: int, model_dir: str, out: str) -> None:
     from agentrl.policy.weight_transfer import ModelWeights
-    from agentrl.trainers import fsdp
+    from agentrl.trainers import distributed
 
-    model = fsdp.shard(AutoModelForCausalLM.from_pretrained(model_dir))
+    model = distributed.shard(AutoModelForCausalLM.from_pretrained(model_dir))
     source = ModelWeights(model, to_cpu=True, dtype=torch.bfloat16)
     announced = [(m.name, m.dtype, tuple(m.shape)) for m in source.metadata()]
     sent = list(source)  # every rank iterates: each tensor's gather is a collective
@@ -166,14 +166,14 @@ def streamed_worker(rank: int, model_dir: str, out: str) -> None:
 def from_rank0_worker(rank: int, model_dir: str, out: str) -> None:
     from unittest import mock
 
-    from agentrl.trainers import fsdp
+    from agentrl.trainers import distributed
 
     unread = mock.patch.object(AutoModelForCausalLM, "from_pretrained", side_effect=AssertionError("rank 1 read"))
     with unread if rank else contextlib.nullcontext():  # rank 1 must not read the weights
-        model = fsdp.from_pretrained(model_dir, torch.float32, None, "cpu")
+        model = distributed.from_pretrained(model_dir, torch.float32, None, "cpu")
     with torch.no_grad():
         logits = model(input_ids=torch.arange(10, 40).unsqueeze(0)).logits  # each rank's own forward
-    state, every_ranks = fsdp.full_state_dict(model), [None, None]
+    state, every_ranks = distributed.full_state_dict(model), [None, None]
     torch.distributed.all_gather_object(every_ranks, logits)
     if rank == 0:
         torch.save({"state": state, "logits": every_ranks}, out)
@@ -237,15 +237,15 @@ def test_sharded_step_equals_the_single_process_step(two_ranks, tiny_model_dir, 
 
 
 def kl_worker(rank: int, model_dir: str, out: str) -> None:
-    from agentrl.trainers import fsdp
+    from agentrl.trainers import distributed
 
-    model = fsdp.shard(AutoModelForCausalLM.from_pretrained(model_dir))
-    ref = fsdp.frozen_copy(model)
+    model = distributed.shard(AutoModelForCausalLM.from_pretrained(model_dir))
+    ref = distributed.frozen_copy(model)
     local = {n: tuple(p.to_local().shape) for n, p in ref.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     cfg = GRPOConfig(minibatch_size=3, epochs=2, max_grad_norm=1e9, kl_coef=0.5)
     metrics = update(model, ref, optimizer, batch(), cfg, torch.Generator().manual_seed(0))
-    state, ref_state = fsdp.full_state_dict(model), fsdp.full_state_dict(ref)
+    state, ref_state = distributed.full_state_dict(model), distributed.full_state_dict(ref)
     if rank == 0:
         torch.save({"state": state, "ref": ref_state, "local": local, "kl": metrics["kl"]}, out)
 
@@ -275,12 +275,12 @@ def test_a_sharded_reference_model_gives_the_single_process_kl_step(two_ranks, t
 
 def mixed_worker(rank: int, model_dir: str, out: str) -> None:
     from agentrl.policy.precision import mixed_precision
-    from agentrl.trainers import fsdp
+    from agentrl.trainers import distributed
 
-    model = fsdp.shard(mixed_precision(AutoModelForCausalLM.from_pretrained(model_dir), torch.bfloat16))
+    model = distributed.shard(mixed_precision(AutoModelForCausalLM.from_pretrained(model_dir), torch.bfloat16))
     shard_dtypes = {p.to_local().dtype for p in model.parameters()}
     metrics = step(model, "token-mean")
-    state = fsdp.full_state_dict(model)
+    state = distributed.full_state_dict(model)
     if rank == 0:
         torch.save({"state": state, "shard_dtypes": shard_dtypes, "grad_norm": metrics["grad_norm"]}, out)
 

@@ -15,9 +15,9 @@ from agentrl.rollout.engine import RolloutConfig
 from agentrl.rollout.jsonl import read_jsonl
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers.checkpoint import latest_checkpoint
-from agentrl.trainers.grpo import GRPOConfig, train
+from agentrl.trainers.methods.grpo import GRPOConfig, train
 from agentrl.trainers.loop import TaskStream
-from agentrl.trainers.pipeline import TrainJob
+from agentrl.trainers.job.pipeline import TrainJob
 
 CFG = GRPOConfig(steps=4, tasks_per_step=2, lr=1e-3, minibatch_size=4, epochs=2, checkpoint_every=1, kl_coef=0.05,
                  rollout=RolloutConfig(group_size=4, max_total_tokens=1024, sampling=SamplingParams(max_tokens=12)))
@@ -84,7 +84,7 @@ def test_recipes_load():
 def test_train_pipeline_evaluates_periodically_and_per_split(tiny_model_dir, tmp_path, max_staleness):
     """Held-out evaluations during training, also asynchronous ones (on the loop where the rollouts sample, beside
     them): logged at every step but the last, pooled over the splits from their counts."""
-    from agentrl.trainers.pipeline import run as run_job
+    from agentrl.trainers.job.pipeline import run as run_job
 
     rollout = {"max_total_tokens": 512, "sampling": {"max_tokens": 8, "temperature": 0.0}}
     job = load_config(TrainJob, {

@@ -1,4 +1,4 @@
-"""The judge reward source (trainers/judge.py): reply parsing, the data fences, retries, missing rewards left out of
+"""The judge reward source (trainers/rewards/judge.py): reply parsing, the data fences, retries, missing rewards left out of
 baselines, caching, the gamed-judge control, and the judge served by a real model: in process (transformers) and
 behind vLLM's OpenAI-compatible server (with and without its structured outputs)."""
 
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from agentrl.types import Group, Message, Status, Task, ToolCall, Trajectory
-from agentrl.trainers.grpo import GRPO, GRPOConfig, to_batch
-from agentrl.trainers.judge import (Judge, JudgeConfig, as_data, parse_ranking, parse_score, rank_prompt,
+from agentrl.trainers.methods.grpo import GRPO, GRPOConfig, to_batch
+from agentrl.trainers.rewards.judge import (Judge, JudgeConfig, as_data, parse_ranking, parse_score, rank_prompt,
                                     score_prompt)
 from agentrl.trainers.rewards import RewardConfig, group_rewards, reward_metrics, rewarded
 
@@ -225,9 +225,9 @@ def test_a_job_starts_a_vllm_server_for_its_judge_and_stops_it(tiny_model_dir, t
     checkpoint: its frozen weights, while the in-process engine trains), before the first evaluation; every
     trajectory gets a score through it (constrained); the server is gone when the job ends."""
     from agentrl.config import load_config
-    from agentrl.trainers import pipeline
-    from agentrl.trainers.judge import _judges, close_judges
-    from agentrl.trainers.pipeline import TrainJob, run as run_job
+    from agentrl.trainers.job import pipeline
+    from agentrl.trainers.rewards.judge import _judges, close_judges
+    from agentrl.trainers.job.pipeline import TrainJob, run as run_job
 
     rollout = {"max_total_tokens": 512, "group_size": 2, "sampling": {"max_tokens": 8}}
     judge = {"backend": "vllm", "model": str(tiny_model_dir), "constrained": True, "max_tokens": 8,

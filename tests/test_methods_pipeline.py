@@ -10,7 +10,7 @@ from agentrl.env.registry import make
 from agentrl.rollout.jsonl import read_jsonl
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers.checkpoint import latest_checkpoint
-from agentrl.trainers.pipeline import METHODS, TrainJob, check_shardable, run
+from agentrl.trainers.job.pipeline import METHODS, TrainJob, check_shardable, run
 
 ROLLOUT = {"max_total_tokens": 512, "sampling": {"max_tokens": 12, "temperature": 0.0}}
 GRPO = {"steps": 2, "tasks_per_step": 2, "minibatch_size": 4, "lr": 1e-3,

@@ -238,7 +238,7 @@ def test_micro_batch_tokens_is_validated():
 def test_the_passes_without_gradients_keep_the_token_budget():
     """PPO's values and decoupled PPO's old logprobs run over the whole step's batch in the update's passes: a
     minibatch's worth at most, within `micro_batch_tokens` (a longer row alone)."""
-    from agentrl.trainers.grpo import GRPOConfig
+    from agentrl.trainers.methods.grpo import GRPOConfig
     from agentrl.trainers.loop import no_grad_passes
 
     lengths = [30, 5, 12, 30, 8, 25, 3]

@@ -17,9 +17,9 @@ from agentrl.rollout.engine import RolloutConfig
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers.batch import Batch, make_batch
 from agentrl.trainers.checkpoint import latest_checkpoint
-from agentrl.trainers.grpo import GRPOConfig
+from agentrl.trainers.methods.grpo import GRPOConfig
 from agentrl.trainers.loop import update
-from agentrl.trainers.ppo import PPOConfig, advantages, make_critic, token_rewards, token_values, train
+from agentrl.trainers.methods.ppo import PPOConfig, advantages, make_critic, token_rewards, token_values, train
 from agentrl.trainers.rewards import RewardConfig
 from agentrl.types import Trajectory, Turn
 

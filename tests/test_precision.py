@@ -19,10 +19,10 @@ from agentrl.policy.precision import autocast, compute_dtype, mixed_precision
 from agentrl.policy.protocol import SamplingParams
 from agentrl.policy.weights import export_state_dict, lora_layers
 from agentrl.trainers.batch import Batch
-from agentrl.trainers.grpo import GRPOConfig
+from agentrl.trainers.methods.grpo import GRPOConfig
 from agentrl.trainers.loop import update
 from agentrl.trainers.lora import LoraSettings, add_lora
-from agentrl.trainers.pipeline import TrainJob, run
+from agentrl.trainers.job.pipeline import TrainJob, run
 
 V = 256
 

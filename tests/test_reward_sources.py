@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from agentrl.trainers.grpo import to_batch
+from agentrl.trainers.methods.grpo import to_batch
 from agentrl.trainers.rewards import RewardConfig, group_rewards, majority_vote_metrics
 from agentrl.types import Group, Status, Task, Trajectory
 

@@ -15,7 +15,7 @@ from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers.batch import make_batch
 from agentrl.policy.logprobs import token_logprobs
-from agentrl.trainers.tandem import TandemPolicy, junior_cross_entropy, unit_end
+from agentrl.trainers.methods.tandem import TandemPolicy, junior_cross_entropy, unit_end
 
 EOS = 0
 TEXT = {EOS: "<eos>", 10: " s", 11: "s", 20: " j", 21: "j"}  # senior / junior: word starts and continuations

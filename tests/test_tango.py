@@ -8,7 +8,7 @@ from agentrl.envs.math import ArithmeticEnv
 from gymnasium.utils.env_checker import check_env
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.policy.scripted import ScriptedPolicy, playing
-from agentrl.trainers.tango import (Judgement, VerifierEnv, agreement, combined_reward, format_judgement,
+from agentrl.trainers.methods.tango import (Judgement, VerifierEnv, agreement, combined_reward, format_judgement,
                                     parse_judgement, process_weight, step_share, trajectory_steps,
                                     verification_task)
 

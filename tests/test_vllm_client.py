@@ -12,7 +12,7 @@ from agentrl.policy import vllm_client
 from agentrl.policy.protocol import PolicyError, SamplingParams
 from agentrl.policy.vllm_client import VLLMPolicy
 from agentrl.policy.vllm_server import ServerConfig
-from agentrl.trainers.sharding import Sharding
+from agentrl.trainers.distributed import Sharding
 
 
 def recording(calls: list) -> httpx.MockTransport:

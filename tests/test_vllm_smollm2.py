@@ -40,7 +40,7 @@ from agentrl.policy.protocol import Sample, SamplingParams  # noqa: E402
 from agentrl.policy.vllm_server import ServerConfig, VLLMServer  # noqa: E402
 from agentrl.renderer import Renderer  # noqa: E402
 from agentrl.trainers.batch import make_batch  # noqa: E402
-from agentrl.trainers.grpo import GRPOConfig, to_batch  # noqa: E402
+from agentrl.trainers.methods.grpo import GRPOConfig, to_batch  # noqa: E402
 from agentrl.trainers.loop import update  # noqa: E402
 from agentrl.types import Group, Task, Trajectory, Turn  # noqa: E402
 

@@ -3,7 +3,7 @@ step, data position and weight version.
 
 Each checkpoint is written to a temporary directory and renamed into place, so a run killed while
 saving leaves the previous checkpoint intact. Reading one back names the file that does not read (or holds
-non-finite weights), and `resume` falls back past a damaged checkpoint to the one before.
+non-finite weights), and `distributed.resume` falls back past a damaged checkpoint to the one before.
 """
 
 from __future__ import annotations
@@ -13,20 +13,16 @@ import random
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM
 
-from agentrl.trainers.fsdp import data_parallel, load_full_state_dict, load_optimizer_state
 from agentrl.trainers.lora import ADAPTER_FILE, has_lora, load_adapter, save_adapter
 from agentrl.system.files import write_folder
 from agentrl.policy.weights import save_full
-
-T = TypeVar("T")
-
 
 def save_checkpoint(out_dir: Path, step: int, model: Any, tokenizer: Any, *, state: dict[str, Any],
                     optimizer: torch.optim.Optimizer | None = None, optimizer_state: dict[str, Any] | None = None,
@@ -73,21 +69,6 @@ def reading(file: Path) -> Iterator[None]:
                               ) from None
 
 
-def agreed(read: Callable[[], T]) -> T:
-    """`read()`; in a sharded run, a `CheckpointError` on any rank is raised on every rank, so that all of them pass
-    over a damaged checkpoint together (one rank falling back alone would leave the others in a collective)."""
-    try:
-        result, error = read(), None
-    except CheckpointError as e:
-        result, error = None, str(e)
-    if data_parallel()[1] > 1:
-        errors: list[str | None] = [None] * data_parallel()[1]
-        torch.distributed.all_gather_object(errors, error)
-        error = next((e for e in errors if e is not None), None)
-    if error is not None:
-        raise CheckpointError(error)
-    return result
-
 
 def require_finite(state: dict[str, torch.Tensor], file: Path) -> None:
     """Refuse weights with NaN or Inf (a run that had diverged when it saved them), naming `file`."""
@@ -128,40 +109,10 @@ def finished_checkpoints(out_dir: Path) -> list[Path]:
     return sorted((Path(out_dir) / "checkpoints").glob("step-*"))  # a folder being written is hidden (`write_folder`)
 
 
-def resume(model: Any, optimizer: torch.optim.Optimizer, out_dir: Path,
-           restore_more: Callable[[Path, dict[str, Any]], None] = lambda checkpoint, state: None
-           ) -> dict[str, Any] | None:
-    """Restores the model, optimizer and RNGs in place (and, with `restore_more(checkpoint, state)`, what a method
-    saved beyond them) from the latest checkpoint in `out_dir` that reads back whole; returns {"step", "state"},
-    or None when there is no checkpoint. A damaged one is passed over for the one before, with a warning naming
-    both; when every one is damaged, a `CheckpointError`."""
-    damaged: list[str] = []
-    for checkpoint in reversed(finished_checkpoints(out_dir)):
-        try:
-            resumed = resume_from(model, optimizer, checkpoint, restore_more)
-        except CheckpointError as e:
-            damaged.append(str(e))
-            continue
-        for reason in damaged:
-            warnings.warn(f"{reason}; resuming from the previous checkpoint, {checkpoint}", RuntimeWarning)
-        return resumed
-    if damaged:
-        raise CheckpointError("no checkpoint reads back: " + "; ".join(damaged)
-                              + ". Delete the checkpoints folder to start over.")
-    return None
 
 
-def resume_from(model: Any, optimizer: torch.optim.Optimizer, checkpoint: Path,
-                restore_more: Callable[[Path, dict[str, Any]], None]) -> dict[str, Any]:
-    """`resume` from this `checkpoint`."""
-    saved = agreed(lambda: _trainer_state(checkpoint))
-    restore(model, optimizer, checkpoint, saved["optimizer"], AutoModelForCausalLM)
-    restore_more(checkpoint, saved["state"])
-    set_rng_state(saved["rng"])
-    return {"step": saved["step"], "state": saved["state"]}
-
-
-def _trainer_state(checkpoint: Path) -> dict[str, Any]:
+def trainer_state(checkpoint: Path) -> dict[str, Any]:
+    """What `save_checkpoint` wrote beside the weights: step, state, optimizer state, RNG states."""
     with reading(checkpoint / "trainer_state.pt"):
         return torch.load(checkpoint / "trainer_state.pt", weights_only=False)
 
@@ -186,17 +137,3 @@ def set_rng_state(state: dict[str, Any]) -> None:
                                   f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'} are visible "
                                   "here: resume on the same GPUs (CUDA_VISIBLE_DEVICES) so that the run continues")
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def restore(model: Any, optimizer: torch.optim.Optimizer, path: Path, optimizer_state: dict[str, Any],
-            auto_class: Any) -> None:
-    """The weights saved at `path` and `optimizer_state` into a live model and its optimizer. A model sharded
-    with FSDP gets rank 0's full weights (loaded with `auto_class`) and optimizer state scattered to every
-    rank's shards."""
-    rank, world = data_parallel()
-    if world == 1:
-        load_model(model, path)
-        optimizer.load_state_dict(optimizer_state)
-        return
-    load_full_state_dict(model, agreed(lambda: read_weights(auto_class, path) if rank == 0 else {}))
-    load_optimizer_state(model, optimizer, optimizer_state if rank == 0 else {})

@@ -40,13 +40,13 @@ from agentrl.rollout.ray_source import RaySources
 from agentrl.rollout.source import RolloutSource
 from agentrl.rollout.timeline import Timeline, idle_fractions
 from agentrl.trainers.batch import Batch, token_micro_batches
-from agentrl.trainers.checkpoint import resume
-from agentrl.trainers.fsdp import data_parallel
+from agentrl.trainers.distributed import resume
+from agentrl.trainers.distributed import data_parallel
 from agentrl.trainers.losses import (KL_KINDS, POLICY_LOSSES, CorrectionConfig, PolicyLossConfig, kl_loss, masked_mean,
                                      micro_batch_weight, rollout_correction)
 from agentrl.trainers.metrics import MetricsLogger, check_finite, rollout_metrics
 from agentrl.trainers.rewards import RewardConfig
-from agentrl.trainers.sharding import Sharding
+from agentrl.trainers.distributed import Sharding
 from agentrl.types import Group, Task
 
 
@@ -286,7 +286,7 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
     rows, or `micro_batch_tokens` by `token_micro_batches`) accumulate gradients weighted so that the step equals the
     whole minibatch's. Returns each metric's mean.
 
-    Sharded (FSDP, `trainers/fsdp.py`), the minibatch is cut into passes of `world` micro-batches; rank r runs
+    Sharded (FSDP, `trainers/distributed.py`), the minibatch is cut into passes of `world` micro-batches; rank r runs
     rows[r::world] of each, weighted by `world` times their share, since FSDP averages the ranks' gradients."""
     device, totals, counts = next(model.parameters()).device, {}, {}
     rank, world = data_parallel()

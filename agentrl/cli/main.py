@@ -116,7 +116,7 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
     from agentrl.config import ConfigError, load_config, merge
     from agentrl.trainers.checkpoint import CheckpointError
     from agentrl.trainers.metrics import NonFiniteLoss
-    from agentrl.trainers.pipeline import METHODS, TrainJob, run
+    from agentrl.trainers.job.pipeline import METHODS, TrainJob, run
 
     try:
         overrides = merge(parse_sets(set_), given(model=model, out_dir=out_dir, ray=given(address=ray_address)))
@@ -154,7 +154,7 @@ def _dry_run(job, gpus: int | None, gpu_memory_gib: float, model_config: str | N
     """Print where the job's parts would run and their memory; exit 2, with each problem and its fix, if it
     cannot work."""
     from agentrl.env.registry import spec
-    from agentrl.trainers.dry_run import Hardware, describe, plan_for
+    from agentrl.trainers.job.dry_run import Hardware, describe, plan_for
 
     try:
         spec(job.env)

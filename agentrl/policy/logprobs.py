@@ -11,7 +11,7 @@ Measured (`bench/chunked_head.py`: CPU, float32, vocabulary 151,936, hidden 896,
 and backward with the entropy): 2,484 MiB at its peak in chunks of 1024, against 14,262 MiB at once (0.17);
 about 1.1 GB of the chunked peak is the weight's gradient and one chunk's share of it.
 Under FSDP the root's parameters (embeddings, final norm, head) are gathered only around a forward of the root,
-so `trainers/fsdp.py` registers the masked path as one (`SHARDED_FORWARD`): the head again runs on the masked
+so `trainers/distributed.py` registers the masked path as one (`SHARDED_FORWARD`): the head again runs on the masked
 positions alone, in chunks. Without a mask (or on a sharded model without that method) the head runs inside the
 model's forward over every position; only its log-softmax, gather and entropy then go in chunks of rows.
 
@@ -86,7 +86,7 @@ def masked_logprobs(model: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: 
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs`' masked path: the decoder over the rows (padded, packed, or after a shared prefix), the
     chunked head on the hidden states that predict masked tokens. Sharded, FSDP runs it as a forward of the root
-    (`trainers/fsdp.py`), without prefix sharing: every rank must run each decoder layer once per pass (its
+    (`trainers/distributed.py`), without prefix sharing: every rank must run each decoder layer once per pass (its
     parameters are gathered collectively), which one padded or one packed pass does, and a shared prefix does not."""
     B, T = ids_BT.shape
     # Gradient checkpointing turns the KV cache off in training, and with it the prefix sharing.

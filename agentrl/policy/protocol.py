@@ -58,7 +58,7 @@ class Sample:
     logprobs: tuple[float, ...]
     finish_reason: FinishReason
     # Per token, 1 if the trained policy wrote it. Empty: all of them. Tandem rollouts set 0 on the tokens
-    # of the frozen partner, which then keep loss mask 0 like observations (`agentrl.trainers.tandem`).
+    # of the frozen partner, which then keep loss mask 0 like observations (`agentrl.trainers.methods.tandem`).
     trainable: tuple[int, ...] = ()
     # The weights that sampled it, when a wrapper knows (`agentrl.rollout.source.VersionGate`); else the
     # engine takes the policy's `weight_version`.

@@ -21,7 +21,7 @@ from agentrl.policy.logprobs import token_logprobs
 from agentrl.policy.precision import autocast
 from agentrl.rollout.engine import RolloutConfig
 from agentrl.trainers.batch import make_batch
-from agentrl.trainers.confidence import score_confidence
+from agentrl.trainers.rewards.confidence import score_confidence
 from agentrl.trainers.loop import check_loop_rollout
 from agentrl.trainers.losses import dpo_loss
 from agentrl.trainers.rewards import RewardConfig, rewarded

@@ -15,11 +15,11 @@ Sources (in [0, 1] but for the two of the policy's confidence, which are in nats
 - `random`: a fair coin per trajectory, seeded by (seed, task, sample): the spurious-reward control.
 - `inverted`: 1 - outcome: rewards wrong answers (a control that should make success fall).
 - `length`: sampled tokens / `length_norm`; give it a negative weight for a length penalty.
-- `judge`: a judge model's score (`trainers/judge.py`, settings in `RewardConfig.judge`). It may be missing for a
+- `judge`: a judge model's score (`trainers/rewards/judge.py`, settings in `RewardConfig.judge`). It may be missing for a
   trajectory (the judge never gave a usable reply): that trajectory then has no training reward, is left out of its
   group's baseline and is not trained on (`rewarded`).
 - `rent`, `self_certainty`: the policy's confidence in its response, without labels: minus its mean token entropy
-  (RENT), and its mean KL from uniform (self-certainty) (`trainers/confidence.py`). Scored by the trainer's model
+  (RENT), and its mean KL from uniform (self-certainty) (`trainers/rewards/confidence.py`). Scored by the trainer's model
   at training time (`score_confidence`); `keep` cannot see them, and they vary whenever a group's responses do.
 """
 
@@ -34,8 +34,8 @@ from pydantic import with_config
 
 from agentrl.config import STRICT
 from agentrl.eval.metrics import majority_vote, normalize_answer
-from agentrl.trainers.confidence import CONFIDENCE_SOURCES, confidence, confidence_metrics
-from agentrl.trainers.judge import JudgeConfig, judge_for
+from agentrl.trainers.rewards.confidence import CONFIDENCE_SOURCES, confidence, confidence_metrics
+from agentrl.trainers.rewards.judge import JudgeConfig, judge_for
 from agentrl.types import Group, Status, Trajectory
 
 

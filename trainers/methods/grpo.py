@@ -21,12 +21,12 @@ from agentrl.config import STRICT, table_defaults
 from agentrl.env.api import TextEnv
 from agentrl.policy.protocol import Policy
 from agentrl.rollout.engine import Engines, RolloutConfig
-from agentrl.trainers import fsdp, loop
+from agentrl.trainers import distributed, loop
 from agentrl.trainers.advantages import ADVANTAGES
 from agentrl.trainers.batch import Batch, make_batch
-from agentrl.trainers.confidence import CONFIDENCE_SOURCES, score_confidence
+from agentrl.trainers.rewards.confidence import CONFIDENCE_SOURCES, score_confidence
 from agentrl.trainers.rewards import group_rewards, reward_metrics
-from agentrl.trainers.sharding import Sharding
+from agentrl.trainers.distributed import Sharding
 from agentrl.types import Group, Task
 
 
@@ -85,7 +85,7 @@ class GRPO:
 
     def __init__(self, cfg: GRPOConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.cfg, self.model, self.optimizer = cfg, model, optimizer
-        self.ref = fsdp.frozen_copy(model) if cfg.kl_coef > 0 else None
+        self.ref = distributed.frozen_copy(model) if cfg.kl_coef > 0 else None
 
     def keep(self, group: Group) -> bool:
         """A group with a baseline (two valid episodes, or agent sessions, with a training reward) and, with dynamic

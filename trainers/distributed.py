@@ -13,21 +13,35 @@ Sharding the data is gradient accumulation across processes: `loop.optimize` wei
 share of the minibatch's tokens (`losses.micro_batch_weight`) times `world`, because FSDP averages the
 gradients of the ranks; so the step equals the single-process step on the whole minibatch, whatever the
 loss aggregation. Gloo on CPU (tests), NCCL on GPUs.
+
+Every rank-dependent step of training is here: the loop's (`Sharding`: rank 0 alone samples, evaluates, logs and
+writes; every rank takes part in each weight sync and checkpoint) and resuming from a checkpoint (`resume`: rank 0
+reads, every rank gets its shards). In one process each is the plain call.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import os
 import types
+import warnings
 from datetime import timedelta
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable, TypeVar
 
 import torch
 import torch.distributed as dist
+from transformers import AutoModelForCausalLM
 
 from agentrl.policy.logprobs import SHARDED_FORWARD, masked_logprobs
+from agentrl.policy.parity import end_trainer_logprobs, follow_trainer_logprobs
 from agentrl.policy.precision import compute_dtype, mixed_precision
+from agentrl.policy.protocol import Policy
+from agentrl.trainers.checkpoint import (CheckpointError, finished_checkpoints, load_model, read_weights, reading,
+                                         save_checkpoint, set_rng_state, trainer_state)
+
+T = TypeVar("T")
 
 
 def data_parallel() -> tuple[int, int]:
@@ -178,3 +192,140 @@ def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimize
 
     set_optimizer_state_dict(model, optimizer, state,
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def agreed(read: Callable[[], T]) -> T:
+    """`read()`; in a sharded run, a `CheckpointError` on any rank is raised on every rank, so that all of them pass
+    over a damaged checkpoint together (one rank falling back alone would leave the others in a collective)."""
+    try:
+        result, error = read(), None
+    except CheckpointError as e:
+        result, error = None, str(e)
+    if data_parallel()[1] > 1:
+        errors: list[str | None] = [None] * data_parallel()[1]
+        torch.distributed.all_gather_object(errors, error)
+        error = next((e for e in errors if e is not None), None)
+    if error is not None:
+        raise CheckpointError(error)
+    return result
+
+
+def restore(model: Any, optimizer: torch.optim.Optimizer, path: Path, optimizer_state: dict[str, Any],
+            auto_class: Any) -> None:
+    """The weights saved at `path` and `optimizer_state` into a live model and its optimizer. A model sharded
+    with FSDP gets rank 0's full weights (loaded with `auto_class`) and optimizer state scattered to every
+    rank's shards."""
+    rank, world = data_parallel()
+    if world == 1:
+        load_model(model, path)
+        optimizer.load_state_dict(optimizer_state)
+        return
+    load_full_state_dict(model, agreed(lambda: read_weights(auto_class, path) if rank == 0 else {}))
+    load_optimizer_state(model, optimizer, optimizer_state if rank == 0 else {})
+
+
+def resume(model: Any, optimizer: torch.optim.Optimizer, out_dir: Path,
+           restore_more: Callable[[Path, dict[str, Any]], None] = lambda checkpoint, state: None
+           ) -> dict[str, Any] | None:
+    """Restores the model, optimizer and RNGs in place (and, with `restore_more(checkpoint, state)`, what a method
+    saved beyond them) from the latest checkpoint in `out_dir` that reads back whole; returns {"step", "state"},
+    or None when there is no checkpoint. A damaged one is passed over for the one before, with a warning naming
+    both; when every one is damaged, a `CheckpointError`."""
+    damaged: list[str] = []
+    for checkpoint in reversed(finished_checkpoints(out_dir)):
+        try:
+            resumed = resume_from(model, optimizer, checkpoint, restore_more)
+        except CheckpointError as e:
+            damaged.append(str(e))
+            continue
+        for reason in damaged:
+            warnings.warn(f"{reason}; resuming from the previous checkpoint, {checkpoint}", RuntimeWarning)
+        return resumed
+    if damaged:
+        raise CheckpointError("no checkpoint reads back: " + "; ".join(damaged)
+                              + ". Delete the checkpoints folder to start over.")
+    return None
+
+
+def resume_from(model: Any, optimizer: torch.optim.Optimizer, checkpoint: Path,
+                restore_more: Callable[[Path, dict[str, Any]], None]) -> dict[str, Any]:
+    """`resume` from this `checkpoint`."""
+    saved = agreed(lambda: trainer_state(checkpoint))
+    restore(model, optimizer, checkpoint, saved["optimizer"], AutoModelForCausalLM)
+    restore_more(checkpoint, saved["state"])
+    set_rng_state(saved["rng"])
+    return {"step": saved["step"], "state": saved["state"]}
+
+
+class Sharding:
+    """The loop's rank-dependent steps in one place. In one process each is the plain call. With the trainer
+    sharded over ranks, rank 0 alone samples, evaluates, logs and writes checkpoints: it
+    broadcasts each step's rollouts and every rank trains on its share (`policy` is None on the other ranks).
+    A sync into vLLM by transfer streams the weights from every rank's shards (`weight_transfer`) and runs its
+    parity forwards on every rank; any other sync (the in-process sampler, a checkpoint) gathers the full weights
+    into rank 0's plain copy first, as checkpoints do."""
+
+    def __init__(self, model: torch.nn.Module, policy: Policy | None):
+        self.rank, self.world = data_parallel()
+        self.model, self.policy, self.main = model, policy, self.rank == 0
+        # rank 0's unsharded copy: the sampler's own model when in-process, else one to export from
+        self.plain = ((getattr(policy, "model", None) or AutoModelForCausalLM.from_config(model.config))
+                      if self.world > 1 and self.main else None)
+        spec = self.from_main(lambda: _transfer_for_ranks(policy, model)) if self.world > 1 else None
+        self.streams, self.follower = spec is not None, None  # syncs streamed from every rank's shards
+        if self.streams and not self.main:  # this rank's part of each sync (rank 0's is the policy's own)
+            from agentrl.policy.weight_transfer import open_transfer  # imports vLLM
+
+            self.follower = open_transfer(spec[0], None, model, None, None, 0, dtype=spec[1], rank=self.rank)
+
+    def from_main(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` run on rank 0, its result on every rank."""
+        return fn() if self.world == 1 else broadcast(fn() if self.main else None)
+
+    def release_engine(self) -> None:
+        """The rollouts are in and the trainer steps next: an engine in sleep mode frees its memory meanwhile
+        (`VLLMPolicy.release_memory`; the next sync wakes it)."""
+        if self.main and (release := getattr(self.policy, "release_memory", None)) is not None:
+            asyncio.run(release())
+
+    def sync(self, version: int) -> None:
+        """The policy's weights, as version `version`, into the engine."""
+        if not self.streams:
+            if self.world > 1:
+                gather_into(self.model, self.plain)  # every rank takes part
+            if self.main:
+                asyncio.run(self.policy.sync_weights(self.plain or self.model, version))
+        elif self.main:  # the other ranks gather each tensor with it, then run its parity forwards
+            # A failed sync raises here and ends the job (torchrun then stops the other ranks): telling them to
+            # stop instead could meet them in another collective.
+            asyncio.run(self.policy.sync_weights(self.model, version))
+            end_trainer_logprobs()
+        else:
+            self.follower.send_weights()
+            follow_trainer_logprobs(self.model)
+
+    def gathered(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, plain: torch.nn.Module | None
+                 ) -> tuple[torch.nn.Module, dict]:
+        """(model, optimizer state) as a checkpoint saves them: when sharded, gathered into rank 0's `plain` copy
+        (a collective: every rank calls it)."""
+        if self.world == 1:
+            return model, optimizer.state_dict()
+        state = full_optimizer_state(model, optimizer)
+        gather_into(model, plain)
+        return plain, state
+
+    def save_checkpoint(self, out_dir: Path, step: int, tokenizer: Any, optimizer: torch.optim.Optimizer,
+                        state: dict, submodels: dict) -> None:
+        """The policy as the last `sync` left it, its optimizer, `state` and `submodels` as checkpoint `step`,
+        written by rank 0 (the optimizer state gathered first when sharded: a collective)."""
+        optimizer_state = optimizer.state_dict() if self.world == 1 else full_optimizer_state(self.model, optimizer)
+        if self.streams:  # streamed syncs leave rank 0's copy as it was
+            gather_into(self.model, self.plain)
+        if self.main:
+            save_checkpoint(out_dir, step, self.plain or self.model, tokenizer, state=state,
+                            optimizer_state=optimizer_state, submodels=submodels)
+
+
+def _transfer_for_ranks(policy: Policy, model: torch.nn.Module) -> tuple[str, Any] | None:
+    """How the other ranks join rank 0's syncs by transfer (`VLLMPolicy.transfer_for_ranks`); None: they do not."""
+    return for_ranks(model) if (for_ranks := getattr(policy, "transfer_for_ranks", None)) else None

@@ -45,10 +45,10 @@ from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.policy.scripted import ScriptedPolicy, playing
 from agentrl.types import Group, Message, Task, Trajectory
-from agentrl.trainers.checkpoint import restore
-from agentrl.trainers.grpo import GRPOConfig, to_batch
+from agentrl.trainers.distributed import restore
+from agentrl.trainers.methods.grpo import GRPOConfig, to_batch
 from agentrl.trainers.loop import run, step_seed, update
-from agentrl.trainers.sharding import Sharding
+from agentrl.trainers.distributed import Sharding
 from agentrl.trainers.metrics import rollout_metrics
 from agentrl.trainers.sft import SFTConfig, sft
 

@@ -42,20 +42,21 @@ from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.rollout.jsonl import JsonlWriter, read_records
 from agentrl.policy.scripted import ScriptedPolicy, playing
 from agentrl.models.tokenizer import chat_template_text, load_tokenizer
-from agentrl.trainers import fsdp, tango
+from agentrl.trainers import distributed
+from agentrl.trainers.methods import tango
 from agentrl.trainers.checkpoint import latest_checkpoint, load_model, save_checkpoint, save_model, write_folder
-from agentrl.trainers.dpo import DPOConfig, preference_pairs, train_dpo
-from agentrl.trainers.grpo import GRPOConfig, train as train_grpo
-from agentrl.trainers.heldout import heldout
+from agentrl.trainers.methods.dpo import DPOConfig, preference_pairs, train_dpo
+from agentrl.trainers.methods.grpo import GRPOConfig, train as train_grpo
+from agentrl.trainers.job.heldout import heldout
 from agentrl.trainers.lora import LoraSettings, add_lora
-from agentrl.trainers.ppo import PPOConfig, train as train_ppo
+from agentrl.trainers.methods.ppo import PPOConfig, train as train_ppo
 from agentrl.trainers.pretrain import CopyWarmup, alphabet, copy_in_context, copy_warmup, vocabulary
-from agentrl.trainers.progress import mean_of_last, progress_line, stage_progress, tango_line
-from agentrl.trainers.judge import close_judges, judge_for
+from agentrl.trainers.job.progress import mean_of_last, progress_line, stage_progress, tango_line
+from agentrl.trainers.rewards.judge import close_judges, judge_for
 from agentrl.trainers.rewards import RewardConfig
 from agentrl.trainers.sft import SFTConfig, sft
-from agentrl.trainers.tandem import TandemConfig, TandemPolicy, junior_cross_entropy
-from agentrl.trainers.tango import TangoConfig
+from agentrl.trainers.methods.tandem import TandemConfig, TandemPolicy, junior_cross_entropy
+from agentrl.trainers.methods.tango import TangoConfig
 
 
 @with_config(STRICT)
@@ -216,8 +217,8 @@ class TrainJob:
 
 def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     """The whole job; resumable. Under torchrun (several processes), the GRPO trainer is sharded with FSDP2
-    over the ranks and rank 0 samples, evaluates and writes (`trainers/fsdp.py`, docs/scaling.md)."""
-    rank, world = fsdp.init() if fsdp.launched() else (0, 1)
+    over the ranks and rank 0 samples, evaluates and writes (`trainers/distributed.py`, docs/scaling.md)."""
+    rank, world = distributed.init() if distributed.launched() else (0, 1)
     if world > 1:
         check_shardable(job)
         log = log if rank == 0 else (lambda message: None)
@@ -245,7 +246,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     if in_process and world == 1 and not job.rl.max_staleness:  # the sampler shares the trainer's model: free syncs
         model = policy.model
     elif world > 1:  # the trainer sharded over the ranks under torchrun
-        model = fsdp.from_pretrained(os.path.expanduser(job.model), param_dtype, autocast_dtype, job.device)
+        model = distributed.from_pretrained(os.path.expanduser(job.model), param_dtype, autocast_dtype, job.device)
     else:  # the trainer has its own copy (asynchronous: the sampler runs on)
         model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(job.model), dtype=param_dtype).to(job.device)
         mixed_precision(model, autocast_dtype)

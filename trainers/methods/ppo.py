@@ -35,12 +35,12 @@ from agentrl.rollout.engine import Engines
 from agentrl.trainers import loop
 from agentrl.trainers.advantages import gae, masked_whiten, turn_rewards_to_tokens
 from agentrl.trainers.batch import Batch, make_batch
-from agentrl.trainers.checkpoint import restore
-from agentrl.trainers.confidence import CONFIDENCE_SOURCES, score_confidence
-from agentrl.trainers.fsdp import data_parallel, frozen_copy, full_state_dict, shard_from_rank0
+from agentrl.trainers.distributed import restore
+from agentrl.trainers.rewards.confidence import CONFIDENCE_SOURCES, score_confidence
+from agentrl.trainers.distributed import data_parallel, frozen_copy, full_state_dict, shard_from_rank0
 from agentrl.trainers.losses import kl_in_reward, masked_mean, value_loss
 from agentrl.trainers.rewards import reward_metrics, rewarded
-from agentrl.trainers.sharding import Sharding
+from agentrl.trainers.distributed import Sharding
 from agentrl.types import Group, Task, Trajectory
 
 
