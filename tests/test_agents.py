@@ -135,7 +135,8 @@ def test_grpo_trains_on_agent_sessions(tiny_model_dir, tmp_path, max_staleness):
 
 def test_a_recipe_trains_an_agent_program_and_refuses_what_cannot_run(tiny_model_dir, tmp_path):
     from agentrl.config import load_config
-    from agentrl.trainers.job.pipeline import TrainJob, run as run_job
+    from agentrl.trainers.job.pipeline import run as run_job
+    from agentrl.trainers.job.recipe import TrainJob
 
     rollout = {"max_total_tokens": 512, "sampling": {"max_tokens": 8, "temperature": 0.0}}
     recipe = {"env": "math/arith-v0", "env_kwargs": ENV, "model": str(tiny_model_dir), "out_dir": str(tmp_path),

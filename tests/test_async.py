@@ -32,7 +32,7 @@ from agentrl.rollout.timeline import Busy, idle_fractions
 from agentrl.trainers.batch import make_batch
 from agentrl.trainers.checkpoint import latest_checkpoint
 from agentrl.trainers.losses import tis_weights
-from agentrl.trainers.job.pipeline import TrainJob
+from agentrl.trainers.job.recipe import TrainJob
 from agentrl.types import Group, Message, Status, Task, Trajectory, Turn
 
 

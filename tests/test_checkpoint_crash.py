@@ -23,7 +23,7 @@ from agentrl.eval.run import _read_finished
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.policy.hf import HFPolicy
 from agentrl.policy.protocol import SamplingParams
-from agentrl.rollout.engine import RolloutConfig
+from agentrl.rollout.engine import EnvEngines, RolloutConfig
 from agentrl.rollout.jsonl import JsonlWriter, read_records
 from agentrl.trainers import loop
 from agentrl.trainers.checkpoint import CheckpointError, save_checkpoint
@@ -172,6 +172,12 @@ def test_train_cli_names_an_empty_trainer_state_instead_of_aborting(tiny_model_d
 class Diverging:
     """A method whose first update's loss is NaN."""
 
+    def __init__(self, model, optimizer):
+        self.model, self.optimizer, self.refills = model, optimizer, 0
+
+    def keep(self, group):
+        return True
+
     def train_step(self, kept, collected, step):
         return {"loss": float("nan"), "grad_norm": 1.0}
 
@@ -189,8 +195,8 @@ def test_the_rl_loop_stops_at_a_non_finite_loss_naming_the_step(tiny_model_dir, 
         group_size=1, max_total_tokens=512, sampling=SamplingParams(max_tokens=4)))
     env = lambda: ArithmeticEnv(n_tasks=4)  # noqa: E731
     with pytest.raises(NonFiniteLoss, match=r"step 1: non-finite \{'loss': nan\}"):
-        loop.run(cfg, Diverging(), model, optimizer, tokenizer, HFPolicy(model, tokenizer), env, list(env().tasks),
-                 tmp_path, keep=lambda g: True)
+        loop.run(cfg, Diverging(model, optimizer), tokenizer, HFPolicy(model, tokenizer), EnvEngines(env),
+                 list(env().tasks), tmp_path)
     assert not (tmp_path / "checkpoints").exists()  # nothing NaN was saved or logged
     assert read_records(tmp_path / "metrics.jsonl") == []
 

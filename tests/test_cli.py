@@ -130,7 +130,7 @@ def test_train_names_a_model_directory_that_is_not_there():
 def test_train_unset_removes_a_recipe_table_and_names_a_missing_key():
     from agentrl.config import ConfigError, load_config
     from agentrl.trainers.losses import CorrectionConfig
-    from agentrl.trainers.job.pipeline import TrainJob
+    from agentrl.trainers.job.recipe import TrainJob
 
     recipe = Path(__file__).parents[1] / "recipes" / "cpu_demo_async_train.toml"
     assert load_config(TrainJob, recipe).grpo.correction.tis == "token"

@@ -40,7 +40,7 @@ def test_bad_toml_and_missing_file(tmp_path):
 
 def test_overrides_reach_list_elements_by_index_and_a_bad_index_names_the_range():
     from agentrl.cli.main import parse_sets
-    from agentrl.trainers.job.pipeline import TrainJob
+    from agentrl.trainers.job.recipe import TrainJob
 
     recipe = RECIPES / "cpu_search_r1_train.toml"
     job = load_config(TrainJob, recipe, parse_sets(["sft.1.episodes=16", "sft.0.env_kwargs.train_worlds=2",
@@ -66,14 +66,14 @@ TRAIN = {"env": "math/arith-v0", "model": "m"}
     ({"grpo": {"kl_kind": "k4"}}, r"kl_kind must be one of \('k1', 'k2', 'k3'\), got 'k4'"),
 ])
 def test_train_job_refuses_strings_for_numbers_and_seeds_it_would_overwrite(section, message):
-    from agentrl.trainers.job.pipeline import TrainJob
+    from agentrl.trainers.job.recipe import TrainJob
 
     with pytest.raises(ConfigError, match=message):
         load_config(TrainJob, {**TRAIN, **section})
 
 
 def test_a_table_that_leaves_a_key_out_gets_what_no_table_gives():
-    from agentrl.trainers.job.pipeline import TrainJob
+    from agentrl.trainers.job.recipe import TrainJob
 
     bare, bare_dpo = load_config(TrainJob, TRAIN), load_config(TrainJob, {**TRAIN, "dpo": {}})
     tables = load_config(TrainJob, {**TRAIN, "grpo": {"rollout": {"max_turns": 4}},
@@ -86,7 +86,7 @@ def test_a_table_that_leaves_a_key_out_gets_what_no_table_gives():
 
 
 def test_eval_rollout_starts_from_the_rl_rollout_greedy_and_keeps_what_it_sets():
-    from agentrl.trainers.job.pipeline import TrainJob
+    from agentrl.trainers.job.recipe import TrainJob
 
     rl = {"max_turns": 3, "max_total_tokens": 700, "step_timeout": 9.0, "group_size": 4,
           "sampling": {"max_tokens": 48, "temperature": 0.9, "stop": ["</answer>"]}}
@@ -110,7 +110,7 @@ def test_eval_rollout_starts_from_the_rl_rollout_greedy_and_keeps_what_it_sets()
 
 def test_strict_types_still_take_toml_arrays_for_tuples_and_integers_for_floats():
     from agentrl.cli.jobs import EvalJob
-    from agentrl.trainers.job.pipeline import TrainJob
+    from agentrl.trainers.job.recipe import TrainJob
 
     sampling = {"stop": ["</answer>"], "top_p": 1}
     job = load_config(RolloutJob, {"env": "e", "model": "m", "rollout": {"sampling": sampling}})

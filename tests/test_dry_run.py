@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from agentrl.cli.main import app
 from agentrl.config import load_config
 from agentrl.trainers.job.dry_run import Hardware, estimate, meta_model, plan
-from agentrl.trainers.job.pipeline import TrainJob
+from agentrl.trainers.job.recipe import TrainJob
 
 ROOT = Path(__file__).parents[1]
 CONFIGS = ROOT / "tests" / "data" / "model_configs"  # the hub models' config.json, for planning offline
@@ -72,6 +72,9 @@ def test_the_cli_prints_the_plan_and_refuses_with_exit_2():
                                "--model-config", config])
     assert fits.exit_code == 0, fits.output
     assert "memory: activations" in fits.output and "nothing was run" in fits.output
+    resolved = json.loads(fits.output[:fits.output.index("\n}\n") + 2])  # the resolved job comes first
+    assert resolved["grpo"]["lr"] == load_config(TrainJob, "recipes/gpu_qwen_math_train.toml").grpo.lr
+    assert resolved["eval"]["rollout"]["sampling"]["temperature"] == 0.0  # derived: a greedy evaluation
     too_big = runner.invoke(app, ["train", "recipes/gpu_qwen_math_train.toml", "--dry-run", "--gpus", "1",
                                   "--gpu-memory-gib", "8", "--model-config", config])
     assert too_big.exit_code == 2 and "of its 8" in too_big.output

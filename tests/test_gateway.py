@@ -425,6 +425,31 @@ def test_a_stop_string_is_cut_from_the_content_and_kept_in_the_ids(renderer):
     assert [Trajectory.from_dict(t) for t in taken] == [trajectory]
 
 
+class SeedQueue(QueuePolicy):
+    """`QueuePolicy`, keeping the sampling seed of every call."""
+
+    def __init__(self, renderer: Renderer, texts: list[str]):
+        super().__init__(renderer, texts)
+        self.seeds: list[int | None] = []
+
+    async def generate(self, prompt_ids, sampling: SamplingParams) -> list[Sample]:
+        self.seeds.append(sampling.seed)
+        return await super().generate(prompt_ids, sampling)
+
+
+def test_a_seeded_sessions_calls_draw_the_seeds_earlier_runs_did(renderer):
+    """Calls 1 and 2 of a session seeded 7, as numbers (a changed formula would sample other runs than earlier
+    ones did); a request that names its own seed keeps it, and an unseeded session sets none."""
+    policy = SeedQueue(renderer, ["a", "b", "c", "d"])
+    gateway = Gateway(policy, renderer)
+    seeded, unseeded = gateway.open("t", seed=7), gateway.open("u")
+    history = [Message("user", "hi")]
+    for sid, sampling in ((seeded.id, SamplingParams()), (seeded.id, SamplingParams()),
+                          (seeded.id, SamplingParams(seed=42)), (unseeded.id, SamplingParams())):
+        asyncio.run(gateway.complete(sid, history, None, sampling))
+    assert policy.seeds == [7_000_022, 7_000_023, 42, None]
+
+
 def test_idle_sessions_close_as_errors_and_closed_ones_are_forgotten(renderer):
     gateway = Gateway(QueuePolicy(renderer, ["a"]), renderer, GatewayConfig(session_timeout=0.05))
     session = gateway.open("t")

@@ -227,7 +227,8 @@ def test_a_job_starts_a_vllm_server_for_its_judge_and_stops_it(tiny_model_dir, t
     from agentrl.config import load_config
     from agentrl.trainers.job import pipeline
     from agentrl.trainers.rewards.judge import _judges, close_judges
-    from agentrl.trainers.job.pipeline import TrainJob, run as run_job
+    from agentrl.trainers.job.pipeline import run as run_job
+    from agentrl.trainers.job.recipe import TrainJob
 
     rollout = {"max_total_tokens": 512, "group_size": 2, "sampling": {"max_tokens": 8}}
     judge = {"backend": "vllm", "model": str(tiny_model_dir), "constrained": True, "max_tokens": 8,

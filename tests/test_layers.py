@@ -1,8 +1,8 @@
 """The layer rule of DESIGN.md ("Layers"), read from every module's imports (lazy ones inside functions too).
 
-Lower layers never import higher ones: types/config/system -> tools -> renderer, models -> policy -> env -> rollout ->
-eval, gateway -> trainers -> cli. The core never imports a particular environment (`agentrl.envs`) or a trainer; env
-families use only the env API, the tools and the types.
+Lower layers never import higher ones, in the order of `LAYER` (the README and DESIGN.md state it as `order()`
+writes it). The core never imports a particular environment (`agentrl.envs`) or a trainer; env families use only the
+env API, the tools and the types.
 """
 
 from __future__ import annotations
@@ -81,6 +81,24 @@ def edges() -> list[str]:
             if why := forbidden(module, target):
                 bad.append(f"{module} -> {target}: {why}")
     return bad
+
+
+def order() -> str:
+    """`LAYER` as the docs state it: `types/config/system → tools → ...`, the parts of one layer joined by `/`."""
+    layers: dict[int, list[str]] = {}
+    for name, layer in LAYER.items():
+        if name != "agentrl":  # the package itself is the env API's public face, named `env`
+            layers.setdefault(layer, []).append(name.removeprefix("agentrl."))
+    return " → ".join("/".join(names) for _, names in sorted(layers.items()))
+
+
+def test_the_docs_state_the_layers_in_this_order() -> None:
+    """The README and DESIGN.md (a file of the project kept beside the repository, `../shared/`, where one is) say
+    the order `LAYER` holds, in the same words."""
+    docs = [ROOT / "README.md"] + [path for path in (ROOT.parent / "shared" / "DESIGN.md",) if path.exists()]
+    for doc in docs:
+        text = " ".join(doc.read_text().split())  # line breaks as spaces
+        assert order() in text, f"{doc.name} does not state the layer order as `{order()}`"
 
 
 def test_no_module_imports_a_higher_layer() -> None:

@@ -9,7 +9,8 @@ from agentrl.config import load_config
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers.checkpoint import latest_checkpoint, load_model, save_model
 from agentrl.trainers.lora import LoraSettings, add_lora
-from agentrl.trainers.job.pipeline import TrainJob, run
+from agentrl.trainers.job.pipeline import run
+from agentrl.trainers.job.recipe import TrainJob
 from agentrl.policy.weights import export_state_dict
 
 IDS = torch.tensor([[5, 60, 700, 8, 900, 10, 11]])

@@ -10,7 +10,9 @@ from agentrl.env.registry import make
 from agentrl.rollout.jsonl import read_jsonl
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers.checkpoint import latest_checkpoint
-from agentrl.trainers.job.pipeline import METHODS, TrainJob, check_shardable, run
+from agentrl.trainers.methods import METHODS
+from agentrl.trainers.job.pipeline import JobMismatch, check_shardable, run
+from agentrl.trainers.job.recipe import TrainJob
 
 ROLLOUT = {"max_total_tokens": 512, "sampling": {"max_tokens": 12, "temperature": 0.0}}
 GRPO = {"steps": 2, "tasks_per_step": 2, "minibatch_size": 4, "lr": 1e-3,
@@ -177,3 +179,21 @@ def test_engine_settings_that_cannot_work_fail_at_start_up(tiny_model_dir, tmp_p
         check_shardable(job(tiny_model_dir, tmp_path, engine={**gpu, "weight_transfer": "ipc", "gpus": "1"}))
     check_shardable(job(tiny_model_dir, tmp_path, engine={**gpu, "weight_transfer": "nccl", "gpus": "1"}))
     assert job(tiny_model_dir, tmp_path, engine={"kind": "vllm"}).engine.transfer == "gloo"  # tied or not
+
+
+def test_the_run_records_its_job_and_refuses_to_resume_another(tiny_model_dir, tmp_path):
+    """OUT/job.json holds the resolved job (overrides, derived tables, defaults): it loads back as the same job. A
+    resume with another job is refused before any work, the keys that differ named; the loop's steps may change."""
+    first = job(tiny_model_dir, tmp_path, grpo={**GRPO, "steps": 0}, eval=None)
+    run(first, log=lambda _: None)
+    recorded = json.loads((tmp_path / "job.json").read_text())
+    assert load_config(TrainJob, recorded) == first
+    assert recorded["grpo"]["rollout"]["group_size"] == 2 and recorded["eval"] is None  # resolved, not the recipe
+    run(job(tiny_model_dir, tmp_path, grpo={**GRPO, "steps": 0, "checkpoint_every": 0}, eval=None),
+        log=lambda _: None)  # the same job, a default given explicitly
+    changed = job(tiny_model_dir, tmp_path, grpo={**GRPO, "steps": 0, "lr": 0.5}, eval=None, train_tasks=4)
+    with pytest.raises(JobMismatch, match=r"grpo\.lr, train_tasks differ"):
+        run(changed, log=lambda _: None)
+    assert json.loads((tmp_path / "job.json").read_text()) == recorded  # untouched
+    run(job(tiny_model_dir, tmp_path, grpo={**GRPO, "steps": 1}, eval=None), log=lambda _: None)  # extended
+    assert json.loads((tmp_path / "job.json").read_text())["grpo"]["steps"] == 1

@@ -22,7 +22,8 @@ from agentrl.trainers.batch import Batch
 from agentrl.trainers.methods.grpo import GRPOConfig
 from agentrl.trainers.loop import update
 from agentrl.trainers.lora import LoraSettings, add_lora
-from agentrl.trainers.job.pipeline import TrainJob, run
+from agentrl.trainers.job.pipeline import run
+from agentrl.trainers.job.recipe import TrainJob
 
 V = 256
 

@@ -15,6 +15,7 @@ from agentrl.envs.math import ArithmeticEnv
 from agentrl.policy import scripted
 from agentrl.policy.protocol import PolicyError, Sample, SamplingParams
 from agentrl.renderer import Renderer, RendererError
+from agentrl.rollout import seeds
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.rollout.jsonl import read_jsonl, write_jsonl
 from agentrl.eval.metrics import summarize
@@ -75,10 +76,8 @@ def gold_scripts(env: ArithmeticEnv) -> dict[str, list[str]]:
 
 
 def run(engine: RolloutEngine, tasks):
-    try:
+    with engine:
         return asyncio.run(engine.run(tasks))
-    finally:
-        engine.close()
 
 
 def test_gold_policy_gives_exact_trajectories(renderer):
@@ -197,6 +196,21 @@ def test_policy_and_env_failures_are_data(renderer, tmp_path: Path):
     trajectories = [t for g in broken + stuck for t in g.trajectories]
     write_jsonl(trajectories, path)
     assert read_jsonl(path) == trajectories  # stop reasons included
+
+
+class RaisingPolicy(BrokenPolicy):
+    async def generate(self, prompt_ids, sampling):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_whatever_the_policy_raises_is_a_policy_error(renderer):
+    """Not only a backend's own `PolicyError`: any exception out of `generate` ends its episode as policy_error,
+    with that exception (not the engine's wrapper) as the reason."""
+    env = ArithmeticEnv(n_tasks=1)
+    [group] = run(RolloutEngine(lambda: ArithmeticEnv(n_tasks=1), RaisingPolicy(), renderer), list(env.tasks))
+    t = group.trajectories[0]
+    assert (t.stop, t.reason) == (StopReason.POLICY_ERROR,
+                                  "RuntimeError: CUDA error: an illegal memory access was encountered")
 
 
 class RaisingEnv(ArithmeticEnv):
@@ -386,6 +400,96 @@ def test_turn_seeds_reach_the_engine_only_when_seeded_sampling_is_on(renderer):
                                    RolloutConfig(seeded_sampling=seeded, seed=5)), list(env.tasks))
         assert spy.seeds and all((s is not None) == seeded for s in spy.seeds)
         assert [g.trajectories[0].seed for g in groups] == [5 * 100_003 + i for i in range(3)]  # resets stay seeded
+
+
+def test_the_seeds_are_the_ones_earlier_runs_drew(renderer):
+    """The seeds as numbers (run seed 5, groups of 2, two tasks of two turns): a changed formula in
+    `agentrl.rollout.seeds` would play other episodes than every earlier run did."""
+    env = ArithmeticEnv(n_tasks=2)
+    spy = SeedSpy(renderer, gold_scripts(env))
+    groups = run(RolloutEngine(lambda: ArithmeticEnv(n_tasks=2), spy, renderer, RolloutConfig(seed=5, group_size=2)),
+                 list(env.tasks))
+    assert [t.seed for g in groups for t in g.trajectories] == [500_015, 500_015, 500_016, 500_016]  # env seeds
+    # turns 0 and 1 of the samples seeded 1_000_030 to 1_000_033
+    assert sorted(spy.seeds) == [1_000_033_000_090, 1_000_033_000_091, 1_000_034_000_093, 1_000_034_000_094,
+                                 1_000_035_000_096, 1_000_035_000_097, 1_000_036_000_099, 1_000_036_000_100]
+
+
+def test_the_step_and_eval_seeds_are_the_ones_earlier_runs_drew():
+    """The seeds no rollout here draws, as numbers: a training step's (synchronous training) and an evaluation's."""
+    assert seeds.step_seed(5, 2) == 500_017
+    assert seeds.eval_seed(3, 1, 2) == 3_001_009_005  # seed 3, the suite's second entry, its third task
+    assert seeds.sample_seed(3_001_009_005, 4, 3) == 12_004_036_023
+
+
+def test_a_subset_at_its_positions_replays_what_the_whole_list_draws(renderer):
+    """`run(tasks, positions=...)` plays each task with the seeds and group index of its place in the whole list, and
+    hands every trajectory to `on_episode` as it ends."""
+    env = ArithmeticEnv(n_tasks=3)
+    tasks, config = list(env.tasks), RolloutConfig(group_size=2, seed=4)
+    whole_spy, part_spy, seen = SeedSpy(renderer, gold_scripts(env)), SeedSpy(renderer, gold_scripts(env)), []
+    whole = run(RolloutEngine(lambda: ArithmeticEnv(n_tasks=3), whole_spy, renderer, config), tasks)
+    with RolloutEngine(lambda: ArithmeticEnv(n_tasks=3), part_spy, renderer, config) as engine:
+        part = asyncio.run(engine.run([tasks[2], tasks[0]], on_episode=seen.append, positions=[2, 0]))
+    assert [g.task for g in part] == [tasks[2], tasks[0]]
+    assert [[(t.seed, t.group) for t in g.trajectories] for g in part] == \
+        [[(t.seed, t.group) for t in whole[i].trajectories] for i in (2, 0)]
+    assert len(part_spy.seeds) == 8 and set(part_spy.seeds) < set(whole_spy.seeds)  # 2 tasks x 2 samples x 2 turns
+    assert sorted(map(id, seen)) == sorted(id(t) for g in part for t in g.trajectories)
+
+
+def test_the_engine_closes_at_the_end_of_a_with_block_and_again_harmlessly(renderer):
+    env = ArithmeticEnv(n_tasks=1)
+    with RolloutEngine(lambda: ArithmeticEnv(n_tasks=1), ScriptedPolicy(renderer, gold_scripts(env)),
+                       renderer) as engine:
+        [group] = asyncio.run(engine.run(list(env.tasks)))
+    assert group.trajectories[0].status is Status.OK
+    engine.close()
+    [after] = asyncio.run(engine.run(list(env.tasks)))  # closed: no env call starts any more
+    assert after.trajectories[0].stop is StopReason.ENV_ERROR and "after shutdown" in after.trajectories[0].reason
+
+
+class CountingParser:
+    """The env's parser, counting the texts it parses."""
+
+    def __init__(self, parser):
+        self.parser, self.parses = parser, 0
+
+    def parse(self, text):
+        self.parses += 1
+        return self.parser.parse(text)
+
+    def __getattr__(self, name):
+        return getattr(self.parser, name)
+
+
+class OwnStepEnv(ArithmeticEnv):
+    """An env whose own `step` hands back no assistant message (as one that overrides `step` may)."""
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = super().step(action)
+        return obs, reward, terminated, truncated, {k: v for k, v in info.items() if k != "assistant"}
+
+
+def test_the_assistant_text_is_parsed_once_a_turn(renderer):
+    """`step` hands back the assistant message its env parsed, so the engine asks for no second parse; an env whose
+    own `step` does not is asked for the message, and the trajectory is the same."""
+    env, made = ArithmeticEnv(n_tasks=1), []
+
+    def counted(kind):
+        def make():
+            made.append(kind(n_tasks=1))
+            made[-1].parser = CountingParser(made[-1].parser)
+            return made[-1]
+        return make
+
+    [t] = run(RolloutEngine(counted(ArithmeticEnv), ScriptedPolicy(renderer, gold_scripts(env)), renderer),
+              list(env.tasks))[0].trajectories
+    assert t.status is Status.OK and len(t.turns) == 2 and t.messages[2].tool_calls, t.reason  # the call, parsed
+    assert made[0].parser.parses == 2  # one a turn
+    [own] = run(RolloutEngine(counted(OwnStepEnv), ScriptedPolicy(renderer, gold_scripts(env)), renderer),
+                list(env.tasks))[0].trajectories
+    assert made[1].parser.parses == 4 and (own.token_ids, own.messages) == (t.token_ids, t.messages)
 
 
 class PartnerPolicy(ScriptedPolicy):

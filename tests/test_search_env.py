@@ -12,7 +12,7 @@ from agentrl.envs.search.env import SearchEnv
 from agentrl.envs.search.questions import SUITES
 from agentrl.env.registry import check, make
 from agentrl.models.tokenizer import load_tokenizer
-from agentrl.trainers.job.pipeline import TrainJob
+from agentrl.trainers.job.recipe import TrainJob
 from agentrl.types import Task
 
 SEARCH_ENVS = ["search/r1-v0", "search/tools-v0", "search/react-v0"]

@@ -278,6 +278,11 @@ class Sharding:
 
             self.follower = open_transfer(spec[0], None, model, None, None, 0, dtype=spec[1], rank=self.rank)
 
+    @property
+    def sharded(self) -> bool:
+        """Whether the trainer is sharded over several ranks."""
+        return self.world > 1
+
     def from_main(self, fn: Callable[[], Any]) -> Any:
         """`fn()` run on rank 0, its result on every rank."""
         return fn() if self.world == 1 else broadcast(fn() if self.main else None)

@@ -1,14 +1,14 @@
 """The one step loop of RL training, and what every RL method shares.
 
     for step in range(start, cfg.steps):
-        kept, collected = rollouts.take(step)      # groups of episodes from the rollout engine
+        kept, collected, flow = rollouts.take(step)  # groups of episodes from the engine; async: their staleness
         metrics = method.train_step(kept, collected, step)
         rollouts.sync(step + 1)                    # the new weights, version step + 1, into the engine
         log(metrics)                               # rollout, training, timing, idle fractions, held-out
         checkpoint when due                        # the policy, its optimizer, the data position, the method's state
 
-A method (`grpo.GRPO`, `ppo.PPO`, `tango.Tango`) supplies `train_step` and what its checkpoints keep beyond the
-policy; which groups it trains on is its `keep` rule. Where the groups come from is `cfg.max_staleness`'s choice:
+A method (`grpo.GRPO`, `ppo.PPO`, `tango.Tango`) supplies the model it trains and its optimizer, `train_step` and
+what its checkpoints keep beyond the policy; which groups it trains on is its `keep` rule (and `refills`). Where the groups come from is `cfg.max_staleness`'s choice:
 `Synchronous` (0) collects each step's groups after the previous sync, with sharding over ranks behind `Sharding`
 (in one process every call is plain; with FSDP, rank 0 alone samples, evaluates, logs and writes checkpoints);
 `Asynchronous` (k > 0) keeps a `RolloutSource` playing up to k steps ahead of the trainer in another thread.
@@ -34,6 +34,7 @@ from agentrl.policy.logprobs import token_logprobs
 from agentrl.policy.precision import autocast
 from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
+from agentrl.rollout import seeds
 from agentrl.rollout.buffer import GroupBuffer, group_position, group_version
 from agentrl.rollout.engine import Engines, EnvEngines, RolloutConfig
 from agentrl.rollout.ray_source import RaySources
@@ -113,7 +114,16 @@ def check_loop_rollout(section: str, rollout: RolloutConfig) -> None:
 
 
 class Method(Protocol):
-    """What an RL method gives the loop."""
+    """What an RL method gives the loop: the policy it trains and its optimizer, which groups it trains on (`keep`,
+    with up to `refills` more collection rounds per step for the ones it dropped), its step, and what its
+    checkpoints keep beyond the policy."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    refills: int
+
+    def keep(self, group: Group) -> bool:
+        """Whether to train on `group`."""
 
     def train_step(self, kept: list[Group], collected: list[Group], step: int) -> dict:
         """Update on the groups kept (all collected ones are there for metrics); returns the step's metrics."""
@@ -152,28 +162,20 @@ class TaskStream:
         return out
 
 
-def step_seed(cfg: LoopConfig, step: int) -> int:
-    """The rollout seed of `step`: distinct per step, and the same on a resumed run."""
-    return cfg.seed * 100_003 + step
-
-
 def collect(engines: Engines, policy: Policy, renderer: Renderer, stream: TaskStream,
             cfg: LoopConfig, step: int, keep: Callable[[Group], bool], refills: int = 0,
             timeline: Timeline | None = None) -> tuple[list[Group], list[Group]]:
     """(groups to train on, all groups collected) of `step`: `tasks_per_step` tasks, then up to `refills` more
     rounds for the groups that `keep` dropped, on an engine from `engines` (`EnvEngines`, `AgentEngines`) that lives
     for the step."""
-    engine = engines(policy, renderer, replace(cfg.rollout, seed=step_seed(cfg, step)), timeline)
     collected, kept = [], []
-    try:
+    with engines(policy, renderer, replace(cfg.rollout, seed=seeds.step_seed(cfg.seed, step)), timeline) as engine:
         for _ in range(1 + refills):
             groups = asyncio.run(engine.run(stream.take(cfg.tasks_per_step - len(kept))))
             collected += groups
             kept += [g for g in groups if keep(g)]
             if len(kept) >= cfg.tasks_per_step:
                 break
-    finally:
-        engine.close()
     return kept, collected
 
 
@@ -182,10 +184,10 @@ class Synchronous:
     when sharded. The data position is the stream's."""
 
     def __init__(self, sharding: Sharding, engines: Engines, renderer: Renderer, stream: TaskStream,
-                 cfg: LoopConfig, keep: Callable[[Group], bool], refills: int, timeline: Timeline):
+                 cfg: LoopConfig, method: Method, timeline: Timeline):
         self.sharding, self.stream = sharding, stream
-        self._collect = lambda step: collect(engines, sharding.policy, renderer, stream, cfg, step, keep, refills,
-                                             timeline)
+        self._collect = lambda step: collect(engines, sharding.policy, renderer, stream, cfg, step, method.keep,
+                                             method.refills, timeline)
 
     def start(self, version: int) -> None:
         """The trainer's weights into the engine as `version`."""
@@ -221,22 +223,22 @@ class Asynchronous:
     first task position not done (trained, refused or dropped as stale) and those done above it: a resumed run replays
     the rest."""
 
-    def __init__(self, model: torch.nn.Module, policy: Policy, engines: Engines, renderer: Renderer,
-                 stream: TaskStream, cfg: LoopConfig, keep: Callable[[Group], bool], refills: int, timeline: Timeline,
-                 state: dict | None, sources: int = 0):
-        if data_parallel()[1] > 1:
+    def __init__(self, method: Method, sharding: Sharding, engines: Engines, renderer: Renderer, stream: TaskStream,
+                 cfg: LoopConfig, timeline: Timeline, state: dict, sources: int = 0):
+        if sharding.sharded:
             raise ValueError(f"{cfg.section}.max_staleness > 0 runs in one process: set it to 0 under torchrun")
-        if getattr(policy, "model", None) is model:
+        policy = sharding.policy
+        if getattr(policy, "model", None) is method.model:
             raise ValueError("asynchronous training needs the in-process sampler on its own copy of the model (it "
                              "samples while the trainer steps): give HFPolicy a copy, as `agentrl train` does")
-        self.model, self.policy, self.cfg, state = model, policy, cfg, state or {}
+        self.model, self.policy, self.cfg = method.model, policy, cfg
         self.position, self.done = state.get("data_position", 0), set(state.get("done_positions", ()))
-        self.buffer = GroupBuffer(keep, cfg.max_staleness, shares=max(sources, 1))
+        self.buffer = GroupBuffer(method.keep, cfg.max_staleness, shares=max(sources, 1))
         source = partial(RaySources, sources) if sources else RolloutSource  # Ray actors, or a thread of this process
         self.source = source(engines, policy, renderer, cfg.rollout, stream.at, self.buffer,
                              tasks_per_step=cfg.tasks_per_step, seed=cfg.seed, start=self.position, skip=self.done,
                              timeline=timeline, restart=not cfg.partial_rollouts)
-        self.give_up_after = cfg.tasks_per_step * (1 + refills)
+        self.give_up_after = cfg.tasks_per_step * (1 + method.refills)
 
     def start(self, version: int) -> None:
         """The trainer's weights into the engine as `version`, then the source starts playing."""
@@ -376,62 +378,93 @@ def update(model: torch.nn.Module, ref: torch.nn.Module | None, optimizer: torch
     return {**optimize(model, optimizer, batch, cfg, generator, policy_loss, cfg.policy_loss.agg), **first}
 
 
-def run(cfg: LoopConfig, method: Method, model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokenizer: Any,
-        policy: Policy, make_env: Callable[[], TextEnv], tasks: list[Task], out_dir: Path,
-        keep: Callable[[Group], bool], refills: int = 0, on_step: Callable[[int, dict], None] | None = None,
-        periodic_eval: Callable[[int, Callable], dict] | None = None, engines: Engines | None = None,
-        sources: int = 0) -> list[dict]:
-    """Runs (or resumes, from the latest checkpoint in `out_dir`) `cfg.steps` steps of `method`; returns the metrics
-    of the steps run now. `periodic_eval(step, execute)` runs after each sync, its episodes' coroutine given to
-    `execute` (the event loop the engine samples on); what it returns (held-out metrics, or {} when not due) is logged
-    under `heldout`. Episodes are `make_env`'s, or with `engines` (`AgentEngines`) those of agent programs through the
-    gateway (`make_env` is then unused). `sources`: asynchronous training's rollout sources in that many Ray actors (`[ray]
-    sources`) instead of a thread of this process."""
-    stream, start, saved = TaskStream(tasks, cfg.seed), 0, None
-    resumed = resume(model, optimizer, out_dir, method.restore)  # weights, optimizer, RNGs, the method's state
-    if resumed is not None:
-        start, saved = resumed["step"], resumed["state"]
-        stream.position = saved["data_position"]
-    sharding, renderer, timeline = Sharding(model, policy), Renderer(tokenizer), Timeline()
-    engines = engines or EnvEngines(make_env)
-    max_reward = engines.max_reward
-    if cfg.max_staleness:
-        rollouts = Asynchronous(model, policy, engines, renderer, stream, cfg, keep, refills, timeline, saved, sources)
-    else:
-        rollouts = Synchronous(sharding, engines, renderer, stream, cfg, keep, refills, timeline)
+@dataclass(frozen=True)
+class Hooks:
+    """What the job adds to the loop: a line per step, held-out evaluations, and where asynchronous rollouts run."""
+
+    # after each step, on rank 0: the step and its metrics (the progress line)
+    on_step: Callable[[int, dict], None] | None = None
+    # after each sync: (step, execute) -> held-out metrics, or {} when none is due; the episodes' coroutine is
+    # given to `execute` (the event loop the engine samples on); what it returns is logged under `heldout`
+    periodic_eval: Callable[[int, Callable[[Coroutine], Any]], dict] | None = None
+    sources: int = 0  # asynchronous training: rollout sources in this many Ray actors (`[ray] sources`), else a thread
+
+
+class StepClock:
+    """The timing of one step: its phases' seconds, throughput, and the engine's, envs' and trainer's busy intervals
+    with their idle fractions (what `agentrl report` draws)."""
+
+    def __init__(self, timeline: Timeline, asynchronous: bool):
+        self.timeline, self.asynchronous, self.laps = timeline, asynchronous, [time.perf_counter()]
+
+    def lap(self) -> None:
+        """The end of a phase: rollout, train, sync."""
+        self.laps.append(time.perf_counter())
+
+    def metrics(self, metrics: dict, kept: list[Group]) -> dict:
+        """The step's timing metrics, given its other metrics and the groups it trained on."""
+        t0, t1, t2, t3 = self.laps
+        busy, trained = self.timeline.cut(), sum(t.num_sampled for g in kept for t in g.valid)
+        rollout_s = t3 - t0 if self.asynchronous else t1 - t0  # asynchronous: sampled all through the step
+        return dict(groups_trained=len(kept), tokens_per_s=metrics["sampled_tokens"] / max(rollout_s, 1e-9),
+                    trained_tokens=trained, trained_tokens_per_s=trained / max(t3 - t0, 1e-9),
+                    time={**metrics.get("time", {}), "rollout": t1 - t0, "train": t2 - t1, "sync": t3 - t2},
+                    timeline=busy, idle=idle_fractions(busy, t0 - self.timeline.origin, t3 - self.timeline.origin))
+
+
+def run(cfg: LoopConfig, method: Method, tokenizer: Any, policy: Policy, engines: Engines, tasks: list[Task],
+        out_dir: Path, hooks: Hooks = Hooks()) -> list[dict]:
+    """Runs (or resumes, from the latest checkpoint in `out_dir`) `cfg.steps` steps of `method` on `method.model`,
+    with episodes from `engines` (`EnvEngines` of the job's envs, or `AgentEngines`: agent programs through the
+    gateway) on `tasks`, sampled by `policy`; returns the metrics of the steps run now."""
+    resumed = resume(method.model, method.optimizer, out_dir, method.restore)  # weights, optimizer, RNGs, state
+    start, saved = (resumed["step"], resumed["state"]) if resumed else (0, {"data_position": 0})
+    stream = TaskStream(tasks, cfg.seed, saved["data_position"])
+    sharding, renderer, timeline = Sharding(method.model, policy), Renderer(tokenizer), Timeline()
+    rollouts = (Asynchronous(method, sharding, engines, renderer, stream, cfg, timeline, saved, hooks.sources)
+                if cfg.max_staleness else Synchronous(sharding, engines, renderer, stream, cfg, method, timeline))
     rollouts.start(start)
     logger, history = MetricsLogger(out_dir, start) if sharding.main else None, []
     try:
         for step in range(start, cfg.steps):
-            t0 = time.perf_counter()
+            clock = StepClock(timeline, asynchronous=cfg.max_staleness > 0)
             kept, collected, flow = rollouts.take(step)
-            t1 = time.perf_counter()
+            clock.lap()
             with timeline.trainer:
-                metrics = {**rollout_metrics(collected, max_reward), **flow, **method.train_step(kept, collected, step)}
+                metrics = {**rollout_metrics(collected, engines.max_reward), **flow,
+                           **method.train_step(kept, collected, step)}
             check_finite(f"step {step + 1}", metrics)
-            t2 = time.perf_counter()
+            clock.lap()
             rollouts.sync(step + 1)
-            t3 = time.perf_counter()
-            busy, trained = timeline.cut(), sum(t.num_sampled for g in kept for t in g.valid)
-            # in asynchronous training episodes are sampled all through the step
-            rollout_s = t3 - t0 if cfg.max_staleness else t1 - t0
-            metrics.update(groups_trained=len(kept), tokens_per_s=metrics["sampled_tokens"] / max(rollout_s, 1e-9),
-                           trained_tokens=trained, trained_tokens_per_s=trained / max(t3 - t0, 1e-9),
-                           time={**metrics.get("time", {}), "rollout": t1 - t0, "train": t2 - t1, "sync": t3 - t2},
-                           timeline=busy, idle=idle_fractions(busy, t0 - timeline.origin, t3 - timeline.origin))
+            clock.lap()
+            metrics.update(clock.metrics(metrics, kept))
             if sharding.main:
-                if periodic_eval is not None and (heldout := periodic_eval(step + 1, rollouts.run)):
-                    metrics["heldout"] = heldout
-                logger.log(step + 1, metrics)
-                history.append(metrics)
-                if on_step:
-                    on_step(step + 1, metrics)
-            if (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0) or step + 1 == cfg.steps:
-                state, submodels = method.checkpoint_state(sharding)
-                sharding.save_checkpoint(out_dir, step + 1, tokenizer, optimizer,
-                                         {**rollouts.state(), "weight_version": step + 1, **state}, submodels)
+                history.append(log_step(step + 1, metrics, logger, hooks, rollouts.run))
+            if step + 1 == cfg.steps or (cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0):
+                save_checkpoint(step + 1, method, sharding, rollouts, out_dir, tokenizer)
     finally:
         rollouts.close()
         if logger is not None:
             logger.close()
     return history
+
+
+def save_checkpoint(step: int, method: Method, sharding: Sharding, rollouts: Synchronous | Asynchronous,
+                    out_dir: Path, tokenizer: Any) -> None:
+    """Checkpoint `step`: the policy as synced, its optimizer, the data position, the weight version and the method's
+    state (a collective when sharded: every rank calls it)."""
+    state, submodels = method.checkpoint_state(sharding)
+    sharding.save_checkpoint(out_dir, step, tokenizer, method.optimizer,
+                             {**rollouts.state(), "weight_version": step, **state}, submodels)
+
+
+def log_step(step: int, metrics: dict, logger: MetricsLogger, hooks: Hooks, execute: Callable[[Coroutine], Any]
+             ) -> dict:
+    """Rank 0's end of a step: its held-out evaluation when one is due (run by `execute`), its metrics logged, its
+    progress line; returns the metrics."""
+    if hooks.periodic_eval is not None and (heldout := hooks.periodic_eval(step, execute)):
+        metrics["heldout"] = heldout
+    logger.log(step, metrics)
+    if hooks.on_step:
+        hooks.on_step(step, metrics)
+    return metrics

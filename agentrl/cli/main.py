@@ -105,7 +105,7 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
           unset: list[str] = typer.Option([], "--unset", help="Remove a recipe key or table, so that its default "
                                           "applies, e.g. --unset grpo.correction. Repeatable."),
           dry_run: bool = typer.Option(False, "--dry-run", help="Validate the recipe, place the engine and the "
-                                       "trainer, estimate memory per device, refuse what cannot work; run nothing."),
+                                       "trainer, estimate memory per device, refuse what cannot work; print the resolved job; run nothing."),
           gpus: Optional[int] = typer.Option(None, help="--dry-run: plan for this many GPUs [default: the visible]."),
           gpu_memory_gib: float = typer.Option(80.0, help="--dry-run with --gpus: each GPU's memory in GiB."),
           model_config: Optional[str] = typer.Option(None, help="--dry-run: a folder with the model's config.json "
@@ -116,7 +116,9 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
     from agentrl.config import ConfigError, load_config, merge
     from agentrl.trainers.checkpoint import CheckpointError
     from agentrl.trainers.metrics import NonFiniteLoss
-    from agentrl.trainers.job.pipeline import METHODS, TrainJob, run
+    from agentrl.trainers.methods import METHODS
+    from agentrl.trainers.job.pipeline import run
+    from agentrl.trainers.job.recipe import TrainJob
 
     try:
         overrides = merge(parse_sets(set_), given(model=model, out_dir=out_dir, ray=given(address=ray_address)))
@@ -151,16 +153,18 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
 
 
 def _dry_run(job, gpus: int | None, gpu_memory_gib: float, model_config: str | None) -> None:
-    """Print where the job's parts would run and their memory; exit 2, with each problem and its fix, if it
-    cannot work."""
+    """Print the resolved job (what OUT/job.json would hold), where its parts would run and their memory; exit 2,
+    with each problem and its fix, if it cannot work."""
     from agentrl.env.registry import spec
     from agentrl.trainers.job.dry_run import Hardware, describe, plan_for
+    from agentrl.trainers.job.pipeline import job_record
 
     try:
         spec(job.env)
     except KeyError as e:
         console.print(f"[red]{e.args[0]}[/]")
         raise typer.Exit(2)
+    console.print_json(data=job_record(job))
     the_plan = plan_for(job, Hardware(gpus, gpu_memory_gib) if gpus is not None else None, model_config)
     table = Table("part", "where / memory", title=f"{job.model} · {job.method} · dry run")
     for row in describe(the_plan):

@@ -120,6 +120,8 @@ class TextEnv(gym.Env[Observation, str]):
         return tuple(self.first_messages(task)), {"task_id": task.id, "tools": self.tool_schemas}
 
     def step(self, action: str):
+        """One turn (`act`), truncated at `max_turns`. `info["assistant"]` hands back the action as a chat message
+        (`act`'s, or else `assistant_message`'s), so that the rollout engine renders it without parsing it again."""
         if self.task is None:
             raise gym.error.ResetNeeded("Call reset() before step().")
         self.turn += 1
@@ -127,6 +129,8 @@ class TextEnv(gym.Env[Observation, str]):
         truncated = not terminated and self.turn >= self.max_turns
         if truncated:
             info = {**info, "reason": f"max_turns={self.max_turns}"}
+        if "assistant" not in info:
+            info = {**info, "assistant": self.assistant_message(action)}
         return tuple(obs), float(reward), terminated, truncated, info
 
     # ---- the subclass's part ----
@@ -144,9 +148,10 @@ class TextEnv(gym.Env[Observation, str]):
 
         The rollout engine reads these `info` keys: `reward_components` (named parts of the reward), `tool_calls`
         (how many ran), `answer` (the final answer), `reason` (why the episode ended), `untrained` (true: the
-        action of this turn is not trained on; its tokens get loss mask 0, as `ReflexionEnv`'s notes), and
-        `per_turn`, a dict whose values it collects into the trajectory's `info` as (turn, value) pairs by key (the
-        web envs' `screenshots`)."""
+        action of this turn is not trained on; its tokens get loss mask 0, as `ReflexionEnv`'s notes), `per_turn`,
+        a dict whose values it collects into the trajectory's `info` as (turn, value) pairs by key (the web envs'
+        `screenshots`), and `assistant`, the action as a chat message, for an env that parsed it here anyway
+        (`ToolEnv`; without it, `step` asks `assistant_message`)."""
 
     @abc.abstractmethod
     def gold_actions(self, task: Task) -> list[str]:
@@ -233,14 +238,16 @@ class ToolEnv(TextEnv):
         self.transcript, self.invalid_in_a_row = [], 0
 
     def assistant_message(self, action: str) -> Message:
-        parsed = self.parser.parse(action)
-        if parsed.error or not parsed.tool_calls:  # a final answer or a malformed turn: the text as written
-            return Message("assistant", action)
-        return Message("assistant", parsed.content, _with_ids(parsed.tool_calls))
+        return _as_message(action, self.parser.parse(action))
 
     def act(self, action: str):
-        parsed = self.parser.parse(action)
+        parsed = self.parser.parse(action)  # once a turn: the action's outcome and its chat message both read it
         self.transcript.append(parsed)
+        obs, reward, done, info = self._respond(parsed)
+        return obs, reward, done, {**info, "assistant": _as_message(action, parsed)}
+
+    def _respond(self, parsed: ParsedAction):
+        """`act` on the parsed action: a final answer scored, valid tool calls run, anything else corrected."""
         problem = parsed.error
         if problem is None and parsed.answer is not None:
             if not parsed.tool_calls:
@@ -261,7 +268,7 @@ class ToolEnv(TextEnv):
         self.invalid_in_a_row = 0
         # ToolError propagates: it is an infrastructure failure, not the model's, and ends as `error`.
         results = [Message("tool", self.toolset.run(call), tool_call_id=call.id, name=call.name)
-                   for call in _with_ids(parsed.tool_calls)]
+                   for call in with_ids(parsed.tool_calls)]
         return results, 0.0, False, {"tool_calls": len(results)}
 
     def _invalid(self, problem: str):
@@ -283,6 +290,14 @@ class ToolEnv(TextEnv):
         """Score the final answer (and, for process rewards, the whole transcript)."""
 
 
-def _with_ids(calls: Sequence[ToolCall]) -> tuple[ToolCall, ...]:
+def with_ids(calls: Sequence[ToolCall]) -> tuple[ToolCall, ...]:
     """Number the calls of one turn. Ids are 9 alphanumerics because Mistral's template insists."""
     return tuple(replace(c, id=f"call{i:05d}") for i, c in enumerate(calls))
+
+
+def _as_message(action: str, parsed: ParsedAction) -> Message:
+    """The assistant's turn as a chat message: its numbered tool calls beside its other text; a final answer or a
+    malformed turn is the text as written."""
+    if parsed.error or not parsed.tool_calls:
+        return Message("assistant", action)
+    return Message("assistant", parsed.content, with_ids(parsed.tool_calls))

@@ -118,13 +118,14 @@ class ReflexionEnv(TextEnv):
         return opening, {**info, "notes": len(notes)}
 
     def step(self, action: str):
-        """The wrapped env's step; after a failed end, the turn that writes the note."""
+        """The wrapped env's step (its `info["assistant"]` too); after a failed end, the turn that writes the note."""
         if self._ending is not None:  # this action is the note
             note = " ".join(action.split())[:self.max_note_chars]
             if note:
                 self.store.add(self.task.id, note)
             ending, self._ending, self._noted = self._ending, None, True
-            info = {"reason": ending["reason"], "note": note, **({} if self.train_notes else {"untrained": True})}
+            info = {"reason": ending["reason"], "note": note, "assistant": Message("assistant", action),  # plain text
+                    **({} if self.train_notes else {"untrained": True})}
             return (), 0.0, ending["terminated"], not ending["terminated"], info
         self.turn += 1
         obs, reward, terminated, truncated, info = self.inner.step(action)

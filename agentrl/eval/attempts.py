@@ -54,13 +54,11 @@ def run_attempts(env: str, env_kwargs: dict[str, Any], split: str, tasks: list[T
         todo = [t for t in tasks if t.id not in solved_at]
         if not todo:
             break
-        engine = RolloutEngine(make_env, policy, renderer,
-                               replace(rollout, group_size=1, seed=rollout.seed * 1_000 + attempt))
-        try:  # seeded by each task's place in the whole list: attempt i draws the same seeds in every condition
+        with RolloutEngine(make_env, policy, renderer,
+                           replace(rollout, group_size=1, seed=rollout.seed * 1_000 + attempt)) as engine:
+            # seeded by each task's place in the whole list: attempt i draws the same seeds in every condition
             groups = asyncio.run(engine.run(todo, on_episode=on_episode and (lambda t: on_episode()),
                                             positions=[position[t.id] for t in todo]))
-        finally:
-            engine.close()
         for task, t in ((g.task, g.trajectories[0]) for g in groups):
             t.info["attempt"] = attempt
             played.append(t)
@@ -81,11 +79,11 @@ def run_attempts(env: str, env_kwargs: dict[str, Any], split: str, tasks: list[T
 def write_attempts(out_dir: Path, runs: dict[str, dict[str, Any]], meta: dict[str, Any]) -> tuple[Path, Path]:
     """OUT/attempts.json (the runs by label, `meta`), OUT/attempts.md with the success@attempt-k table and
     OUT/attempts.png with the curves."""
-    from agentrl.eval.report import _png, _pyplot
+    from agentrl.eval.report import png_bytes, pyplot
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "attempts.json").write_text(json.dumps({**meta, "runs": runs}, indent=2))
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for label, run in runs.items():
         ks = range(1, len(run["success_at"]) + 1)
@@ -95,7 +93,7 @@ def write_attempts(out_dir: Path, runs: dict[str, dict[str, Any]], meta: dict[st
     ax.set_xticks(range(1, meta["k"] + 1))
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-    (out_dir / "attempts.png").write_bytes(_png(fig))
+    (out_dir / "attempts.png").write_bytes(png_bytes(fig))
     header = "| run | " + " | ".join(f"success@{i}" for i in range(1, meta["k"] + 1)) + " | notes | errors |"
     rows = [f"| {label} | " + " | ".join(f"{r:.3f}" for r in run["success_at"]) + f" | {run.get('notes', '-')} | "
             f"{run['errors']} |" for label, run in runs.items()]

@@ -195,7 +195,8 @@ def _difficulty_tables(results: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 # ------------------------------------------------------------------------------------------------- plots
 
-def _pyplot():
+def pyplot():
+    """matplotlib's pyplot, drawing without a display (the Agg backend, chosen before pyplot is imported)."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display; must precede the pyplot import
@@ -204,8 +205,9 @@ def _pyplot():
     return plt
 
 
-def _png(fig) -> bytes:
-    plt = _pyplot()
+def png_bytes(fig) -> bytes:
+    """`fig` as PNG bytes; the figure is closed (pyplot keeps every open one)."""
+    plt = pyplot()
     buf = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, format="png", dpi=110)
@@ -223,7 +225,7 @@ def _errors(props: Sequence[dict[str, Any]]) -> list[list[float]]:
 def plot_success(results: dict[str, Any], other: dict[str, Any] | None = None, label: str | None = None,
                  other_label: str | None = None) -> bytes:
     """Horizontal bars: success per entry and overall, with 95% Wilson intervals; two runs side by side."""
-    plt = _pyplot()
+    plt = pyplot()
     names = list(results["entries"]) + ["all"]
     runs = [(label or "this run", results)] + ([(other_label or "other run", other)] if other else [])
     fig, ax = plt.subplots(figsize=(7.5, 1.2 + 0.42 * len(names) * len(runs)))
@@ -241,12 +243,12 @@ def plot_success(results: dict[str, Any], other: dict[str, Any] | None = None, l
     ax.grid(axis="x", alpha=0.3)
     if other:
         ax.legend(loc="lower right", fontsize="small")
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def plot_difficulty(results: dict[str, Any], key: str) -> bytes:
     """Grouped bars: success per value of one difficulty key (e.g. hops), one bar per entry that has it."""
-    plt = _pyplot()
+    plt = pyplot()
     values = list(results["all"]["by_difficulty"][key])
     series = [(n, m["by_difficulty"][key]) for n, m in results["entries"].items() if key in m["by_difficulty"]]
     if len(series) > 1:
@@ -265,12 +267,12 @@ def plot_difficulty(results: dict[str, Any], key: str) -> bytes:
     ax.set_ylabel("success rate (95% CI)")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def plot_reward_curve(rows: Sequence[dict[str, Any]]) -> bytes:
     """Mean reward and success per RL step (the training run's metrics.jsonl)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 3.2))
     steps = [r["step"] for r in rows]
     for key in ("mean_reward", "success"):
@@ -280,7 +282,7 @@ def plot_reward_curve(rows: Sequence[dict[str, Any]]) -> bytes:
     ax.set_xlabel("RL step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-    return _png(fig)
+    return png_bytes(fig)
 
 
 def plot_entropy_law(panel: dict[str, Any]) -> bytes:
@@ -288,7 +290,7 @@ def plot_entropy_law(panel: dict[str, Any]) -> bytes:
     interval (`entropy_law_panel`)."""
     import numpy as np
 
-    plt, law = _pyplot(), panel["law"]
+    plt, law = pyplot(), panel["law"]
     fig, ax = plt.subplots(figsize=(7.5, 3.4))
     steps, entropy, success = zip(*panel["points"])
     dots = ax.scatter(entropy, success, c=steps, cmap="viridis", zorder=3)
@@ -302,7 +304,7 @@ def plot_entropy_law(panel: dict[str, Any]) -> bytes:
     ax.set_ylabel("held-out success")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
-    return _png(fig)
+    return png_bytes(fig)
 
 
 # ---------------------------------------------------------------------------------------------- timeline
@@ -363,7 +365,7 @@ def plot_timeline(rows: Sequence[dict[str, Any]]) -> bytes:
     steps = timeline_steps(rows)
     if not steps:
         raise ValueError("no metrics row has a timeline (a run from before trainers/loop.py recorded one)")
-    plt = _pyplot()
+    plt = pyplot()
     shown = steps[-TIMELINE_STEPS:]
     earlier = steps[:-TIMELINE_STEPS]
     left = earlier[-1]["end"] if earlier else 0.0  # where the first step drawn began
@@ -394,4 +396,4 @@ def plot_timeline(rows: Sequence[dict[str, Any]]) -> bytes:
     ax.set_title(f"busy per step ({which}); mean idle: "
                  + ", ".join(f"{name} {fraction:.0%}" for name, fraction in idle.items()), fontsize="medium")
     ax.grid(axis="x", alpha=0.3)
-    return _png(fig)
+    return png_bytes(fig)

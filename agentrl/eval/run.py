@@ -24,6 +24,7 @@ from agentrl.eval.metrics import is_success, summarize_run
 from agentrl.policy.protocol import Policy
 from agentrl.env.registry import make
 from agentrl.renderer import Renderer
+from agentrl.rollout import seeds
 from agentrl.rollout.engine import Engines, EnvEngines, RolloutConfig
 from agentrl.rollout.jsonl import JsonlWriter, read_records
 from agentrl.env.suites import Suite, SuiteEntry
@@ -108,8 +109,9 @@ def _episodes(entries: Sequence[SuiteEntry], envs: dict[str, TextEnv], n_samples
     for e_index, entry in enumerate(entries):
         tasks = list(envs[entry.name].tasks)[:entry.n_tasks]
         for t_index, task in enumerate(tasks):
-            env_seed = (seed * 1_000 + e_index) * 1_000_003 + t_index
-            episodes += [_Episode(entry, task, k, env_seed, env_seed * n_samples + k) for k in range(n_samples)]
+            env_seed = seeds.eval_seed(seed, e_index, t_index)
+            episodes += [_Episode(entry, task, k, env_seed, seeds.sample_seed(env_seed, n_samples, k))
+                         for k in range(n_samples)]
     return episodes
 
 

@@ -8,7 +8,7 @@ its agent on `task.data`, and returns the reward, or posts it to the session (`P
 replaced by `/reward`) and returns None. A program that raises, times out or ends without a reward gives `error`
 trajectories with the reason.
 
-`AgentEngine` has the rollout engine's interface (`run`, `run_group`, `run_episode`, `close`, `aclose`), so the
+`AgentEngine` has the rollout engine's interface (`run`, `run_group`, `run_episode`, `close`, `aclose`, `with`), so the
 training loop, synchronous or asynchronous, takes its groups as it takes env groups (`AgentEngines`), and held-out
 evaluation (`agentrl.eval.run.run_suite`) its episodes.
 """
@@ -22,7 +22,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Self, Sequence
 
 import uvicorn
 from pydantic import with_config
@@ -32,7 +32,8 @@ from agentrl.gateway.app import create_app
 from agentrl.gateway.sessions import Gateway, GatewayConfig
 from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
-from agentrl.rollout.engine import RolloutConfig, _captured, _describe, _within
+from agentrl.rollout import seeds
+from agentrl.rollout.engine import RolloutConfig, captured, describe, within
 from agentrl.rollout.timeline import Timeline
 from agentrl.system.tcp import listening_socket
 from agentrl.types import Group, Status, StopReason, Task, Trajectory
@@ -129,7 +130,7 @@ class AgentEngine:
         session = self.gateway.open(task.id, group, {"sample": sample, "seed": env_seed},
                                     seed=seed if self.config.seeded_sampling else None)
         base_url = f"{self.url}/sessions/{session.id}/v1"
-        reward, error = await _captured(_within(self.agent.timeout, self._call(task, base_url), ProgramError(
+        reward, error = await captured(within(self.agent.timeout, self._call(task, base_url), ProgramError(
             f"the agent program took more than {self.agent.timeout:g}s (agent.timeout)")))
         if session.trajectories is None:  # not closed by a posted reward
             if error is None and reward is None:
@@ -137,12 +138,12 @@ class AgentEngine:
             elif error is None and not (isinstance(reward, (int, float)) and math.isfinite(reward)):
                 error = ProgramError(f"the agent program returned {reward!r}, not a finite number")
             if error is not None:
-                self.gateway.close(session.id, error=f"agent program: {_describe(error)}", stop=StopReason.ENV_ERROR)
+                self.gateway.close(session.id, error=f"agent program: {describe(error)}", stop=StopReason.ENV_ERROR)
             else:
                 self.gateway.close(session.id, float(reward))
         trajectories = tuple(self.gateway.pop(session.id))
         if not trajectories:  # the program made no call: nothing to train, one error to count
-            reason = f"agent program: {_describe(error)}" if error else "the agent program made no model call"
+            reason = f"agent program: {describe(error)}" if error else "the agent program made no model call"
             trajectories = (Trajectory(task.id, (), (), (), 0, (), 0.0, status=Status.ERROR, reason=reason,
                                        group=group, seed=env_seed, info={"session": session.id},
                                        stop=StopReason.ENV_ERROR),)
@@ -159,29 +160,37 @@ class AgentEngine:
 
         async def one(k: int) -> tuple[Trajectory, ...]:
             async with gate:
-                return await self.run_session(task, env_seed, group, k, env_seed * self.config.group_size + k)
+                return await self.run_session(task, env_seed, group, k,
+                                              seeds.sample_seed(env_seed, self.config.group_size, k))
 
         runs = await asyncio.gather(*(one(k) for k in range(self.config.group_size)))
         return Group(task, tuple(t for run in runs for t in run))
 
     async def run(self, tasks: Sequence[Task]) -> list[Group]:
-        """`group_size` runs per task; one Group per task, in task order (the server stops at the end)."""
+        """`group_size` runs per task (`run_group`), seeded by the task's index; one Group per task, in task order (the
+        server stops at the end)."""
         gate = asyncio.Semaphore(self.config.concurrency)
         try:
             await self._serve()
-            return list(await asyncio.gather(*(self.run_group(t, self.config.seed * 100_003 + i, i, gate)
-                                               for i, t in enumerate(tasks))))
+            return list(await asyncio.gather(*(self.run_group(task, seeds.episode_seed(self.config.seed, i), i, gate)
+                                               for i, task in enumerate(tasks))))
         finally:
             await self._stop()
 
     def close(self) -> None:
-        """Ask a server still running (in an asynchronous source's loop) to stop."""
+        """Ask a server still running (in an asynchronous source's loop) to stop; closing again does nothing more."""
         if self._server is not None:
             self._server.should_exit = True
 
     async def aclose(self) -> None:
         """Stop the server, on the loop it runs on, and wait until it has."""
         await self._stop()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from agentrl.config import STRICT
 from agentrl.gateway.segments import Key, Segment, commit, key, plan
 from agentrl.policy.protocol import Policy, Sample, SamplingParams
 from agentrl.renderer import Renderer, RendererError
+from agentrl.rollout import seeds
 from agentrl.rollout.timeline import Timeline
 from agentrl.tools.parsers import PARSERS
 from agentrl.types import Message, Status, StopReason, ToolCall, Trajectory
@@ -199,7 +200,7 @@ class Gateway:
                 raise GatewayError(400, session.overflow, "context_length_exceeded")
             stop_ids = tuple(dict.fromkeys(sampling.stop_token_ids + self.renderer.stop_token_ids))
             seed = sampling.seed if sampling.seed is not None or session.seed is None else \
-                session.seed * 1_000_003 + session.calls
+                seeds.turn_seed(session.seed, session.calls)
             sampling = replace(sampling, max_tokens=min(sampling.max_tokens, budget), stop_token_ids=stop_ids,
                                seed=seed)
             version = self.policy.weight_version

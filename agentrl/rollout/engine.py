@@ -3,8 +3,10 @@
 Episodes run concurrently as asyncio tasks; the policy batches their requests. Every env call (`make_env`,
 `reset`, `step`, `assistant_message`, `close`) runs in a thread pool under `step_timeout`, and each `generate`
 under `generate_timeout`, so that no env or policy can hold the event loop, and with it the other episodes.
-Every episode ends as a `Trajectory` with status ok / truncated (with the reason) / error (with the exception):
-`_captured` is the one place where exceptions become data, so a failing tool or env never stops the batch.
+Every episode ends as a `Trajectory` with status ok / truncated (with the reason) / error (with the exception), so
+that a failing tool or env never stops the batch. Each side fails as its own type, raised where the engine calls it:
+`EnvError` around an env call, `SamplingError` around `policy.generate`, the renderer's `RendererError`; `_run_once`
+is the one place where an exception (`captured`) becomes the trajectory's stop reason (`stop_reason`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import itertools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Awaitable, Callable, Protocol, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, ClassVar, Protocol, Self, Sequence, TypeVar
 
 from pydantic import with_config
 
@@ -22,6 +24,7 @@ from agentrl.config import STRICT
 from agentrl.env.api import TextEnv
 from agentrl.policy.protocol import Policy, PolicyError, Sample, SamplingParams, current_episode
 from agentrl.renderer import Renderer, RendererError
+from agentrl.rollout import seeds
 from agentrl.rollout.timeline import Timeline
 from agentrl.types import Group, Message, StopReason, Task, Trajectory, Turn
 
@@ -82,7 +85,31 @@ class PolicyTimeout(PolicyError):
     """`policy.generate` took longer than `generate_timeout`."""
 
 
-async def _captured(work: Awaitable[T]) -> tuple[T | None, Exception | None]:
+class EpisodeError(Exception):
+    """One side of an episode failed: raised by the engine where it calls that side, from what that side raised
+    (`cause`). The class says whose failure it was, and so the trajectory's stop reason; the cause says why."""
+
+    stop: ClassVar[StopReason]
+
+    def __init__(self, cause: Exception):
+        super().__init__(describe(cause))
+        self.cause = cause
+
+
+class EnvError(EpisodeError):
+    """An env call (`make_env`, `reset`, `step`, `assistant_message`, `close`) raised, or ran past `step_timeout`."""
+
+    stop = StopReason.ENV_ERROR
+
+
+class SamplingError(EpisodeError):
+    """Sampling a turn failed: `policy.generate` raised (a backend's `PolicyError`, or anything else), or ran past
+    `generate_timeout`."""
+
+    stop = StopReason.POLICY_ERROR
+
+
+async def captured(work: Awaitable[T]) -> tuple[T | None, Exception | None]:
     """The one capture point: `work`'s result and None, or None and the exception it raised. An episode's play
     and its env's close pass here, so that any failure becomes data: an `error` trajectory, or a close error in
     its info. Cancellation (a real Ctrl-C) is no exception here: it still stops the batch."""
@@ -92,10 +119,24 @@ async def _captured(work: Awaitable[T]) -> tuple[T | None, Exception | None]:
         return None, e
 
 
+def cause(error: Exception) -> Exception:
+    """What failed: an `EpisodeError`'s cause, or any other exception itself."""
+    return error.cause if isinstance(error, EpisodeError) else error
+
+
+def stop_reason(error: Exception) -> StopReason:
+    """The stop reason of an episode that raised `error`: render_error for a `RendererError` (the template's limit,
+    whoever rendered), else the side an `EpisodeError` names; anything else is env_error, as the engine then failed
+    on what the env gave it (an observation or an info it cannot read)."""
+    if isinstance(cause(error), RendererError):
+        return StopReason.RENDER_ERROR
+    return error.stop if isinstance(error, EpisodeError) else StopReason.ENV_ERROR
+
+
 QUEUE_TIMEOUTS = 10  # an env call waits for a free thread at most this many step timeouts
 
 
-async def _within(seconds: float, work: Awaitable[T], timeout: Exception) -> T:
+async def within(seconds: float, work: Awaitable[T], timeout: Exception) -> T:
     """`work`'s result, or `timeout` raised once it has run `seconds` (a TimeoutError of its own passes as is)."""
     try:  # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation that races the result
         async with asyncio.timeout(seconds) as scope:
@@ -107,17 +148,19 @@ async def _within(seconds: float, work: Awaitable[T], timeout: Exception) -> T:
 
 
 def _in_worker(name: str, fn: Callable[..., T], args: tuple, kwargs: dict) -> T:
-    """`fn(*args, **kwargs)` in an env thread, what it raises turned into something the event loop can take.
-    A KeyboardInterrupt here is the env's own: a real Ctrl-C reaches the main thread only."""
+    """`fn(*args, **kwargs)` in an env thread; what it raises comes out as `EnvError`, around an `EnvRaised` for what
+    the event loop cannot take. A KeyboardInterrupt here is the env's own: a real Ctrl-C reaches the main thread
+    only."""
     try:
         return fn(*args, **kwargs)
     except BaseException as e:
         if isinstance(e, Exception) and not isinstance(e, StopIteration):
-            raise
-        raise EnvRaised(f"{type(e).__name__} in {name}: {e}") from e
+            raise EnvError(e) from e
+        raise EnvError(EnvRaised(f"{type(e).__name__} in {name}: {e}")) from e
 
 
-def _describe(error: Exception) -> str:
+def describe(error: Exception) -> str:
+    """`error` as a trajectory's reason: "<ExceptionType>: <message>"."""
     return f"{type(error).__name__}: {error}"
 
 
@@ -154,8 +197,8 @@ class _Episode:
     # the web envs' page screenshots.
     per_turn: dict[str, list[tuple[int, Any]]] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
-    failing_as: StopReason = StopReason.ENV_ERROR  # what an exception now would be: POLICY_ERROR while sampling
     env: TextEnv | None = None  # once `make_env` gave it; `_run_once` closes it
+    tools: list[dict[str, Any]] | None = None  # the tool schemas the env's reset gave, rendered into every turn
     close_error: str | None = None  # a failed or timed-out `env.close()`: noted, not the episode's outcome
 
     def extend(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None = None,
@@ -190,7 +233,8 @@ class _Episode:
 
 class RolloutEngine:
     """Plays episodes of envs from `make_env` (a fresh env per episode) with `policy`, rendered by `renderer`;
-    `timeline`, when given, records when the policy and the envs were busy."""
+    `timeline`, when given, records when the policy and the envs were busy. `with RolloutEngine(...) as engine:`
+    closes it at the end."""
 
     def __init__(self, make_env: Callable[[], TextEnv], policy: Policy, renderer: Renderer,
                  config: RolloutConfig = RolloutConfig(), timeline: Timeline | None = None):
@@ -202,7 +246,8 @@ class RolloutEngine:
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """An env call, in the env thread pool under `step_timeout`, counted from when a thread starts it (a call
-        that overruns is abandoned). The wait for a free thread is bounded apart: abandoned calls keep theirs."""
+        that overruns is abandoned). The wait for a free thread is bounded apart: abandoned calls keep theirs. What
+        the call raises, and either timeout, comes out as `EnvError`."""
         name = "make_env" if fn is self.make_env else getattr(fn, "__name__", repr(fn))
         loop, started = asyncio.get_running_loop(), asyncio.Event()
 
@@ -214,13 +259,14 @@ class RolloutEngine:
         future = asyncio.ensure_future(loop.run_in_executor(self._pool, run))
         timeout, queued = self.config.step_timeout, QUEUE_TIMEOUTS * self.config.step_timeout
         try:
-            await _within(queued, started.wait(), EnvTimeout(
+            await within(queued, started.wait(), EnvError(EnvTimeout(
                 f"no env thread was free for {name} within {queued:g}s: all {self.config.env_workers} "
-                "(rollout.env_workers) are busy, some maybe with abandoned calls; raise env_workers"))
+                "(rollout.env_workers) are busy, some maybe with abandoned calls; raise env_workers")))
         except BaseException:
             future.cancel()  # still queued: it never starts
             raise
-        return await _within(timeout, future, EnvTimeout(f"{name} took more than {timeout}s (rollout.step_timeout)"))
+        return await within(timeout, future, EnvError(EnvTimeout(
+            f"{name} took more than {timeout}s (rollout.step_timeout)")))
 
     async def run_episode(self, task: Task, env_seed: int, sample_seed: int, group: int = 0) -> Trajectory:
         """One episode. One that failed in a retryable way (an exception with `retryable = True`, such as a
@@ -235,54 +281,45 @@ class RolloutEngine:
         ep = _Episode(task, group, env_seed, self.policy.weight_version)
         current_episode.set(f"{task.id}@{env_seed}/{sample_seed}/{next(_plays)}")
         try:
-            outcome, error = await _captured(self._play(sample_seed, ep))
+            outcome, error = await captured(self._play(sample_seed, ep))
         finally:  # on cancellation too: the env's sandbox or browser goes back
             if ep.env is not None:
-                _, close_error = await _captured(self._call(ep.env.close))
-                ep.close_error = _describe(close_error) if close_error else None
-        if error is not None:
-            stop = StopReason.RENDER_ERROR if isinstance(error, RendererError) else ep.failing_as
-            outcome = stop, _describe(error)
+                _, close_error = await captured(self._call(ep.env.close))
+                ep.close_error = describe(cause(close_error)) if close_error else None
+        if error is not None:  # the one place where an exception becomes the trajectory's stop reason
+            stop, error = stop_reason(error), cause(error)
+            outcome = stop, describe(error)
         return ep.freeze(*outcome), getattr(error, "retryable", False)
 
     async def _play(self, sample_seed: int, ep: _Episode) -> tuple[StopReason, str]:
         """Makes the episode's env and plays turns until it ends the episode or a budget runs out; returns why it
         stopped."""
-        cfg, r = self.config, self.renderer
-        env = ep.env = await self._call(self.make_env)
-        obs, info = await self._call(env.reset, seed=ep.env_seed, options={"task": ep.task})
-        tools = info.get("tools")
-        ep.messages += _capped(obs, cfg.max_observation_chars)
-        ep.extend(await asyncio.to_thread(r.prompt_ids, ep.messages, tools), sampled=False)
-        ep.prompt_len = len(ep.ids)
+        cfg = self.config
+        await self._reset(ep)
         for turn in range(cfg.max_turns):
             if len(ep.ids) >= cfg.max_total_tokens:
                 return StopReason.MAX_TOTAL_TOKENS, f"max_total_tokens={cfg.max_total_tokens}"
-            start, sample = len(ep.ids), await self._sample_turn(ep, sample_seed * 1_000_003 + turn)
-            end = len(ep.ids)
+            start, sample = len(ep.ids), await self._sample_turn(ep, seeds.turn_seed(sample_seed, turn))
             if sample.finish_reason == "length":
+                end = len(ep.ids)
                 ep.turns.append(Turn(start, end, end, 0.0, "length", sample.weight_version))
                 budget_cut = cfg.max_total_tokens - start < cfg.sampling.max_tokens
                 cut = StopReason.MAX_TOTAL_TOKENS if budget_cut else StopReason.MAX_TOKENS
                 return cut, f"{cut.value} reached mid-turn"
-            ids = sample.token_ids
-            text = r.decode(ids[:-1] if ids and ids[-1] in r.stop_token_ids else ids)  # without the turn end
-            obs, reward, terminated, truncated, info = await self._call(env.step, text)
-            obs = _capped(obs, cfg.max_observation_chars)
-            ep.record(turn, reward, info)
-            if info.get("untrained"):  # a turn the env keeps out of training (ReflexionEnv's note)
-                ep.mask[start:end] = [0] * (end - start)
-            assistant = await self._call(env.assistant_message, text)
-            if not (terminated or truncated or turn + 1 == cfg.max_turns):  # the next turn starts after the obs
-                # rendered in a thread: a long conversation takes a while to template and tokenize
-                ep.extend(await asyncio.to_thread(r.observation_ids, ep.messages, assistant, obs, sample.token_ids,
-                                                  tools), sampled=False)
-            ep.messages += [assistant, *obs]
-            ep.turns.append(Turn(start, end, len(ep.ids), reward, weight_version=sample.weight_version))
+            terminated, truncated, info = await self._step(ep, turn, start, sample)
             if terminated or truncated:
                 return ((StopReason.TERMINATED, info.get("reason", "")) if terminated else
                         (StopReason.ENV_TRUNCATED, info.get("reason", "the env truncated the episode")))
         return StopReason.MAX_TURNS, f"max_turns={cfg.max_turns}"
+
+    async def _reset(self, ep: _Episode) -> None:
+        """Makes the episode's env and resets it to the episode's task; its first messages become the prompt."""
+        env = ep.env = await self._call(self.make_env)
+        obs, info = await self._call(env.reset, seed=ep.env_seed, options={"task": ep.task})
+        ep.tools = info.get("tools")
+        ep.messages += _capped(obs, self.config.max_observation_chars)
+        ep.extend(await asyncio.to_thread(self.renderer.prompt_ids, ep.messages, ep.tools), sampled=False)
+        ep.prompt_len = len(ep.ids)
 
     async def _sample_turn(self, ep: _Episode, seed: int) -> Sample:
         """The policy's next turn, within what is left of the episode's token budget, appended to `ep`, with the
@@ -290,60 +327,85 @@ class RolloutEngine:
         budget = self.config.max_total_tokens - len(ep.ids)
         sampling = replace(self.config.sampling, max_tokens=min(self.config.sampling.max_tokens, budget),
                            seed=seed if self.config.seeded_sampling else None, stop_token_ids=self._stop_ids)
-        ep.failing_as, timeout = StopReason.POLICY_ERROR, self.config.generate_timeout
-        version = self.policy.weight_version
-        with self.timeline.engine:
-            sample = (await _within(timeout, self.policy.generate(ep.ids, sampling), PolicyTimeout(
-                f"generate took more than {timeout}s: raise rollout.generate_timeout if the backend is slow, not "
-                "hung")))[0]
-        if sample.weight_version is None:  # no sync can come between (synchronous training)
-            sample = replace(sample, weight_version=version)
-        ep.failing_as = StopReason.ENV_ERROR
+        timeout = self.config.generate_timeout
+        try:
+            version = self.policy.weight_version
+            with self.timeline.engine:
+                sample = (await within(timeout, self.policy.generate(ep.ids, sampling), PolicyTimeout(
+                    f"generate took more than {timeout}s: raise rollout.generate_timeout if the backend is slow, "
+                    "not hung")))[0]
+            if sample.weight_version is None:  # no sync can come between (synchronous training)
+                sample = replace(sample, weight_version=version)
+        except Exception as e:  # whatever the policy raised (a backend's own error or not): the policy's failure
+            raise SamplingError(e) from e
         ep.extend(sample.token_ids, sampled=True, logprobs=sample.logprobs, trainable=sample.trainable)
         return sample
 
+    async def _step(self, ep: _Episode, turn: int, start: int, sample: Sample) -> tuple[bool, bool, dict[str, Any]]:
+        """The sampled turn (`ep.ids[start:]`) through `env.step`: its reward recorded and, unless the episode ends
+        here, the observation's tokens appended for the next turn. Returns step's terminated, truncated and info."""
+        cfg, r, end, ids = self.config, self.renderer, len(ep.ids), sample.token_ids
+        text = r.decode(ids[:-1] if ids and ids[-1] in r.stop_token_ids else ids)  # without the turn end
+        obs, reward, terminated, truncated, info = await self._call(ep.env.step, text)
+        obs = _capped(obs, cfg.max_observation_chars)
+        ep.record(turn, reward, info)
+        if info.get("untrained"):  # a turn the env keeps out of training (ReflexionEnv's note)
+            ep.mask[start:end] = [0] * (end - start)
+        # the turn as the env parsed it (once, in `step`), for the template; an env whose own `step` does not hand
+        # it back is asked for it apart
+        assistant = info["assistant"] if "assistant" in info else await self._call(ep.env.assistant_message, text)
+        if not (terminated or truncated or turn + 1 == cfg.max_turns):  # the next turn starts after the obs
+            # rendered in a thread: a long conversation takes a while to template and tokenize
+            ep.extend(await asyncio.to_thread(r.observation_ids, ep.messages, assistant, obs, ids, ep.tools),
+                      sampled=False)
+        ep.messages += [assistant, *obs]
+        ep.turns.append(Turn(start, end, len(ep.ids), reward, weight_version=sample.weight_version))
+        return terminated, truncated, info
+
     async def run(self, tasks: Sequence[Task], on_episode: Callable[[Trajectory], None] | None = None,
                   positions: Sequence[int] | None = None) -> list[Group]:
-        """`group_size` episodes per task; returns one Group per task, in task order. A task's seeds and group index
-        come from its position: its index in `tasks`, or `positions[i]` (its place in a larger list, so that a
-        subset replays the seeds the whole list would draw)."""
-        cfg, gate = self.config, asyncio.Semaphore(self.config.concurrency)
+        """`group_size` episodes per task (`run_group`); returns one Group per task, in task order. A task's seeds
+        and group index come from its position: its index in `tasks`, or `positions[i]` (its place in a larger
+        list, so that a subset replays the seeds the whole list would draw)."""
+        gate = asyncio.Semaphore(self.config.concurrency)
         positions = range(len(tasks)) if positions is None else positions
+        return list(await asyncio.gather(*(
+            self.run_group(task, seeds.episode_seed(self.config.seed, position), position, gate, on_episode)
+            for task, position in zip(tasks, positions, strict=True))))
 
-        async def one(task_index: int, k: int) -> Trajectory:
-            async with gate:
-                position = positions[task_index]
-                env_seed = cfg.seed * 100_003 + position  # shared by the group
-                traj = await self.run_episode(tasks[task_index], env_seed, env_seed * cfg.group_size + k, position)
-            if on_episode:
-                on_episode(traj)
-            return traj
-
-        results = await asyncio.gather(*(one(i, k) for i in range(len(tasks)) for k in range(cfg.group_size)))
-        G = cfg.group_size
-        return [Group(task, tuple(results[i * G:(i + 1) * G])) for i, task in enumerate(tasks)]
-
-    async def run_group(self, task: Task, env_seed: int, group: int, gate: asyncio.Semaphore) -> Group:
+    async def run_group(self, task: Task, env_seed: int, group: int, gate: asyncio.Semaphore,
+                        on_episode: Callable[[Trajectory], None] | None = None) -> Group:
         """`group_size` episodes of `task` from `env_seed`, each holding `gate` while it plays; `group` is the
-        trajectories' group index (the task's position in the stream, in asynchronous training)."""
+        trajectories' group index (the task's position in the stream); `on_episode` gets each trajectory as it
+        ends."""
         async def one(k: int) -> Trajectory:
             async with gate:
-                return await self.run_episode(task, env_seed, env_seed * self.config.group_size + k, group)
+                sample_seed = seeds.sample_seed(env_seed, self.config.group_size, k)
+                trajectory = await self.run_episode(task, env_seed, sample_seed, group)
+            if on_episode:
+                on_episode(trajectory)
+            return trajectory
 
         return Group(task, tuple(await asyncio.gather(*(one(k) for k in range(self.config.group_size)))))
 
     def close(self) -> None:
-        """Shut the env thread pool down, cancelling env calls not yet started."""
+        """Shut the env thread pool down, cancelling env calls not yet started; closing again does nothing more."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     async def aclose(self) -> None:
         """`close`, from a loop (as agent engines, which stop their server, need)."""
         self.close()
 
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
 
 class Engines(Protocol):
-    """What the training loop and evaluation make engines with (`run`, `run_group`, `run_episode`, `close` and
-    `aclose`, as `RolloutEngine`'s): `EnvEngines` for envs, `agentrl.gateway.agents.AgentEngines` for agent
+    """What the training loop and evaluation make engines with (`run`, `run_group`, `run_episode`, `close`, `aclose`
+    and `with`, as `RolloutEngine`'s): `EnvEngines` for envs, `agentrl.gateway.agents.AgentEngines` for agent
     programs."""
 
     @property

@@ -18,8 +18,8 @@ each token's behaviour logprobs from the weights that really sampled it. With `r
 groups in flight instead, and plays them again from the start with the new weights (for envs whose episodes cannot
 continue under other weights).
 
-Task `p` of the stream is played with env seed `seed * 100_003 + p`, and its trajectories' `group` is `p`: a run
-resumed from a checkpoint replays the positions that were in flight, with the same seeds, and skips those done.
+Task `p` of the stream is played with env seed `seeds.episode_seed(seed, p)`, and its trajectories' `group` is `p`: a
+run resumed from a checkpoint replays the positions that were in flight, with the same seeds, and skips those done.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any, Callable, Collection, Coroutine, Sequence
 
 from agentrl.policy.protocol import Policy, Sample, SamplingParams
 from agentrl.renderer import Renderer
+from agentrl.rollout import seeds
 from agentrl.rollout.buffer import GroupBuffer
 from agentrl.rollout.engine import Engines, RolloutConfig
 from agentrl.rollout.timeline import Timeline
@@ -158,11 +159,11 @@ class RolloutSource:
         if self._loop is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._main.cancel)
             self._thread.join()
-        self.engine.close()
 
     def _run(self) -> None:
         try:
-            asyncio.run(self._produce())
+            with self.engine:  # the engine lives as long as the loop its episodes run on, however that ends
+                asyncio.run(self._produce())
         except asyncio.CancelledError:  # closed
             pass
         except BaseException as e:  # noqa: BLE001 -- the trainer's next take raises it
@@ -222,7 +223,8 @@ class RolloutSource:
 
     async def _play(self, position: int, gate: asyncio.Semaphore) -> None:
         try:
-            group = await self.engine.run_group(self.task_at(position), self.seed * 100_003 + position, position, gate)
+            env_seed = seeds.episode_seed(self.seed, position)
+            group = await self.engine.run_group(self.task_at(position), env_seed, position, gate)
             self.finished += 1
             self.buffer.put(group)
         except Exception as e:  # noqa: BLE001 -- episodes capture their own failures: this is the source's

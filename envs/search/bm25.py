@@ -71,41 +71,45 @@ class Tokenizer:
 
 
 @dataclass(frozen=True)
-class _Strings:
+class Strings:
     """Many strings as one UTF-8 blob plus offsets, so a loaded index holds no Python string per document."""
 
     blob: np.ndarray  # uint8 [total bytes]
     offsets: np.ndarray  # int64 [n + 1]
 
     @classmethod
-    def from_list(cls, strings: list[str]) -> _Strings:
+    def from_list(cls, strings: list[str]) -> Strings:
+        """The strings packed: their UTF-8 bytes back to back, and where each starts."""
         encoded = [s.encode() for s in strings]
         offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
         np.cumsum([len(e) for e in encoded], out=offsets[1:])
         return cls(np.frombuffer(b"".join(encoded), dtype=np.uint8), offsets)
 
     def bytes_at(self, i: int) -> bytes:
+        """String `i`, UTF-8 encoded."""
         return self.blob[self.offsets[i]:self.offsets[i + 1]].tobytes()
 
     def __getitem__(self, i: int) -> str:
         return self.bytes_at(i).decode()
 
     def save(self, directory: Path, name: str) -> None:
+        """Into an index directory, as NAME.npy (the bytes) and NAME.offsets.npy."""
         np.save(directory / f"{name}.npy", self.blob)
         np.save(directory / f"{name}.offsets.npy", self.offsets)
 
     @classmethod
-    def load(cls, directory: Path, name: str, mmap_mode: str | None) -> _Strings:
-        return cls(_load_array(directory, f"{name}.npy", mmap_mode),
-                   _load_array(directory, f"{name}.offsets.npy", mmap_mode))
+    def load(cls, directory: Path, name: str, mmap_mode: str | None) -> Strings:
+        """What `save` wrote, memory-mapped with `mmap_mode` (None: read into memory)."""
+        return cls(load_array(directory, f"{name}.npy", mmap_mode),
+                   load_array(directory, f"{name}.offsets.npy", mmap_mode))
 
 
-class _Documents:
-    """The stored corpus of an index: `_ids`, `_contents` (`_Strings`) and `_ids_sorted` (rows ordered by id)."""
+class Documents:
+    """The stored corpus of an index: `_ids`, `_contents` (`Strings`) and `_ids_sorted` (rows ordered by id)."""
 
     params: dict
-    _ids: _Strings
-    _contents: _Strings
+    _ids: Strings
+    _contents: Strings
     _ids_sorted: np.ndarray
 
     def __len__(self) -> int:
@@ -124,11 +128,11 @@ class _Documents:
         return {"id": self._ids[row], "contents": self._contents[row]}
 
 
-class BM25Index(_Documents):
+class BM25Index(Documents):
     """BM25 over a fixed corpus. Build it once (`build(...).save(dir)`), then `load(dir)` and `search`."""
 
     def __init__(self, params: dict, vocab: dict[str, int], data: np.ndarray, indices: np.ndarray,
-                 indptr: np.ndarray, ids: _Strings, contents: _Strings, ids_sorted: np.ndarray):
+                 indptr: np.ndarray, ids: Strings, contents: Strings, ids_sorted: np.ndarray):
         self.params = params  # FORMAT_VERSION, k1, b, stemmer, n_docs, n_vocab
         self._vocab = vocab
         self._data, self._indices, self._indptr = data, indices, indptr  # CSC: see the module docstring
@@ -165,7 +169,7 @@ class BM25Index(_Documents):
         params = {"format_version": FORMAT_VERSION, "k1": k1, "b": b, "stemmer": stemmer,
                   "n_docs": len(ids), "n_vocab": len(vocab)}
         return cls(params, vocab, scores["data"].astype(np.float32), scores["indices"].astype(np.int32),
-                   scores["indptr"].astype(np.int64), _Strings.from_list(ids), _Strings.from_list(contents),
+                   scores["indptr"].astype(np.int64), Strings.from_list(ids), Strings.from_list(contents),
                    ids_sorted)
 
     def save(self, path: str | Path) -> None:
@@ -198,10 +202,10 @@ class BM25Index(_Documents):
         mmap_mode = "r" if mmap else None
         try:
             vocab = json.loads((path / "vocab.json").read_text(encoding="utf-8"))
-            index = cls(params, vocab, *(_load_array(path, f"scores.{n}.npy", mmap_mode)
+            index = cls(params, vocab, *(load_array(path, f"scores.{n}.npy", mmap_mode)
                                          for n in ("data", "indices", "indptr")),
-                        _Strings.load(path, "ids", mmap_mode), _Strings.load(path, "contents", mmap_mode),
-                        _load_array(path, "ids.sorted.npy", mmap_mode))
+                        Strings.load(path, "ids", mmap_mode), Strings.load(path, "contents", mmap_mode),
+                        load_array(path, "ids.sorted.npy", mmap_mode))
         except (OSError, ValueError) as e:
             raise ValueError(f"{path} is a damaged BM25 index ({e}). {rebuild}") from e
         index._check_shapes(path, rebuild)
@@ -312,7 +316,8 @@ def _push(rows, best, n_best, d, s):
     return n_best
 
 
-def _load_array(directory: Path, name: str, mmap_mode: str | None) -> np.ndarray:
+def load_array(directory: Path, name: str, mmap_mode: str | None) -> np.ndarray:
+    """The array saved as `name` in an index directory, memory-mapped with `mmap_mode` (None: read into memory)."""
     # np.asarray drops the np.memmap subclass (numba takes plain arrays) but keeps the mapping
     return np.asarray(np.load(directory / name, mmap_mode=mmap_mode, allow_pickle=False))
 

@@ -29,7 +29,7 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
-from agentrl.envs.search.bm25 import SearchHit, _Documents, _load_array, _Strings
+from agentrl.envs.search.bm25 import Documents, SearchHit, Strings, load_array
 from agentrl.system.files import write_folder
 from tqdm.auto import tqdm
 
@@ -39,10 +39,10 @@ _ENCODE_CHUNK = 16384  # documents embedded per faiss.add: bounds the embeddings
 _QUERY_BATCH_SIZE = 64
 
 
-class DenseIndex(_Documents):
+class DenseIndex(Documents):
     """Cosine top-k over a fixed corpus. Build it once (`build(docs, model).save(dir)`), then `load(dir)`."""
 
-    def __init__(self, params: dict, encoder: Any, vectors: Any, ids: _Strings, contents: _Strings,
+    def __init__(self, params: dict, encoder: Any, vectors: Any, ids: Strings, contents: Strings,
                  ids_sorted: np.ndarray):
         self.params = params  # format_version, index_type, model, query_prefix, doc_prefix, dim, n_docs
         self._encoder = encoder  # a sentence_transformers.SentenceTransformer
@@ -85,7 +85,7 @@ class DenseIndex(_Documents):
                 progress.update(len(emb_ND))
         params = {"format_version": FORMAT_VERSION, "index_type": INDEX_TYPE, "model": model_name,
                   "query_prefix": query_prefix, "doc_prefix": doc_prefix, "dim": vectors.d, "n_docs": len(ids)}
-        return cls(params, encoder, vectors, _Strings.from_list(ids), _Strings.from_list(contents), ids_sorted)
+        return cls(params, encoder, vectors, Strings.from_list(ids), Strings.from_list(contents), ids_sorted)
 
     def save(self, path: str | Path) -> None:
         """Write the index directory at `path`, replacing any old one; a crash leaves the old one or none."""
@@ -122,8 +122,8 @@ class DenseIndex(_Documents):
                              f"reads format {FORMAT_VERSION}. {rebuild}")
         try:
             vectors = faiss.read_index(str(path / "index.faiss"))
-            ids, contents = _Strings.load(path, "ids", "r"), _Strings.load(path, "contents", "r")
-            ids_sorted = _load_array(path, "ids.sorted.npy", "r")
+            ids, contents = Strings.load(path, "ids", "r"), Strings.load(path, "contents", "r")
+            ids_sorted = load_array(path, "ids.sorted.npy", "r")
         except (OSError, ValueError, RuntimeError) as e:  # faiss reports unreadable files as RuntimeError
             raise ValueError(f"{path} is a damaged dense index ({e}). {rebuild}") from e
         n_docs, dim = params["n_docs"], params["dim"]

@@ -73,7 +73,8 @@ def main() -> None:
     # model (no warm start, so do not expect it to learn in a few steps: the point is the plumbing).
     from agentrl.config import load_config
     from agentrl.models.tiny import build_tiny_model
-    from agentrl.trainers.job.pipeline import TrainJob, run
+    from agentrl.trainers.job.pipeline import run
+    from agentrl.trainers.job.recipe import TrainJob
 
     model = build_tiny_model(args.model, quiet=True)
     job = load_config(TrainJob, {

@@ -30,7 +30,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Sequence
 
-from agentrl.tools.sandbox.runtime import Limits, RunResult, SandboxError, _result
+from agentrl.tools.sandbox.runtime import Limits, RunResult, SandboxError, run_result
 
 LABEL = "agentrl.sandbox"
 BASE_IMAGE = "agentrl/base:bookworm"
@@ -151,7 +151,7 @@ class DockerRuntime:
         timeout = timeout or self.limits.timeout
         request = {"op": "run", "stdin": stdin, "timeout": timeout, "max_output": self.limits.output_bytes,
                    **({"code": code} if code is not None else {"argv": list(argv)})}
-        return _result(self._request(request, timeout + 10.0))
+        return run_result(self._request(request, timeout + 10.0))
 
     def read(self, path: str) -> str:
         """A workspace file's first MiB, as UTF-8 (bad bytes replaced); OSError if the runner cannot read it."""

@@ -140,7 +140,7 @@ class LocalRuntime:
 
         reply = runner.run(list(argv), stdin, timeout or limits.timeout, limits.output_bytes, kill_group,
                            cwd=str(self.workspace), setup=setup)
-        return _result(reply)
+        return run_result(reply)
 
     def read(self, path: str) -> str:
         """A workspace file; PermissionError (an OSError) for a path outside the workspace."""
@@ -182,6 +182,7 @@ class LocalRuntime:
             self.workspace = None
 
 
-def _result(reply: dict) -> RunResult:
+def run_result(reply: dict) -> RunResult:
+    """A reply of the sandbox runner (`runner.run`'s dict, in this process or in the container) as a `RunResult`."""
     return RunResult(reply["exit_code"], reply["stdout"], reply["stderr"], reply["timed_out"], reply["truncated"],
                      reply["seconds"])

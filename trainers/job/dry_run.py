@@ -26,7 +26,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from agentrl.policy.logprobs import HEAD_CHUNK
 from agentrl.policy.weights import ties_embeddings
-from agentrl.trainers.job.pipeline import TrainJob, check_shardable
+from agentrl.trainers.job.pipeline import check_shardable
+from agentrl.trainers.job.recipe import TrainJob
+from agentrl.trainers.methods import METHODS
 
 GIB = 2 ** 30
 # Tensors a decoder layer keeps for its backward, per token, in elements of the compute dtype: the attention
@@ -84,7 +86,7 @@ def estimate(job: TrainJob, model: torch.nn.Module, world: int = 1, engine_share
               "optimizer": 2 * trainable * stored / world}
     if rl.kl_coef > 0:
         memory["reference"] = params * stored / world  # sharded like the policy (`distributed.frozen_copy`)
-    if job.ppo:  # the critic: the policy's transformer and a scalar head, trained with its own AdamW
+    if METHODS[job.method].critic:  # the critic: the policy's transformer and a scalar head, trained with its own AdamW
         memory["critic"] = 4 * (params - config.vocab_size * config.hidden_size) * stored / world
     tokens = rl.micro_batch_tokens or (rl.micro_batch_size or rl.minibatch_size) * rl.rollout.max_total_tokens
     layers, hidden = config.num_hidden_layers, config.hidden_size

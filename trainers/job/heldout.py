@@ -10,14 +10,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Coroutine
 
+from agentrl.env.api import TextEnv
 from agentrl.env.suites import Suite, SuiteEntry
 from agentrl.eval.run import run_suite
-from agentrl.rollout.engine import EnvEngines
+from agentrl.policy.protocol import Policy
+from agentrl.renderer import Renderer
+from agentrl.rollout.engine import Engines, EnvEngines
 from agentrl.rollout.jsonl import read_jsonl
+from agentrl.trainers.job.recipe import TrainJob
+from agentrl.types import Trajectory
 
 
-def heldout(job: Any, policy, renderer, make_env, log, label: str, engines=None,
-            execute: Callable[[Coroutine], Any] = asyncio.run) -> tuple[dict[str, Any], list]:
+def heldout(job: TrainJob, policy: Policy, renderer: Renderer, make_env: Callable[..., TextEnv],
+            log: Callable[[str], None], label: str, engines: Engines | None = None,
+            execute: Callable[[Coroutine], Any] = asyncio.run) -> tuple[dict[str, Any], list[Trajectory]]:
     """(metrics, trajectories) of the held-out evaluation `label`: each split of the job's env an entry of one suite,
     run by `run_suite` as `agentrl eval` runs suites (the env's episodes in the job's envs, or `engines`' agent
     runs), into OUT/heldout/LABEL (run.json, trajectories.jsonl, results.json). The metrics are pooled over the

@@ -9,9 +9,10 @@ GRPO; error episodes never enter a pair.
 
 from __future__ import annotations
 
+import asyncio
 import copy
-from dataclasses import dataclass, field
-from typing import Annotated, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Annotated, Any, Callable, Sequence
 
 import torch
 from pydantic import with_config
@@ -19,12 +20,14 @@ from pydantic import with_config
 from agentrl.config import STRICT, table_defaults
 from agentrl.policy.logprobs import token_logprobs
 from agentrl.policy.precision import autocast
-from agentrl.rollout.engine import RolloutConfig
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.trainers.batch import make_batch
-from agentrl.trainers.rewards.confidence import score_confidence
+from agentrl.trainers.checkpoint import latest_checkpoint, save_checkpoint
 from agentrl.trainers.loop import check_loop_rollout
 from agentrl.trainers.losses import dpo_loss
+from agentrl.trainers.methods.stage import RLStage
 from agentrl.trainers.rewards import RewardConfig, rewarded
+from agentrl.trainers.rewards.confidence import score_confidence
 from agentrl.trainers.supervised import fit, shuffled
 from agentrl.types import Group, Trajectory
 
@@ -101,3 +104,29 @@ def train_dpo(model: torch.nn.Module, pairs: Sequence[tuple[Trajectory, Trajecto
         return loss, {"epoch": epoch, **metrics}
 
     return fit(model, batches, loss_of, lr=cfg.lr, name="DPO", max_grad_norm=cfg.max_grad_norm, on_step=on_step)
+
+
+class DPOStage(RLStage):
+    """`[dpo]`, instead of GRPO: sample groups from the starting model once, pair the best and worst of each,
+    train DPO, save (as checkpoint 1, weight version 1)."""
+
+    def trains(self) -> bool:
+        return True  # offline: no loop of steps that could be 0
+
+    def train(self) -> dict[str, Any]:
+        s, cfg = self.setup, self.setup.job.dpo
+        if (checkpoint := latest_checkpoint(s.out)) is not None:  # DPO finished in an earlier run
+            s.load(checkpoint, version=1)
+            return {}
+        with RolloutEngine(s.make_env, s.policy, s.renderer, replace(cfg.rollout, seed=cfg.seed)) as engine:
+            groups = asyncio.run(engine.run(s.tasks[:cfg.tasks]))
+        pairs = preference_pairs(groups, cfg.reward, cfg.min_margin, s.model)
+        s.log(f"DPO: {len(pairs)} preference pairs from {len(groups)} tasks × {cfg.rollout.group_size} samples")
+        history = train_dpo(s.model, pairs, cfg)
+        asyncio.run(s.policy.sync_weights(s.model, 1))
+        optimizer = torch.optim.AdamW(s.model.parameters())  # a fresh one: DPO is offline, there is nothing to resume
+        save_checkpoint(s.out, 1, s.model, s.tokenizer, state={"weight_version": 1}, optimizer=optimizer)
+        last = history[-1]
+        s.log(f"DPO: {len(history)} steps, final loss {last['loss']:.3f}, reward accuracy {last['reward_accuracy']:.2f}")
+        return {"dpo": {"pairs": len(pairs), "steps": len(history), "final_loss": last["loss"],
+                        "reward_accuracy": last["reward_accuracy"]}}

@@ -20,13 +20,14 @@ from pydantic import with_config
 from agentrl.config import STRICT, table_defaults
 from agentrl.env.api import TextEnv
 from agentrl.policy.protocol import Policy
-from agentrl.rollout.engine import Engines, RolloutConfig
+from agentrl.rollout.engine import Engines, EnvEngines, RolloutConfig
 from agentrl.trainers import distributed, loop
 from agentrl.trainers.advantages import ADVANTAGES
 from agentrl.trainers.batch import Batch, make_batch
-from agentrl.trainers.rewards.confidence import CONFIDENCE_SOURCES, score_confidence
-from agentrl.trainers.rewards import group_rewards, reward_metrics
 from agentrl.trainers.distributed import Sharding
+from agentrl.trainers.methods.stage import RLStage, run_loop
+from agentrl.trainers.rewards import group_rewards, reward_metrics
+from agentrl.trainers.rewards.confidence import CONFIDENCE_SOURCES, score_confidence
 from agentrl.types import Group, Task
 
 
@@ -86,6 +87,7 @@ class GRPO:
     def __init__(self, cfg: GRPOConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
         self.cfg, self.model, self.optimizer = cfg, model, optimizer
         self.ref = distributed.frozen_copy(model) if cfg.kl_coef > 0 else None
+        self.refills = cfg.max_refills if cfg.dynamic_sampling else 0  # collection rounds for the groups dropped
 
     def keep(self, group: Group) -> bool:
         """A group with a baseline (two valid episodes, or agent sessions, with a training reward) and, with dynamic
@@ -129,6 +131,13 @@ def train(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Polic
     (`agentrl.gateway.agents.AgentEngines`) the episodes are an agent program's, through the gateway."""
     torch.manual_seed(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    grpo = GRPO(cfg, model, optimizer)
-    return loop.run(cfg, grpo, model, optimizer, tokenizer, policy, make_env, tasks, out_dir, grpo.keep,
-                    cfg.max_refills if cfg.dynamic_sampling else 0, on_step, periodic_eval, engines, sources=sources)
+    return loop.run(cfg, GRPO(cfg, model, optimizer), tokenizer, policy, engines or EnvEngines(make_env), tasks, out_dir,
+                    loop.Hooks(on_step, periodic_eval, sources))
+
+
+class GRPOStage(RLStage):
+    """`[grpo]`, the default: the RL loop with group-relative advantages."""
+
+    def train(self) -> dict[str, Any]:
+        run_loop(self.setup, self.setup.job.grpo, train, "GRPO")
+        return {}

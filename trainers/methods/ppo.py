@@ -31,16 +31,16 @@ from agentrl.env.api import TextEnv
 from agentrl.policy.logprobs import token_logprobs
 from agentrl.policy.precision import autocast, compute_dtype, mixed_precision
 from agentrl.policy.protocol import Policy
-from agentrl.rollout.engine import Engines
+from agentrl.rollout.engine import Engines, EnvEngines
 from agentrl.trainers import loop
 from agentrl.trainers.advantages import gae, masked_whiten, turn_rewards_to_tokens
 from agentrl.trainers.batch import Batch, make_batch
-from agentrl.trainers.distributed import restore
-from agentrl.trainers.rewards.confidence import CONFIDENCE_SOURCES, score_confidence
-from agentrl.trainers.distributed import data_parallel, frozen_copy, full_state_dict, shard_from_rank0
+from agentrl.trainers.distributed import (Sharding, data_parallel, frozen_copy, full_state_dict, restore,
+                                          shard_from_rank0)
 from agentrl.trainers.losses import kl_in_reward, masked_mean, value_loss
+from agentrl.trainers.methods.stage import RLStage, run_loop
 from agentrl.trainers.rewards import reward_metrics, rewarded
-from agentrl.trainers.distributed import Sharding
+from agentrl.trainers.rewards.confidence import CONFIDENCE_SOURCES, score_confidence
 from agentrl.types import Group, Task, Trajectory
 
 
@@ -167,7 +167,7 @@ class PPO:
     critic's epochs. The critic and its optimizer are part of every checkpoint."""
 
     def __init__(self, cfg: PPOConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        self.cfg, self.model, self.optimizer = cfg, model, optimizer
+        self.cfg, self.model, self.optimizer, self.refills = cfg, model, optimizer, 0
         self.critic = make_critic(model)
         self.ref = frozen_copy(model) if cfg.kl_coef > 0 else None
         self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr)
@@ -218,6 +218,13 @@ def train(cfg: PPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy
     from after each sync. Same contract as `grpo.train`."""
     torch.manual_seed(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    ppo = PPO(cfg, model, optimizer)
-    return loop.run(cfg, ppo, model, optimizer, tokenizer, policy, make_env, tasks, out_dir, ppo.keep,
-                    on_step=on_step, periodic_eval=periodic_eval, engines=engines, sources=sources)
+    return loop.run(cfg, PPO(cfg, model, optimizer), tokenizer, policy, engines or EnvEngines(make_env), tasks, out_dir,
+                    loop.Hooks(on_step, periodic_eval, sources))
+
+
+class PPOStage(RLStage):
+    """`[ppo]`, instead of GRPO: the RL loop with a critic and GAE."""
+
+    def train(self) -> dict[str, Any]:
+        run_loop(self.setup, self.setup.job.ppo, train, "PPO")
+        return {}

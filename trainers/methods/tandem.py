@@ -24,19 +24,35 @@ tokens: how readable the senior's reasoning is to the junior.
 from __future__ import annotations
 
 import asyncio
+import copy
+import os
 import random
 from dataclasses import dataclass, replace
 from functools import lru_cache
-from typing import Any, Literal, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 import torch
 from pydantic import with_config
+from transformers import AutoModelForCausalLM
 
 from agentrl.config import STRICT
-from agentrl.policy.protocol import Policy, Sample, SamplingParams
-from agentrl.types import Trajectory
-from agentrl.trainers.batch import make_batch
+from agentrl.env.suites import Suite, SuiteEntry
+from agentrl.eval.run import run_suite
+from agentrl.policy.backends import open_policy
+from agentrl.policy.hf import HFPolicy
 from agentrl.policy.logprobs import token_logprobs
+from agentrl.policy.protocol import Policy, Sample, SamplingParams
+from agentrl.renderer import Renderer
+from agentrl.rollout import seeds
+from agentrl.trainers.batch import make_batch
+from agentrl.trainers.checkpoint import save_model
+from agentrl.trainers.methods.grpo import train as grpo_train
+from agentrl.trainers.methods.stage import RLStage, Setup, run_loop
+from agentrl.types import Trajectory
+
+if TYPE_CHECKING:
+    from agentrl.trainers.job.recipe import TrainJob
 
 Unit = Literal["token", "word", "sentence"]
 SENTENCE_END = frozenset(".!?\n")
@@ -108,7 +124,7 @@ class TandemPolicy:
         unit_index, unit_len, calls = 0, 0, 0
         junior = self._junior_writes(0, coin)
         while len(ids) < sampling.max_tokens:
-            request = replace(sampling, n=1, seed=seed * 1_000_003 + calls,
+            request = replace(sampling, n=1, seed=seeds.turn_seed(seed, calls),
                               max_tokens=min(self.lookahead, sampling.max_tokens - len(ids)))
             calls += 1
             sample = (await (self.junior if junior else self.senior).generate(prompt + ids, request))[0]
@@ -151,3 +167,76 @@ def junior_cross_entropy(junior: torch.nn.Module, trajectories: Sequence[Traject
         total -= float((logp_BT * batch.mask_BT).sum())
         count += int(batch.mask_BT.sum())
     return total / count if count else float("nan")
+
+
+class Handoff:
+    """Tandem's partner and its evaluation: the frozen junior (a policy, and an in-process copy for its
+    cross-entropy), the training policy, and handoff robustness on the held-out split."""
+
+    def __init__(self, job: TrainJob, senior: Policy, tokenizer: Any, model: torch.nn.Module):
+        self.cfg, self.senior, self.tokenizer, self.job = job.tandem, senior, tokenizer, job
+        if job.tandem.junior is None:  # the senior's weights as RL starts (after any SFT), frozen
+            self.junior_model = copy.deepcopy(model).eval().requires_grad_(False)
+            if job.engine.kind == "transformers":
+                self.junior = HFPolicy(self.junior_model, tokenizer)
+            else:
+                junior_dir = Path(os.path.expanduser(job.out_dir)) / "junior"
+                save_model(self.junior_model, tokenizer, junior_dir)
+                self.junior = open_policy(str(junior_dir), job.engine)
+        else:
+            self.junior = open_policy(job.tandem.junior, job.engine)
+            self.junior_model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(job.tandem.junior)).eval()
+
+    def policy(self, **schedule: Any) -> TandemPolicy:
+        """A `TandemPolicy` of the senior and the junior with this `schedule` (`p_junior`, `junior_after`)."""
+        return TandemPolicy(self.senior, self.junior, self.tokenizer, self.cfg.unit,
+                            lookahead=self.cfg.lookahead, **schedule)
+
+    def training_policy(self) -> TandemPolicy:
+        """The tandem policy that RL samples from: the junior writes each unit with probability `tandem.p_junior`."""
+        return self.policy(p_junior=self.cfg.p_junior)
+
+    def evaluate(self, solo: list[Trajectory], renderer: Renderer, label: str, log: Callable[[str], None]
+                 ) -> dict[str, Any]:
+        """Success with the junior writing each unit with probability p / taking over after k units, and the
+        junior's cross-entropy on the senior's solo held-out tokens; each schedule's episodes in
+        OUT/heldout/LABEL/handoff/SCHEDULE."""
+        out: dict[str, Any] = {"junior_xent": junior_cross_entropy(self.junior_model, solo)}
+        schedules = [(f"p={p}", {"p_junior": p}) for p in self.cfg.eval_p] + \
+                    [(f"after={k}", {"p_junior": 0.0, "junior_after": k}) for k in self.cfg.eval_after]
+        job = self.job
+        split = job.eval.split if isinstance(job.eval.split, str) else job.eval.split[0]
+        suite = Suite(f"{job.env} handoff", entries=(SuiteEntry(job.env, split, job.eval.n, job.env_kwargs),))
+        for name, schedule in schedules:
+            results = run_suite(suite, self.policy(**schedule), renderer,
+                                Path(os.path.expanduser(job.out_dir)) / "heldout" / label.replace(" ", "_")
+                                / "handoff" / name, job.model, config=replace(job.eval.rollout, group_size=1))
+            out[name] = results["all"]["success"]["rate"]
+        log(f"handoff robustness ({split}): " + ", ".join(f"{k} {v:.3f}" for k, v in out.items()))
+        return out
+
+
+class TandemStage(RLStage):
+    """`[tandem]`: GRPO on tandem rollouts, and handoff robustness in every held-out evaluation."""
+
+    def __init__(self, setup: Setup):
+        super().__init__(setup)
+        self.handoff = Handoff(setup.job, setup.policy, setup.tokenizer, setup.model)
+
+    @staticmethod
+    def check(job: TrainJob) -> None:
+        if job.engine.url:
+            raise ValueError("[tandem] starts a second vLLM server for the junior; it cannot attach to engine.url: "
+                             "remove engine.url to let the job start both servers")
+
+    def train(self) -> dict[str, Any]:
+        cfg = self.setup.job.tandem
+        run_loop(self.setup, self.setup.job.grpo, grpo_train, "GRPO", self.handoff.training_policy(),
+                 f" (tandem: junior writes each {cfg.unit} with p={cfg.p_junior})")
+        return {}
+
+    def heldout(self, trajectories: list[Trajectory], label: str) -> dict[str, Any]:
+        return {"handoff": self.handoff.evaluate(trajectories, self.setup.renderer, label, self.setup.log)}
+
+    def close(self) -> None:
+        asyncio.run(self.handoff.junior.close())

@@ -28,11 +28,12 @@ SFT on judgements of the starting generator's own trajectories whose every line 
 from __future__ import annotations
 
 import asyncio
+import copy
 import re
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from pydantic import with_config
@@ -40,17 +41,24 @@ from transformers import AutoModelForCausalLM
 
 from agentrl.config import STRICT
 from agentrl.env.api import TextEnv
+from agentrl.policy.hf import HFPolicy
 from agentrl.policy.protocol import Policy
-from agentrl.renderer import Renderer
-from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.policy.scripted import ScriptedPolicy, playing
-from agentrl.types import Group, Message, Task, Trajectory
-from agentrl.trainers.distributed import restore
+from agentrl.renderer import Renderer
+from agentrl.rollout import seeds
+from agentrl.rollout.engine import EnvEngines, RolloutConfig, RolloutEngine
+from agentrl.trainers.checkpoint import latest_checkpoint
+from agentrl.trainers.distributed import Sharding, restore
+from agentrl.trainers.loop import Hooks, run, update
 from agentrl.trainers.methods.grpo import GRPOConfig, to_batch
-from agentrl.trainers.loop import run, step_seed, update
-from agentrl.trainers.distributed import Sharding
+from agentrl.trainers.methods.stage import RLStage
 from agentrl.trainers.metrics import rollout_metrics
+from agentrl.trainers.progress import progress_line
 from agentrl.trainers.sft import SFTConfig, sft
+from agentrl.types import Group, Message, Task, Trajectory
+
+if TYPE_CHECKING:
+    from agentrl.trainers.job.recipe import TrainJob
 
 StepChecker = Callable[[str], "bool | None"]  # one step's text -> correct / incorrect / nothing to check
 VERIFIER_PROMPT = ("You check solutions step by step. For each step write 'Step <n>: correct' or "
@@ -206,12 +214,9 @@ class Verifier:
 
     def judge(self, tasks: Sequence[Task], seed: int) -> list[Group]:
         """One group of `verifier_group_size` judgements per task, sampled from the verifier's policy with `seed`."""
-        engine = RolloutEngine(lambda: VerifierEnv(tasks), self.policy, self.renderer,
-                               replace(self.grpo.rollout, seed=seed))
-        try:
+        with RolloutEngine(lambda: VerifierEnv(tasks), self.policy, self.renderer,
+                           replace(self.grpo.rollout, seed=seed)) as engine:
             return asyncio.run(engine.run(tasks))
-        finally:
-            engine.close()
 
     def train_on(self, groups: Sequence[Group], step: int) -> dict[str, float]:
         """One GRPO update of the verifier on the groups with two or more valid judgements, then a weight sync.
@@ -234,8 +239,13 @@ class Tango:
     def __init__(self, cfg: TangoConfig, grpo: GRPOConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  verifier: Verifier, renderer: Renderer, checker: StepChecker | None, tasks: list[Task]):
         self.cfg, self.grpo, self.model, self.optimizer, self.verifier = cfg, grpo, model, optimizer, verifier
-        self.renderer, self.checker = renderer, checker
+        self.renderer, self.checker, self.refills = renderer, checker, 0
         self.problems = {t.id: t.data.get("question", "") for t in tasks}
+
+    @staticmethod
+    def keep(group: Group) -> bool:
+        """A group with a baseline: two valid episodes."""
+        return len(group.valid) >= 2
 
     def train_step(self, kept: list[Group], collected: list[Group], step: int) -> dict:
         """The verifier's judgements, the generator's update on outcome + process reward, the verifier's update."""
@@ -244,7 +254,7 @@ class Tango:
         trajectories = [t for g in kept for t in g.valid]
         vtasks = [verification_task(t, self.problems[t.task_id], renderer, self.checker, i)
                   for i, t in enumerate(trajectories)]
-        vgroups = self.verifier.judge(vtasks, seed=step_seed(grpo, step))
+        vgroups = self.verifier.judge(vtasks, seed=seeds.step_seed(grpo.seed, step))
         judging = time.perf_counter() - t0
         judgements = [[parse_judgement(trajectory_steps(v, renderer)[0][0]) for v in g.valid] for g in vgroups]
         process = iter([sum(step_share(j, task.data["n_steps"]) for j in js) / max(len(js), 1)
@@ -286,8 +296,7 @@ def train(cfg: TangoConfig, grpo: GRPOConfig, model: torch.nn.Module, tokenizer:
     torch.manual_seed(grpo.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=grpo.lr)
     tango = Tango(cfg, grpo, model, optimizer, verifier, Renderer(tokenizer), checker, tasks)
-    history = run(grpo, tango, model, optimizer, tokenizer, policy, make_env, tasks, out_dir,
-                  keep=lambda g: len(g.valid) >= 2, on_step=on_step)
+    history = run(grpo, tango, tokenizer, policy, EnvEngines(make_env), tasks, out_dir, Hooks(on_step=on_step))
     verifier.model.save_pretrained(out_dir / "verifier")
     tokenizer.save_pretrained(out_dir / "verifier")
     return history
@@ -298,11 +307,45 @@ def warm_start_verifier(verifier_model: torch.nn.Module, verification_tasks: Seq
     """SFT the verifier on outcome-only judgements (`VerifierEnv.demonstration`) of these tasks."""
     env = VerifierEnv(verification_tasks)
     scripts = {t.data["question"]: env.demonstration(t, None) for t in verification_tasks}
-    engine = RolloutEngine(lambda: VerifierEnv(verification_tasks),
-                           ScriptedPolicy(renderer, playing(scripts), renderer.generation_prompt),
-                           renderer, replace(rollout, group_size=1))
-    try:
+    with RolloutEngine(lambda: VerifierEnv(verification_tasks),
+                       ScriptedPolicy(renderer, playing(scripts), renderer.generation_prompt),
+                       renderer, replace(rollout, group_size=1)) as engine:
         demos = [t for g in asyncio.run(engine.run(list(verification_tasks))) for t in g.trajectories]
-    finally:
-        engine.close()
     return sft(verifier_model, demos, sft_config)
+
+
+def progress(m: dict[str, Any]) -> str:
+    """What a tango step adds to the loop's progress line: the process reward's weight and the verifier's scores."""
+    v = m["verifier"]
+    return (f"  α {m['alpha']:.2f}  verifier: accuracy {v['success']:.2f} format {v['format_rate']:.2f} "
+            f"step agreement {v['step_agreement']:.2f}")
+
+
+class TangoStage(RLStage):
+    """`[tango]`: GRPO with a co-trained process verifier: the verifier from the generator's starting weights → its
+    format warm start → co-training."""
+
+    @staticmethod
+    def check(job: TrainJob) -> None:
+        if job.engine.kind != "transformers":
+            raise ValueError("[tango] trains the verifier in-process: set engine.kind = 'transformers'")
+
+    def train(self) -> dict[str, Any]:
+        s, cfg, grpo = self.setup, self.setup.job.tango, self.setup.job.grpo
+        verifier_model = copy.deepcopy(s.model)
+        verifier_policy = HFPolicy(verifier_model, s.tokenizer)
+        checker = s.make_env().check_step
+        if latest_checkpoint(s.out) is None:  # else `train` resumes from it (the verifier too)
+            first = replace(grpo.rollout, group_size=1, seed=1)
+            with RolloutEngine(s.make_env, s.policy, s.renderer, first) as engine:
+                start = [t for g in asyncio.run(engine.run(s.tasks[:cfg.verifier_warmup])) for t in g.valid]
+            problems = {t.id: t.data.get("question", "") for t in s.tasks}
+            vtasks = [verification_task(t, problems[t.task_id], s.renderer, checker, i) for i, t in enumerate(start)]
+            s.log(f"verifier warm start: SFT on outcome-only judgements of {len(vtasks)} starting episodes")
+            warm_start_verifier(verifier_model, vtasks, s.renderer, grpo.rollout, SFTConfig(epochs=2, lr=1e-3))
+        verifier = Verifier(verifier_model, verifier_policy, s.renderer, cfg, grpo)
+        s.log(f"co-training: {grpo.steps} steps, process weight {cfg.alpha_start} → {cfg.alpha_end}")
+        train(cfg, grpo, s.model, s.tokenizer, s.policy, verifier, s.make_env, s.tasks, s.out, checker,
+              on_step=lambda step, m: s.log(progress_line(step, grpo.steps, m) + progress(m)))
+        asyncio.run(verifier_policy.close())
+        return {}

@@ -69,6 +69,7 @@ def build_app(env_id: str, max_sessions: int = 64, **env_kwargs: Any):
         def step(self, action: TextAction, **kwargs: Any) -> MessagesObservation:
             obs, reward, terminated, truncated, info = self.env.step(action.text)
             self._state.step_count += 1
+            info = {k: v for k, v in info.items() if k != "assistant"}  # agentrl's own reading of the action
             return MessagesObservation(messages=_messages(obs), done=terminated or truncated, reward=reward,
                                        metadata={"terminated": terminated, "truncated": truncated,
                                                  "info": _json_safe(info)})

@@ -27,7 +27,7 @@ import threading
 from functools import lru_cache
 from typing import Any, Sequence
 
-from agentrl.env.api import TextEnv, _with_ids
+from agentrl.env.api import TextEnv, with_ids
 from agentrl.tools.parsers import HermesParser
 from agentrl.types import Message, Task, ToolCall
 
@@ -130,7 +130,7 @@ class VerifiersEnv(TextEnv):
         if not parsed.tool_calls:
             return text
         return {"role": "assistant", "content": parsed.content,
-                "tool_calls": [_openai_call(c) for c in _with_ids(parsed.tool_calls)]}
+                "tool_calls": [_openai_call(c) for c in with_ids(parsed.tool_calls)]}
 
 @lru_cache(maxsize=None)
 def _verifiers_loop() -> asyncio.AbstractEventLoop:

@@ -16,13 +16,6 @@ def progress_line(step: int, steps: int, m: dict[str, Any]) -> str:
                    f"stale dropped {m['stale_groups']}")
 
 
-def tango_line(m: dict[str, Any]) -> str:
-    """What a tango step adds to `progress_line`: the process reward's weight and the verifier's scores."""
-    v = m["verifier"]
-    return (f"  α {m['alpha']:.2f}  verifier: accuracy {v['success']:.2f} format {v['format_rate']:.2f} "
-            f"step agreement {v['step_agreement']:.2f}")
-
-
 def stage_progress(steps: int, log: Callable[[str], None], stage: str, key: str) -> Callable[[dict], None]:
     """Logs `key` about every tenth of a stage's steps (an upper bound for SFT: the filter may drop demos)."""
     done = 0

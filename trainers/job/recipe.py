@@ -1,0 +1,171 @@
+"""A training job as a recipe states it: `TrainJob`, one typed config with a table per stage (warm starts, the RL
+method's, the held-out evaluation, the engine). Checked as a whole when it loads: settings that cannot work
+together are a `ValueError` that says the fix, before any work."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from pydantic import with_config
+
+from agentrl.config import STRICT, merge, table_defaults
+from agentrl.gateway.agents import AgentConfig
+from agentrl.models.tokenizer import chat_template_text
+from agentrl.policy.backends import EngineConfig
+from agentrl.policy.protocol import SamplingParams
+from agentrl.rollout.engine import RolloutConfig
+from agentrl.rollout.ray_pool import RayConfig
+from agentrl.rollout.ray_source import source_problems
+from agentrl.trainers.lora import LoraSettings
+from agentrl.trainers.methods import METHODS
+from agentrl.trainers.methods.dpo import DPOConfig
+from agentrl.trainers.methods.grpo import GRPOConfig
+from agentrl.trainers.methods.ppo import PPOConfig
+from agentrl.trainers.methods.tandem import TandemConfig
+from agentrl.trainers.methods.tango import TangoConfig
+from agentrl.trainers.pretrain import CopyWarmup
+from agentrl.trainers.sft import SFTConfig
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class DemoSFT:
+    """Warm start: imitate the env's expert demonstrations (`TextEnv.demonstration`)."""
+
+    episodes: int = 256  # demonstration episodes, on the training split
+    error_rate: float = 0.0  # the expert's deliberate mistake rate
+    env_kwargs: dict[str, Any] = field(default_factory=dict)  # overrides of the job's, e.g. {train_worlds = 64}
+    config: SFTConfig = field(default_factory=SFTConfig)
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class EvalConfig:
+    split: str | list[str] = "heldout"  # one split, or several held-out suites (each reported, then averaged)
+    n: int = 200  # tasks per split, one episode each
+    every: int = 0  # also evaluate every this many GRPO steps, logged with the training metrics (0: never)
+    # in a recipe: the RL rollout's table less its group_size and temperature (`TrainJob.derive`), greedy, and the
+    # keys this table sets
+    rollout: Annotated[RolloutConfig, table_defaults(sampling={"temperature": 0.0})] = field(
+        default_factory=lambda: RolloutConfig(sampling=SamplingParams(temperature=0.0)))
+
+
+@with_config(STRICT)
+@dataclass(frozen=True)
+class TrainJob:
+    env: str  # env id
+    model: str  # model directory or hub name
+    chat_template: str | None = None  # the model's own, or "chatml-tools" / a Jinja file (agentrl.models.tokenizer)
+    device: str = "cpu"  # where the trainer and the in-process sampler run, e.g. "cuda"
+    dtype: str = "float32"  # the trainer's (and in-process sampler's) compute dtype; "bfloat16": autocast forwards
+    master_weights: bool = True  # with bfloat16: float32 parameters and AdamW states (false: bf16, lr 1e-6 rounds away)
+    lora: LoraSettings | None = None  # train LoRA adapters instead of all weights (engines get them merged)
+    gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, more time
+    out_dir: str = "runs/train"
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    train_tasks: int | None = None  # cap on training-split tasks (None: all)
+    warmup: CopyWarmup | None = None  # before SFT: teach a randomly initialized model to copy (trainers/pretrain.py)
+    sft: DemoSFT | list[DemoSFT] | None = None  # one SFT stage ([sft]), or several in order ([[sft]])
+    eval: EvalConfig | None = field(default_factory=EvalConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    ppo: PPOConfig | None = None  # instead of GRPO: PPO with a critic and GAE
+    tandem: TandemConfig | None = None  # GRPO on tandem rollouts: a frozen junior writes some of each response
+    tango: TangoConfig | None = None  # GRPO with a co-trained process verifier (RL Tango)
+    dpo: DPOConfig | None = None  # instead of GRPO: DPO on pairs of the starting model's episodes
+    engine: EngineConfig = field(default_factory=EngineConfig)  # transformers in-process, or vLLM
+    ray: RayConfig | None = None  # envs in Ray worker actors (a local cluster, or `address`'s)
+    # train an agent program through the gateway instead of the env's episodes; the env gives the tasks
+    agent: AgentConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.chat_template is not None:
+            chat_template_text(self.chat_template)  # a name or file that does not exist fails here, not mid-run
+        if self.dtype == "float16":
+            raise ValueError("dtype float16 needs loss scaling (a GradScaler), which the trainer does not do: use "
+                             "bfloat16 (the same memory, float32's range)")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype must be float32 or bfloat16, got {self.dtype!r}")
+        if not self.master_weights and self.dtype == "float32":
+            raise ValueError("master_weights = false keeps the parameters in dtype; with dtype float32 there is no "
+                             "other copy to drop: remove master_weights, or set dtype = 'bfloat16'")
+        chosen = [name for name in METHODS if name != "grpo" and getattr(self, name) is not None]
+        if len(chosen) > 1:
+            raise ValueError(f"choose one RL method per recipe, got sections {chosen}")
+        spec = METHODS[self.method]
+        if spec.settings != "grpo" and self.grpo != GRPOConfig():
+            raise ValueError(f"[{self.method}] replaces GRPO: move its settings into [{self.method}] and remove [grpo]")
+        spec.stage.check(self)
+        if self.agent is not None and (not spec.agents or self.ray is not None):
+            raise ValueError(f"[agent] programs train with GRPO or PPO, their sessions in this process: remove "
+                             f"{'[ray]' if self.ray is not None else f'[{self.method}]'}")
+        engine = self.engine
+        if self.rl.max_staleness or (self.ray and self.ray.sources):
+            self._check_asynchronous()
+        if engine.kind == "vllm" and not engine.url and engine.max_model_len < self.context:
+            raise ValueError(f"engine.max_model_len ({engine.max_model_len}) is below the rollouts' max_total_tokens "
+                             f"({self.context}): episodes would fail at the server's context; raise it")
+        if (engine.kind == "vllm" and engine.device == "gpu" and not engine.url and engine.gpus is None
+                and engine.gpu_memory_utilization is None and self.device.startswith("cuda")):
+            raise ValueError("the vLLM server would share the trainer's GPU and take 90% of its memory: set "
+                             "engine.gpu_memory_utilization (e.g. 0.3 for a 0.5 B model beside its trainer), or give "
+                             "the server GPUs of its own with engine.gpus (e.g. \"1\")")
+
+    @staticmethod
+    def derive(recipe: dict[str, Any]) -> dict[str, Any]:
+        """The recipe with its `[eval.rollout]` started from the RL rollout's table (its method's `rollout`) less
+        `group_size` and the sampling temperature (evaluation is one greedy episode per task unless it says
+        otherwise): budgets, parser limits and timeouts are set once, and the table keeps what it sets itself."""
+        settings = next((spec.settings for name, spec in METHODS.items() if name != "grpo" and name in recipe),
+                        "grpo")
+        table = lambda data, key: data.get(key) if isinstance(data, dict) else None  # noqa: E731 (else: invalid)
+        rl, evaluation = table(table(recipe, settings), "rollout"), table(recipe, "eval")
+        if not isinstance(rl, dict) or (evaluation is None and "eval" in recipe):
+            return recipe  # nothing to start from, or a malformed table that validation names
+        rl = json.loads(json.dumps({k: v for k, v in rl.items() if k != "group_size"}))  # a copy
+        if isinstance(rl.get("sampling"), dict):
+            rl["sampling"].pop("temperature", None)
+        own = evaluation.get("rollout", {}) if evaluation else {}
+        return merge(recipe, {"eval": {"rollout": merge(rl, own) if isinstance(own, dict) else own}})
+
+    def _check_asynchronous(self) -> None:
+        """What asynchronous training (`max_staleness > 0`) does not run with yet: a clear error, before any work."""
+        section, problems = METHODS[self.method].settings, []
+        if not METHODS[self.method].asynchronous:
+            problems.append(f"[{self.method}] runs synchronously: remove max_staleness")
+        if self.engine.sleep_mode:
+            problems.append("engine.sleep_mode frees the engine's memory while the trainer steps, but asynchronous "
+                            "rollouts sample then: remove sleep_mode")
+        if self.ray and self.ray.sources:
+            problems += source_problems(self.ray.sources, self.rl.max_staleness, self.rl.tasks_per_step,
+                                        self.engine.kind == "vllm", section)
+        if problems:
+            raise ValueError(f"{section}.max_staleness = {self.rl.max_staleness}: " + "; ".join(problems))
+
+    @property
+    def sft_stages(self) -> list[DemoSFT]:
+        """The SFT stages in the order they run: none, the one `[sft]`, or every `[[sft]]`."""
+        return self.sft if isinstance(self.sft, list) else [self.sft] if self.sft else []
+
+    @property
+    def method(self) -> str:
+        """The RL method: the one of `METHODS` whose table the recipe has, else GRPO."""
+        return next((name for name in METHODS if name != "grpo" and getattr(self, name) is not None), "grpo")
+
+    @property
+    def context(self) -> int:
+        """The longest episode, prompt included, of any rollout of the job: what the engine's context must hold."""
+        rollouts = [self.rl.rollout, self.settings.rollout] + ([self.eval.rollout] if self.eval else [])
+        return max(r.max_total_tokens for r in rollouts)
+
+    @property
+    def settings(self) -> GRPOConfig | PPOConfig | DPOConfig:
+        """The method's settings: its table, or [grpo] for the methods built on GRPO."""
+        return getattr(self, METHODS[self.method].settings)
+
+    @property
+    def rl(self) -> GRPOConfig | PPOConfig:
+        """The RL loop's settings: the method's, or [grpo]'s for a method without a loop (DPO), whose rollout and
+        seed the warm starts use."""
+        return self.settings if METHODS[self.method].loop else self.grpo
