@@ -96,7 +96,8 @@ def rollout(
 def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see recipes/)."),
           model: Optional[str] = typer.Option(None, help="Override the recipe's model."),
           out_dir: Optional[str] = typer.Option(None, help="Override the recipe's output directory."),
-          steps: Optional[int] = typer.Option(None, help="Override the RL loop's steps (grpo.steps or ppo.steps)."),
+          steps: Optional[int] = typer.Option(None, help="Override the RL loop's steps (in its method's table, "
+                                                         "e.g. grpo.steps)."),
           ray_address: Optional[str] = typer.Option(None, help="Run the envs on this Ray cluster ('auto': the "
                                                                "local node's); the recipe's [ray] sets the rest."),
           set_: list[str] = typer.Option([], "--set", help="Override any recipe key: KEY=VALUE with a dotted key "

@@ -180,7 +180,7 @@ def _engine_problems(job: TrainJob, model: torch.nn.Module, hardware: Hardware, 
 
 def _fixes(job: TrainJob, largest: str) -> str:
     return {
-        "activations": "set grpo.micro_batch_size lower, or gradient_checkpointing = true",
+        "activations": f"set {METHODS[job.method].settings}.micro_batch_size lower, or gradient_checkpointing = true",
         "vLLM (its share)": "lower engine.gpu_memory_utilization, or give the server its own GPUs (engine.gpus)",
         "sampler KV cache": "lower rollout.concurrency or max_total_tokens, or sample with vLLM",
         "reference": "set kl_coef = 0, or train LoRA adapters ([lora])",
