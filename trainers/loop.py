@@ -8,7 +8,8 @@
         checkpoint when due                        # the policy, its optimizer, the data position, the method's state
 
 A method (`grpo.GRPO`, `ppo.PPO`, `tango.Tango`) supplies the model it trains and its optimizer, `train_step` and
-what its checkpoints keep beyond the policy; which groups it trains on is its `keep` rule (and `refills`). Where the groups come from is `cfg.max_staleness`'s choice:
+what its checkpoints keep beyond the policy; which groups it trains on is its `keep` rule (and `refills`).
+Where the groups come from is `cfg.max_staleness`'s choice:
 `Synchronous` (0) collects each step's groups after the previous sync, with sharding over ranks behind `Sharding`
 (in one process every call is plain; with FSDP, rank 0 alone samples, evaluates, logs and writes checkpoints);
 `Asynchronous` (k > 0) keeps a `RolloutSource` playing up to k steps ahead of the trainer in another thread.

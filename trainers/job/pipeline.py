@@ -111,7 +111,8 @@ def record_job(job: TrainJob, out: Path) -> None:
         except json.JSONDecodeError as e:
             raise JobMismatch(f"{path} does not read back ({e}): delete it to resume with this job") from None
         before, now, steps = leaves(previous), leaves(record), f"{METHODS[job.method].settings}.steps"
-        changed = [key for key in sorted(before.keys() | now.keys()) if before.get(key) != now.get(key) and key != steps]
+        changed = [key for key in sorted(before.keys() | now.keys())
+                   if before.get(key) != now.get(key) and key != steps]
         if changed:
             raise JobMismatch(f"{out} holds a run of another job: {', '.join(changed)} differ from its job.json. "
                               "Use a new out_dir, or put those keys back, to resume.")
@@ -253,7 +254,8 @@ def demonstrations(make_env, tasks: list, renderer: Renderer, rollout: RolloutCo
     scripts = {[m for m in env.first_messages(t) if m.role == "user"][-1].content: env.demonstration(t, rng, error_rate)
                for t in tasks}
     policy = ScriptedPolicy(renderer, playing(scripts), renderer.generation_prompt)
-    with RolloutEngine(make_env, policy, renderer, replace(rollout, group_size=1)) as engine, JsonlWriter(path) as writer:
+    one_each = replace(rollout, group_size=1)
+    with RolloutEngine(make_env, policy, renderer, one_each) as engine, JsonlWriter(path) as writer:
         groups = asyncio.run(engine.run(tasks, on_episode=writer.write))
     return [t for g in groups for t in g.trajectories]
 

@@ -127,6 +127,7 @@ class DPOStage(RLStage):
         optimizer = torch.optim.AdamW(s.model.parameters())  # a fresh one: DPO is offline, there is nothing to resume
         save_checkpoint(s.out, 1, s.model, s.tokenizer, state={"weight_version": 1}, optimizer=optimizer)
         last = history[-1]
-        s.log(f"DPO: {len(history)} steps, final loss {last['loss']:.3f}, reward accuracy {last['reward_accuracy']:.2f}")
+        s.log(f"DPO: {len(history)} steps, final loss {last['loss']:.3f}, "
+              f"reward accuracy {last['reward_accuracy']:.2f}")
         return {"dpo": {"pairs": len(pairs), "steps": len(history), "final_loss": last["loss"],
                         "reward_accuracy": last["reward_accuracy"]}}

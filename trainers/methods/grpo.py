@@ -131,7 +131,8 @@ def train(cfg: GRPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Polic
     (`agentrl.gateway.agents.AgentEngines`) the episodes are an agent program's, through the gateway."""
     torch.manual_seed(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    return loop.run(cfg, GRPO(cfg, model, optimizer), tokenizer, policy, engines or EnvEngines(make_env), tasks, out_dir,
+    engines = engines or EnvEngines(make_env)
+    return loop.run(cfg, GRPO(cfg, model, optimizer), tokenizer, policy, engines, tasks, out_dir,
                     loop.Hooks(on_step, periodic_eval, sources))
 
 

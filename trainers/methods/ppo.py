@@ -218,7 +218,8 @@ def train(cfg: PPOConfig, model: torch.nn.Module, tokenizer: Any, policy: Policy
     from after each sync. Same contract as `grpo.train`."""
     torch.manual_seed(cfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    return loop.run(cfg, PPO(cfg, model, optimizer), tokenizer, policy, engines or EnvEngines(make_env), tasks, out_dir,
+    engines = engines or EnvEngines(make_env)
+    return loop.run(cfg, PPO(cfg, model, optimizer), tokenizer, policy, engines, tasks, out_dir,
                     loop.Hooks(on_step, periodic_eval, sources))
 
 
