@@ -106,8 +106,8 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
           unset: list[str] = typer.Option([], "--unset", help="Remove a recipe key or table, so that its default "
                                           "applies, e.g. --unset grpo.correction. Repeatable."),
           dry_run: bool = typer.Option(False, "--dry-run", help="Validate the recipe, place the engine and the "
-                                       "trainer, estimate memory per device, refuse what cannot work; print the resolved job; "
-                                       "run nothing."),
+                                       "trainer, estimate memory per device, refuse what cannot work; print the "
+                                       "resolved job; run nothing."),
           gpus: Optional[int] = typer.Option(None, help="--dry-run: plan for this many GPUs [default: the visible]."),
           gpu_memory_gib: float = typer.Option(80.0, help="--dry-run with --gpus: each GPU's memory in GiB."),
           model_config: Optional[str] = typer.Option(None, help="--dry-run: a folder with the model's config.json "
