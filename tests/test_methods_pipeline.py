@@ -1,6 +1,7 @@
 """Each research method runs end to end through `agentrl train` on the tiny model, from a recipe dict."""
 
 import json
+import shutil
 
 import pytest
 from transformers import AutoModelForCausalLM
@@ -197,3 +198,5 @@ def test_the_run_records_its_job_and_refuses_to_resume_another(tiny_model_dir, t
     assert json.loads((tmp_path / "job.json").read_text()) == recorded  # untouched
     run(job(tiny_model_dir, tmp_path, grpo={**GRPO, "steps": 1}, eval=None), log=lambda _: None)  # extended
     assert json.loads((tmp_path / "job.json").read_text())["grpo"]["steps"] == 1
+    shutil.copytree(tmp_path, tmp_path.parent / "moved")  # a run folder moved elsewhere resumes there
+    run(job(tiny_model_dir, tmp_path.parent / "moved", grpo={**GRPO, "steps": 1}, eval=None), log=lambda _: None)

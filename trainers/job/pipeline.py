@@ -102,17 +102,18 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
 
 def record_job(job: TrainJob, out: Path) -> None:
     """OUT/job.json: the resolved job (the recipe after overrides, derived tables and defaults). A run folder that
-    holds another job is refused, the keys that differ named; only the RL loop's `steps` may change, so that a
-    finished run can be extended."""
+    holds another job is refused, the keys that differ named; the RL loop's `steps` may change (a finished run is
+    extended), and so may `out_dir` (a run folder moved or copied resumes where it is)."""
     path, record = out / "job.json", job_record(job)
     if path.exists():
         try:
             previous = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise JobMismatch(f"{path} does not read back ({e}): delete it to resume with this job") from None
-        before, now, steps = leaves(previous), leaves(record), f"{METHODS[job.method].settings}.steps"
+        before, now = leaves(previous), leaves(record)
+        free = {f"{METHODS[job.method].settings}.steps", "out_dir"}
         changed = [key for key in sorted(before.keys() | now.keys())
-                   if before.get(key) != now.get(key) and key != steps]
+                   if before.get(key) != now.get(key) and key not in free]
         if changed:
             raise JobMismatch(f"{out} holds a run of another job: {', '.join(changed)} differ from its job.json. "
                               "Use a new out_dir, or put those keys back, to resume.")
