@@ -230,12 +230,12 @@ def test_a_job_starts_a_vllm_server_for_its_judge_and_stops_it(tiny_model_dir, t
     from agentrl.trainers.job.pipeline import run as run_job
     from agentrl.trainers.job.recipe import TrainJob
 
-    rollout = {"max_total_tokens": 512, "group_size": 2, "sampling": {"max_tokens": 8}}
+    rollout = {"max_total_tokens": 512, "sampling": {"max_tokens": 8}}
     judge = {"backend": "vllm", "model": str(tiny_model_dir), "constrained": True, "max_tokens": 8,
              "max_model_len": 2048}
     job = load_config(TrainJob, {
         "env": "math/arith-v0", "model": str(tiny_model_dir), "out_dir": str(tmp_path), "train_tasks": 4,
-        "grpo": {"steps": 1, "tasks_per_step": 2, "minibatch_size": 4, "rollout": rollout,
+        "grpo": {"steps": 1, "tasks_per_step": 2, "minibatch_size": 4, "group_size": 2, "rollout": rollout,
                  "reward": {"terms": {"judge": 1.0}, "judge": judge}}})
     at_the_end = []
     monkeypatch.setattr(pipeline, "close_judges", lambda: (at_the_end.extend(judge_servers()), close_judges()))

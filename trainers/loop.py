@@ -59,8 +59,10 @@ class LoopConfig:
 
     section: ClassVar[str] = "rl"  # the recipe table, for error messages
     steps: int = 20  # training steps: collect, update, sync
-    tasks_per_step: int = 8  # tasks collected per step, `rollout.group_size` episodes each
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # its seed is derived from `seed`, per step
+    tasks_per_step: int = 8  # tasks collected per step, `group_size` episodes each
+    group_size: int = 1  # episodes per task: a group (the same env seed, different samples)
+    # the episodes' budgets, parser and timeouts; its group_size is `group_size`, its seed derived from `seed`
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)  # the training reward: env's, or a mix of sources
     loss: str = "ppo"  # a key of agentrl.trainers.losses.POLICY_LOSSES
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
@@ -107,8 +109,11 @@ class LoopConfig:
 
 
 def check_loop_rollout(section: str, rollout: RolloutConfig) -> None:
-    """A training loop derives each collection's rollout seed from `section.seed` (distinct per step, the same on a
-    resumed run): a seed set in `[section.rollout]` would be replaced, so it is an error."""
+    """A training loop plays `section.group_size` episodes per task and derives each collection's rollout seed from
+    `section.seed` (distinct per step, the same on a resumed run): either set in `[section.rollout]` would be
+    replaced, so it is an error."""
+    if rollout.group_size != 1:
+        raise ValueError(f"{section}.rollout.group_size: the group is the method's, set {section}.group_size instead")
     if rollout.seed != 0:
         raise ValueError(f"{section}.rollout.seed is derived from {section}.seed (per step, the same on a resumed "
                          f"run): set {section}.seed instead")
@@ -170,7 +175,7 @@ def collect(engines: Engines, policy: Policy, renderer: Renderer, stream: TaskSt
     rounds for the groups that `keep` dropped, on an engine from `engines` (`EnvEngines`, `AgentEngines`) that lives
     for the step."""
     collected, kept = [], []
-    with engines(policy, renderer, replace(cfg.rollout, seed=seeds.step_seed(cfg.seed, step)), timeline) as engine:
+    with engines(policy, renderer, replace(cfg.rollout, group_size=cfg.group_size, seed=seeds.step_seed(cfg.seed, step)), timeline) as engine:
         for _ in range(1 + refills):
             groups = asyncio.run(engine.run(stream.take(cfg.tasks_per_step - len(kept))))
             collected += groups
@@ -236,7 +241,8 @@ class Asynchronous:
         self.position, self.done = state.get("data_position", 0), set(state.get("done_positions", ()))
         self.buffer = GroupBuffer(method.keep, cfg.max_staleness, shares=max(sources, 1))
         source = partial(RaySources, sources) if sources else RolloutSource  # Ray actors, or a thread of this process
-        self.source = source(engines, policy, renderer, cfg.rollout, stream.at, self.buffer,
+        self.source = source(engines, policy, renderer, replace(cfg.rollout, group_size=cfg.group_size), stream.at,
+                             self.buffer,
                              tasks_per_step=cfg.tasks_per_step, seed=cfg.seed, start=self.position, skip=self.done,
                              timeline=timeline, restart=not cfg.partial_rollouts)
         self.give_up_after = cfg.tasks_per_step * (1 + method.refills)
