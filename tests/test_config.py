@@ -39,7 +39,7 @@ def test_bad_toml_and_missing_file(tmp_path):
 
 
 def test_overrides_reach_list_elements_by_index_and_a_bad_index_names_the_range():
-    from agentrl.cli.main import parse_sets
+    from agentrl.cli.common import parse_sets
     from agentrl.trainers.job.recipe import TrainJob
 
     recipe = RECIPES / "cpu_search_r1_train.toml"

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from agentrl.policy.vllm_server import ServerConfig
 from agentrl.types import Group, Message, Status, Task, ToolCall, Trajectory
 from agentrl.trainers.methods.grpo import GRPO, GRPOConfig, to_batch
 from agentrl.trainers.rewards.judge import (Judge, JudgeConfig, as_data, parse_ranking, parse_score, rank_prompt,
@@ -159,12 +160,13 @@ def test_settings_that_cannot_work_fail_at_load():
         JudgeConfig(backend="openai")
     with pytest.raises(ValueError, match="constrained needs a vLLM server"):
         JudgeConfig(backend="transformers", model="m", constrained=True)
-    with pytest.raises(ValueError, match=r"\['gpus'\] set the server that backend 'vllm' starts"):
-        JudgeConfig(backend="openai", base_url="http://127.0.0.1:8000/v1", model="m", gpus="1")
+    with pytest.raises(ValueError, match=r"server sets the server that backend 'vllm' starts"):
+        JudgeConfig(backend="openai", base_url="http://127.0.0.1:8000/v1", model="m",
+                    server=ServerConfig(device="gpu", gpus="1"))
     with pytest.raises(ValueError, match="on GPU needs gpu_memory_utilization"):
-        JudgeConfig(backend="vllm", model="m", device="gpu", gpus="1")
-    with pytest.raises(ValueError, match="are for device 'gpu'"):
-        JudgeConfig(backend="vllm", model="m", gpu_memory_utilization=0.2)
+        JudgeConfig(backend="vllm", model="m", server=ServerConfig(device="gpu", gpus="1"))
+    with pytest.raises(ValueError, match="gpu_memory_utilization is a GPU option"):
+        JudgeConfig(backend="vllm", model="m", server=ServerConfig(gpu_memory_utilization=0.2))
     with pytest.raises(ValueError, match="does not rank"):
         JudgeConfig(backend="constant", mode="rank")
     with pytest.raises(ValueError, match="reading 'probability' needs backend 'transformers' and mode 'score'"):
@@ -232,7 +234,7 @@ def test_a_job_starts_a_vllm_server_for_its_judge_and_stops_it(tiny_model_dir, t
 
     rollout = {"max_total_tokens": 512, "sampling": {"max_tokens": 8}}
     judge = {"backend": "vllm", "model": str(tiny_model_dir), "constrained": True, "max_tokens": 8,
-             "max_model_len": 2048}
+             "server": {"max_model_len": 2048}}
     job = load_config(TrainJob, {
         "env": "math/arith-v0", "model": str(tiny_model_dir), "out_dir": str(tmp_path), "train_tasks": 4,
         "grpo": {"steps": 1, "tasks_per_step": 2, "minibatch_size": 4, "group_size": 2, "rollout": rollout,

@@ -178,7 +178,7 @@ def test_engine_settings_that_cannot_work_fail_at_start_up(tiny_model_dir, tmp_p
     with pytest.raises(ValueError, match="use 'nccl'"):
         check_shardable(job(tiny_model_dir, tmp_path, engine={**gpu, "weight_transfer": "ipc", "gpus": "1"}))
     check_shardable(job(tiny_model_dir, tmp_path, engine={**gpu, "weight_transfer": "nccl", "gpus": "1"}))
-    assert job(tiny_model_dir, tmp_path, engine={"kind": "vllm"}).engine.transfer == "gloo"  # tied or not
+    assert job(tiny_model_dir, tmp_path, engine={"kind": "vllm"}).engine.weight_transfer == "gloo"  # tied or not
 
 
 def test_the_run_records_its_job_and_refuses_to_resume_another(tiny_model_dir, tmp_path):

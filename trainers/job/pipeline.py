@@ -180,7 +180,7 @@ def check_shardable(job: TrainJob) -> None:
     if unsupported:
         raise ValueError(f"a sharded (torchrun) job runs the GRPO or PPO loop only; remove {unsupported}. Run warm "
                          "starts in one process first and set model to their output (e.g. runs/X/sft_model).")
-    if job.engine.kind == "vllm" and job.engine.transfer == "ipc":
+    if job.engine.kind == "vllm" and job.engine.weight_transfer == "ipc":
         raise ValueError("weight_transfer 'ipc' hands the engine one GPU's memory, and a sharded trainer's weights "
                          "are spread over the ranks' GPUs: use 'nccl' (an engine on GPUs of its own) or 'gloo'")
 
