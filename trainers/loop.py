@@ -41,14 +41,13 @@ from agentrl.rollout.engine import Engines, EnvEngines, RolloutConfig
 from agentrl.rollout.ray_source import RaySources
 from agentrl.rollout.source import RolloutSource
 from agentrl.rollout.timeline import Timeline, idle_fractions
+from agentrl.trainers import distributed
 from agentrl.trainers.batch import Batch, token_micro_batches
-from agentrl.trainers.distributed import resume
-from agentrl.trainers.distributed import data_parallel
+from agentrl.trainers.distributed import Sharding, resume
 from agentrl.trainers.losses import (KL_KINDS, POLICY_LOSSES, CorrectionConfig, PolicyLossConfig, kl_loss, masked_mean,
                                      micro_batch_weight, rollout_correction)
 from agentrl.trainers.metrics import MetricsLogger, check_finite, rollout_metrics
 from agentrl.trainers.rewards import RewardConfig
-from agentrl.trainers.distributed import Sharding
 from agentrl.types import Group, Task
 
 
@@ -297,8 +296,7 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
 
     Sharded (FSDP, `trainers/distributed.py`), the minibatch is cut into passes of `world` micro-batches; rank r runs
     rows[r::world] of each, weighted by `world` times their share, since FSDP averages the ranks' gradients."""
-    device, totals, counts = next(model.parameters()).device, {}, {}
-    rank, world = data_parallel()
+    device, totals, counts, ranks = next(model.parameters()).device, {}, {}, distributed.current()
 
     def add(metrics: dict) -> None:
         for k, v in metrics.items():
@@ -309,10 +307,8 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
         order = torch.randperm(len(batch), generator=generator)
         for rows in order.split(cfg.minibatch_size):
             optimizer.zero_grad()
-            for ranks_rows in passes(cfg, batch, rows, world):  # the same number on every rank
-                # A rank left without rows still runs one, at weight 0: FSDP's collectives need every rank.
-                micro_rows, share = ((ranks_rows[rank::world], world) if len(ranks_rows) > rank
-                                     else (ranks_rows[:1], 0))
+            for pass_rows in passes(cfg, batch, rows, ranks.world):  # the same number on every rank
+                micro_rows, share = ranks.share(pass_rows)
                 with autocast(model):  # the compute dtype, over float32 master weights (if marked)
                     loss, metrics = loss_fn(batch.select(micro_rows).to(device), micro_rows)
                 (loss * share * micro_batch_weight(batch.mask_BT[micro_rows], batch.mask_BT[rows], agg)).backward()
