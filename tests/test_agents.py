@@ -52,7 +52,7 @@ def test_the_example_program_sees_the_envs_prompts_and_earns_its_rewards(rendere
             assert tuple(t.token_ids[:t.turns[1].start]) in prompts  # the second call saw exactly this context
             assert sum(t.loss_mask) == sum(t.end - t.start for t in t.turns)
             assert "= 10" in renderer.decode(t.token_ids) or t.info["calls"] == 2
-    assert len({t.info["session"] for g in groups for t in g.trajectories}) == 8
+    assert len({t.session for g in groups for t in g.trajectories}) == 8
 
 
 def test_failed_runs_are_errors_with_the_reason(renderer):

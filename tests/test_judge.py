@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from agentrl.policy.vllm_server import ServerConfig
-from agentrl.types import Group, Message, Status, Task, ToolCall, Trajectory
+from agentrl.types import TYPICAL_STOP, Group, Message, Status, Task, ToolCall, Trajectory
 from agentrl.trainers.methods.grpo import GRPO, GRPOConfig, to_batch
 from agentrl.trainers.rewards.judge import (Judge, JudgeConfig, as_data, parse_ranking, parse_score, rank_prompt,
                                     score_prompt)
@@ -23,9 +23,8 @@ from agentrl.trainers.rewards import RewardConfig, group_rewards, reward_metrics
 def trajectory(answer: str, i: int = 0, question: str = "Who wrote Hamlet?", status: Status = Status.OK,
                messages: tuple[Message, ...] = ()) -> Trajectory:
     return Trajectory(task_id="t", token_ids=(1, 2, 3), loss_mask=(0, 1, 1), logprobs=(0.0, -0.5, -0.5),
-                      prompt_len=1, turns=(), reward=0.0, status=status, group=i,
-                      messages=messages or (Message("system", "Answer."), Message("user", question)),
-                      info={"answer": answer})
+                      prompt_len=1, turns=(), reward=0.0, stop=TYPICAL_STOP[status], group=i,
+                      messages=messages or (Message("system", "Answer."), Message("user", question)), answer=answer)
 
 
 class Scripted:
@@ -121,11 +120,11 @@ def test_a_missing_reward_leaves_the_baseline_and_the_batch(monkeypatch):
     cfg = RewardConfig(terms={"judge": 1.0}, judge=JudgeConfig(backend="constant"))
     scores = {"A": 1.0, "B": 0.0, "C": None, "D": 0.5}
     monkeypatch.setattr("agentrl.trainers.rewards.judge_for",
-                        lambda _: type("J", (), {"scores": lambda self, ts: [scores[t.info["answer"]] for t in ts],
+                        lambda _: type("J", (), {"scores": lambda self, ts: [scores[t.answer] for t in ts],
                                                  "metrics": lambda self: {}})())
     assert group_rewards(group, cfg) == [1.0, 0.0, None, 0.5]
     kept, rewards = rewarded(group, cfg)
-    assert [t.info["answer"] for t in kept] == ["A", "B", "D"] and rewards == [1.0, 0.0, 0.5]
+    assert [t.answer for t in kept] == ["A", "B", "D"] and rewards == [1.0, 0.0, 0.5]
     batch = to_batch([group], "grpo", [group_rewards(group, cfg)])
     assert len(batch) == 3  # the trajectory without a reward is not trained on
     assert torch.allclose(batch.adv_BT[:, -1], torch.tensor([1.0, -1.0, 0.0]), atol=1e-4)

@@ -236,15 +236,15 @@ class _Episode:
     def freeze(self, stop: StopReason, reason: str) -> Trajectory:
         # sampled tokens a frozen partner wrote (tandem rollouts) keep loss mask 0
         untrained = sum(t.end - t.start - sum(self.mask[t.start:t.end]) for t in self.turns)
-        info = {"tool_calls": self.tool_calls, "answer": self.answer,
+        info = {"tool_calls": self.tool_calls,
                 "seconds": round(time.perf_counter() - self.started, 3),
                 **({"untrained_tokens": untrained} if untrained else {}),
                 **({"close_error": self.close_error} if self.close_error else {}), **self.per_turn}
         return Trajectory(
             task_id=self.task.id, token_ids=tuple(self.ids), loss_mask=tuple(self.mask),
             logprobs=tuple(self.logprobs), prompt_len=self.prompt_len, turns=tuple(self.turns), reward=self.reward,
-            reward_components=self.components, status=stop.status, reason=reason, messages=tuple(self.messages),
-            group=self.group, seed=self.env_seed, info=info, stop=stop,
+            reward_components=self.components, stop=stop, reason=reason, messages=tuple(self.messages),
+            group=self.group, seed=self.env_seed, answer=self.answer, info=info,
             weight_version=min((t.weight_version for t in self.turns), default=self.weight_version))
 
 

@@ -51,16 +51,16 @@ class GRPOConfig(loop.LoopConfig):
 
 
 def samples_of(group: Group) -> list[Any]:
-    """Per valid trajectory, the sample of the group it belongs to: its agent session (`info["session"]`, from the
-    gateway), whose segments are one sample, or itself."""
-    return [t.info.get("session", i) for i, t in enumerate(group.valid)]
+    """Per valid trajectory, the sample of the group it belongs to: its agent session (from the gateway), whose
+    segments are one sample, or itself."""
+    return [t.session if t.session is not None else i for i, t in enumerate(group.valid)]
 
 
 def to_batch(groups: list[Group], advantage: str, rewards: list[list[float | None]]) -> Batch:
     """Errors are left out entirely: they are neither in the baseline nor trained on. `rewards[i]` holds
     the training reward of each of `groups[i]`'s valid trajectories (None: missing, left out too). One call over
     the whole batch, so batch-level estimators (REINFORCE++) see every group. The segments of one agent session
-    (`info["session"]`, from the gateway) are one sample of the baseline, with their mean reward, and share its
+    (`Trajectory.session`, from the gateway) are one sample of the baseline, with their mean reward, and share its
     advantage."""
     trajectories, sample_of, sample_rewards, group_ids = [], [], [], []
     for gi, (group, rewards_of_group) in enumerate(zip(groups, rewards)):

@@ -154,7 +154,7 @@ def question_of(t: Trajectory) -> str:
 
 def answer_of(t: Trajectory, limit: int) -> str:
     """The trajectory's final answer, cut to `limit` characters (the cut is said)."""
-    answer = str(t.info.get("answer") or "")
+    answer = str(t.answer or "")
     return answer if len(answer) <= limit else f"{answer[:limit]}\n[... {len(answer) - limit} more characters cut]"
 
 
@@ -239,7 +239,7 @@ class Judge:
             self._cache[key] = verdict
             self._counts["judged"] += len(ts)
             self._counts["missing"] += sum(v is None for v in verdict)
-            self._scored += [(v, len(str(t.info.get("answer") or "")), t.reward)
+            self._scored += [(v, len(str(t.answer or "")), t.reward)
                              for v, t in zip(verdict, ts) if v is not None]
         return verdict
 
