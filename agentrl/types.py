@@ -3,8 +3,13 @@
 Everything here is a frozen dataclass. A `Trajectory` is one token sequence with its loss mask; batches,
 advantages and metrics are derived from trajectories by pure functions, never stored back into them.
 
-Token-level fields are tuples of length T (the trajectory length), named with a `_T` suffix where they
-meet tensors elsewhere: `token_ids`, `loss_mask`, `logprobs` all have length T.
+Token-level fields are tuples of length T (the trajectory length): `token_ids`, `loss_mask`, `logprobs`.
+
+Shapes in names, everywhere in the project (the one statement of the legend): a tensor's name ends with its
+dimensions, `logp_BT` is [B, T]. B: rows of a batch (trajectories); T: token positions; P: prompt positions; G:
+the trajectories of one group; S: the samples of a batch (a trajectory, or an agent session's segments); K: turns
+of a trajectory, or samples per task in an evaluation; R: rows of a minibatch; N: selected rows or tokens (a
+gather); W: a window of positions; C: a chunk; V: the vocabulary; H: the hidden size; X: any trailing dimensions.
 """
 
 from __future__ import annotations
