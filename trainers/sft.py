@@ -54,7 +54,7 @@ def sft(model: torch.nn.Module, trajectories: Sequence[Trajectory], cfg: SFTConf
         raise ValueError(f"No trajectory passes the SFT filter (min_outcome={cfg.min_outcome}).")
     if cfg.last_turn_only:
         kept = [last_turn_only(t) for t in kept]
-    batch = make_batch(kept, [0.0] * len(kept))
+    batch = make_batch(kept)
     device = next(model.parameters()).device
     batches = ((epoch, batch.select(rows).to(device))
                for epoch, rows in shuffled(len(batch), cfg.batch_size, cfg.epochs, cfg.seed))

@@ -89,7 +89,7 @@ def train_dpo(model: torch.nn.Module, pairs: Sequence[tuple[Trajectory, Trajecto
                          "or a larger group_size, or start from a model whose episodes differ in reward.")
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     rows = [t for pair in pairs for t in pair]  # chosen, rejected, chosen, rejected, ...
-    batch = make_batch(rows, [0.0] * len(rows))
+    batch = make_batch(rows)
     device = next(model.parameters()).device
     batches = ((epoch, batch.select(torch.stack([2 * ids, 2 * ids + 1], dim=1).flatten()).to(device))  # pairs adjacent
                for epoch, ids in shuffled(len(pairs), cfg.pairs_per_step, cfg.epochs, cfg.seed))

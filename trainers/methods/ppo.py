@@ -182,7 +182,7 @@ class PPO:
             score_confidence(self.model, kept)
         scored = [rewarded(g, cfg.reward) for g in kept]
         trajectories, rewards_B = [t for ts, _ in scored for t in ts], [r for _, rs in scored for r in rs]
-        batch, values_BT, returns_BT, metrics = advantages(make_batch(trajectories, [0.0] * len(trajectories)),
+        batch, values_BT, returns_BT, metrics = advantages(make_batch(trajectories),
                                                            trajectories, rewards_B, self.critic, self.ref, cfg,
                                                            policy=self.model)
         metrics["train_reward"] = sum(rewards_B) / len(rewards_B)
