@@ -74,7 +74,7 @@ def rollout(
     make_split = env_factory(job.env, job.env_kwargs, job.ray)
     renderer = Renderer(load_tokenizer(job.model, job.chat_template))
     runner = RolloutEngine(lambda: make_split(job.split), policy, renderer, job.rollout)
-    with progress_bar("rollout") as bar, JsonlWriter(job.out) as writer:
+    with runner, progress_bar("rollout") as bar, JsonlWriter(job.out) as writer:
         progress = bar.add_task("episodes", total=len(tasks) * job.rollout.group_size)
 
         def done(trajectory):
@@ -84,7 +84,6 @@ def rollout(
         start = time.perf_counter()
         groups = asyncio.run(runner.run(tasks, on_episode=done))
         seconds = time.perf_counter() - start
-    runner.close()
     asyncio.run(policy.close())
     summary = summarize([t for g in groups for t in g.trajectories], probe.max_reward, seconds)
     table = Table("metric", "value", title=f"{job.env} · {summary['episodes']} episodes → {job.out}")
