@@ -1,16 +1,11 @@
-"""Typed configs from TOML recipes: one dataclass per entry point, validated at load time.
-
-Unknown keys, wrong types and impossible combinations (checked in the dataclasses' `__post_init__`) are
-errors that name the key, not silent no-ops. Validation is pydantic's; the configs stay plain dataclasses.
-"""
+"""Typed configs from TOML recipes: one dataclass per entry point, validated at load time (by pydantic; the configs
+stay plain dataclasses). Unknown keys, wrong types and impossible combinations (each dataclass's `__post_init__`) are
+errors that name the key, not silent no-ops."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import tomllib
-import typing
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
@@ -30,8 +25,8 @@ class ConfigError(ValueError):
 def load_config(cls: type[T], source: str | Path | dict[str, Any] | None = None,
                 overrides: dict[str, Any] | None = None, unset: Sequence[str] = ()) -> T:
     """Build `cls` from a TOML file (or a dict), the dotted keys in `unset` removed (their defaults apply), with
-    `overrides` (nested dicts) applied on top; then a class with a `derive(data) -> data` static method fills
-    the tables that start from another table of the same recipe (e.g. `TrainJob`'s `[eval.rollout]`)."""
+    `overrides` (nested dicts) applied on top, then `cls.derive(data)` if it has one: the tables that start from
+    another table of the same recipe (e.g. `TrainJob`'s `[eval.rollout]`)."""
     if source is None or isinstance(source, dict):
         data, where = dict(source or {}), "config"
     else:
@@ -43,7 +38,7 @@ def load_config(cls: type[T], source: str | Path | dict[str, Any] | None = None,
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
     data = merge(without(data, unset, where), overrides or {})
-    data = with_table_defaults(cls, getattr(cls, "derive", lambda table: table)(data))
+    data = getattr(cls, "derive", lambda table: table)(data)
     try:
         return TypeAdapter(cls).validate_json(json.dumps(data, default=_plain))
     except ValidationError as e:
@@ -66,46 +61,6 @@ def without(data: dict[str, Any], keys: Sequence[str], where: str = "config") ->
     return out
 
 
-@dataclass(frozen=True)
-class TableDefaults:
-    """A field's table defaults (`table_defaults`), applied by `load_config` to the recipe's table."""
-
-    values: dict[str, Any]
-
-
-def table_defaults(**defaults: Any) -> TableDefaults:
-    """For a field's `Annotated` type: the recipe's table starts from `defaults` (merged key by key), the values
-    the field's default has, so that a table which leaves a key out gets what no table at all would give:
-    `rollout: Annotated[RolloutConfig, table_defaults(group_size=8)] = field(default_factory=...)`. Applied to the
-    recipe before validation (a validator would see Python lists, which strict mode refuses for tuples)."""
-    return TableDefaults(defaults)
-
-
-def with_table_defaults(cls: Any, data: Any) -> Any:
-    """`data` (a recipe's table for `cls`) with every table of a `table_defaults` field started from its defaults,
-    in nested tables and lists of tables too."""
-    if isinstance(data, list):
-        return [with_table_defaults(cls, item) for item in data]
-    if not (dataclasses.is_dataclass(cls) and isinstance(data, dict)):
-        return data
-    hints, out = typing.get_type_hints(cls, include_extras=True), dict(data)
-    for f in dataclasses.fields(cls):
-        if f.name in out:
-            hint = hints[f.name]
-            marks = [m for m in getattr(hint, "__metadata__", ()) if isinstance(m, TableDefaults)]
-            value = merge(marks[0].values, out[f.name]) if marks and isinstance(out[f.name], dict) else out[f.name]
-            out[f.name] = with_table_defaults(_dataclass_of(hint), value)
-    return out
-
-
-def _dataclass_of(hint: Any) -> Any:
-    """The config dataclass a field's type holds: `X`, `Annotated[X, ...]`, `X | None`, `list[X]`, `X | list[X]`."""
-    if dataclasses.is_dataclass(hint):
-        return hint
-    found = [_dataclass_of(arg) for arg in typing.get_args(hint)]
-    return next((c for c in found if c is not None), None)
-
-
 def merge(base: dict[str, Any] | list, overrides: dict[str, Any]) -> dict[str, Any] | list:
     """`base` with `overrides` applied on top, nested dicts merged key by key (neither is modified). A list
     takes overrides by index (what `--set sft.1.episodes=16` gives): `{"1": {"episodes": 16}}`."""
@@ -114,10 +69,7 @@ def merge(base: dict[str, Any] | list, overrides: dict[str, Any]) -> dict[str, A
         if unknown:
             raise ConfigError(f"{sorted(unknown)} would index a list of {len(base)}: use 0 to {len(base) - 1}")
         return [_merged(item, overrides[str(i)]) if str(i) in overrides else item for i, item in enumerate(base)]
-    out = dict(base)
-    for key, value in overrides.items():
-        out[key] = _merged(out.get(key, {}), value)
-    return out
+    return {**base, **{key: _merged(base.get(key, {}), value) for key, value in overrides.items()}}
 
 
 def _merged(base: Any, value: Any) -> Any:

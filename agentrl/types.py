@@ -3,8 +3,13 @@
 Everything here is a frozen dataclass. A `Trajectory` is one token sequence with its loss mask; batches,
 advantages and metrics are derived from trajectories by pure functions, never stored back into them.
 
-Token-level fields are tuples of length T (the trajectory length), named with a `_T` suffix where they
-meet tensors elsewhere: `token_ids`, `loss_mask`, `logprobs` all have length T.
+Token-level fields are tuples of length T (the trajectory length): `token_ids`, `loss_mask`, `logprobs`.
+
+Shapes in names, everywhere in the project (the one statement of the legend): a tensor's name ends with its
+dimensions, `logp_BT` is [B, T]. B: rows of a batch (trajectories); T: token positions; P: prompt positions; G:
+the trajectories of one group; S: the samples of a batch (a trajectory, or an agent session's segments); K: turns
+of a trajectory, or samples per task in an evaluation; R: rows of a minibatch; N: selected rows or tokens (a
+gather); W: a window of positions; C: a chunk; V: the vocabulary; H: the hidden size; X: any trailing dimensions.
 """
 
 from __future__ import annotations
@@ -100,6 +105,10 @@ class Message:
         return cls(d["role"], d["content"], calls, d.get("tool_call_id"), d.get("name"))
 
 
+# the usual stop reason of each status: what a trajectory read from a file without stop reasons gets
+TYPICAL_STOP = {"ok": StopReason.TERMINATED, "truncated": StopReason.MAX_TURNS, "error": StopReason.ENV_ERROR}
+
+
 @dataclass(frozen=True)
 class Turn:
     """One assistant turn inside a trajectory's token sequence.
@@ -130,20 +139,27 @@ class Trajectory:
     turns: tuple[Turn, ...]
     reward: float  # total: sum of per-turn rewards
     reward_components: dict[str, float] = field(default_factory=dict)  # e.g. outcome, process
-    status: Status = Status.OK
+    stop: StopReason = StopReason.TERMINATED  # why it stopped, which says its `status`
     reason: str = ""  # why truncated / the error, empty when ok
     messages: tuple[Message, ...] = ()  # the conversation as parsed messages, for viewers and SFT
     group: int = 0  # index of the group (task sample) this trajectory belongs to
     seed: int | None = None
     weight_version: int = 0  # the oldest policy weights that sampled it (each turn's: `Turn.weight_version`)
+    answer: str | None = None  # the final answer the episode gave, if it gave one
+    session: str | None = None  # the agent session (gateway) it is a segment of
+    # what else the env and the runners report: counts (tool_calls, seconds, ...) and per-turn values
     info: dict[str, Any] = field(default_factory=dict)
-    stop: StopReason | None = None  # why it stopped (None in files written before stop reasons existed)
 
     def __post_init__(self) -> None:
         T = len(self.token_ids)
         if len(self.loss_mask) != T or len(self.logprobs) != T:
             raise ValueError(f"token_ids, loss_mask, logprobs must have one length; got {T}, "
                              f"{len(self.loss_mask)}, {len(self.logprobs)}")
+
+    @property
+    def status(self) -> Status:
+        """ok, truncated or error: what `stop` gives."""
+        return self.stop.status
 
     @property
     def num_sampled(self) -> int:
@@ -154,7 +170,7 @@ class Trajectory:
         """A JSON-ready dict (one line of a rollout JSONL): the fields, status as its value, messages as `to_dict`s."""
         d = asdict(self)
         d["status"] = self.status.value
-        d["stop"] = self.stop.value if self.stop else None
+        d["stop"] = self.stop.value
         d["messages"] = [m.to_dict() for m in self.messages]
         return d
 
@@ -165,8 +181,8 @@ class Trajectory:
         for key in ("token_ids", "loss_mask", "logprobs"):
             d[key] = tuple(d[key])
         d["turns"] = tuple(Turn(**t) for t in d["turns"])
-        d["status"] = Status(d["status"])
-        d["stop"] = StopReason(d["stop"]) if d.get("stop") else None
+        status = d.pop("status")  # written for readers of the file; the stop reason says it
+        d["stop"] = StopReason(d["stop"]) if d.get("stop") else TYPICAL_STOP[status]
         d["messages"] = tuple(Message.from_dict(m) for m in d["messages"])
         return cls(**d)
 

@@ -102,7 +102,7 @@ def run_row(model_dir: Path, env_name: str, max_staleness: int, steps: int, out:
     stops = tuple(range(0, len(tokenizer), 2)) if slow else ()
     cfg = GRPOConfig(steps=steps, tasks_per_step=tasks_per_step, lr=1e-4, minibatch_size=16, seed=0,
                      max_staleness=max_staleness,
-                     rollout=RolloutConfig(group_size=group_size, concurrency=concurrency, env_workers=concurrency,
+                     group_size=group_size, rollout=RolloutConfig(concurrency=concurrency, env_workers=concurrency,
                                            max_total_tokens=2048,
                                            sampling=SamplingParams(max_tokens=max_tokens, stop_token_ids=stops)))
     make_env = lambda: (with_latency if slow else lambda e: e)(agentrl.make(env_id, **env_kwargs))  # noqa: E731

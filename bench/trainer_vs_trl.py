@@ -178,7 +178,7 @@ class AgentrlGRPO:
         self.cfg = GRPOConfig(
             steps=1 + s.steps, tasks_per_step=len(PROMPTS), lr=s.lr, epochs=1, minibatch_size=s.minibatch,
             micro_batch_size=s.micro_batch,
-            rollout=RolloutConfig(group_size=GROUP, sampling=SamplingParams(max_tokens=s.max_new_tokens)),
+            group_size=GROUP, rollout=RolloutConfig(sampling=SamplingParams(max_tokens=s.max_new_tokens)),
             advantage="grpo", loss="ppo", policy_loss=PolicyLossConfig(agg="token-mean"), seed=s.seed)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr)
         self.log, self.parity, self.packed_share = StepLog("agentrl" if pack else "unpacked"), [], []

@@ -56,9 +56,8 @@ def main() -> None:
     for step in range(args.steps):
         # 1. Rollouts: G episodes of each task (same env seed, different sampling seeds). Each trajectory keeps
         #    the sampled token ids verbatim, their logprobs, and a loss mask that is 1 exactly on them.
-        engine = RolloutEngine(lambda: agentrl.make(args.env), policy, renderer, replace(rollout, seed=step))
-        groups = asyncio.run(engine.run(order.sample(tasks, args.tasks_per_step)))
-        engine.close()
+        with RolloutEngine(lambda: agentrl.make(args.env), policy, renderer, replace(rollout, seed=step)) as engine:
+            groups = asyncio.run(engine.run(order.sample(tasks, args.tasks_per_step)))
 
         # 2. Group advantages: each episode's reward against the other episodes of its task. Episodes that ended
         #    in `error` (a crashed tool, a timeout) are data, not zero rewards: they stay out of the baseline.

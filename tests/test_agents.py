@@ -52,7 +52,7 @@ def test_the_example_program_sees_the_envs_prompts_and_earns_its_rewards(rendere
             assert tuple(t.token_ids[:t.turns[1].start]) in prompts  # the second call saw exactly this context
             assert sum(t.loss_mask) == sum(t.end - t.start for t in t.turns)
             assert "= 10" in renderer.decode(t.token_ids) or t.info["calls"] == 2
-    assert len({t.info["session"] for g in groups for t in g.trajectories}) == 8
+    assert len({t.session for g in groups for t in g.trajectories}) == 8
 
 
 def test_failed_runs_are_errors_with_the_reason(renderer):
@@ -122,7 +122,7 @@ def test_grpo_trains_on_agent_sessions(tiny_model_dir, tmp_path, max_staleness):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     policy = HFPolicy(copy.deepcopy(model) if max_staleness else model, tokenizer)
     cfg = grpo.GRPOConfig(steps=2, tasks_per_step=2, lr=1e-3, max_staleness=max_staleness,
-                          rollout=RolloutConfig(group_size=2, max_total_tokens=600,
+                          group_size=2, rollout=RolloutConfig(max_total_tokens=600,
                                                 sampling=SamplingParams(max_tokens=24)))
     agent = AgentConfig("examples.agents.calculator_openai:solve", tool_parser="react", timeout=120)
     tasks = list(ArithmeticEnv(**ENV).tasks)[:8]
@@ -142,8 +142,8 @@ def test_a_recipe_trains_an_agent_program_and_refuses_what_cannot_run(tiny_model
     recipe = {"env": "math/arith-v0", "env_kwargs": ENV, "model": str(tiny_model_dir), "out_dir": str(tmp_path),
               "agent": {"program": "examples.agents.calculator_openai:solve", "tool_parser": "react"},
               "eval": {"n": 3, "rollout": rollout},
-              "grpo": {"steps": 1, "tasks_per_step": 2, "minibatch_size": 4,
-                       "rollout": {**rollout, "group_size": 2, "sampling": {"max_tokens": 8}}}}
+              "grpo": {"steps": 1, "tasks_per_step": 2, "minibatch_size": 4, "group_size": 2,
+                       "rollout": {**rollout, "sampling": {"max_tokens": 8}}}}
     summary = run_job(load_config(TrainJob, recipe), log=lambda line: None)
     assert summary["before"]["episodes"] == summary["after"]["episodes"] == 3
     assert summary["after"]["valid"] == 3 and summary["after"]["errors"] == 0  # the program's runs, scored by it

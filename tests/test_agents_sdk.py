@@ -51,7 +51,7 @@ def test_an_agents_sdk_program_with_a_sub_agent_records_exact_segments(renderer,
         sessions = {}
         for t in group.trajectories:
             assert t.status is Status.OK and t.reward == 1.0 and t.task_id == task.id, t.reason
-            sessions.setdefault(t.info["session"], []).append(t)
+            sessions.setdefault(t.session, []).append(t)
             ids, mask = list(t.token_ids), [0] * len(t.token_ids)
             for turn in t.turns:  # each turn sampled from exactly the ids before it; the mask 1 there only
                 turns[tuple(ids[:turn.start]), tuple(ids[turn.start:turn.end])] += 1

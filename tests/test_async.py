@@ -319,7 +319,7 @@ TRAIN = textwrap.dedent("""
     tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     cfg = GRPOConfig(steps=10, tasks_per_step=2, lr=1e-3, minibatch_size=4, checkpoint_every=1, max_staleness=1,
-                     rollout=RolloutConfig(group_size=2, max_total_tokens=1024, sampling=SamplingParams(max_tokens=12)))
+                     group_size=2, rollout=RolloutConfig(max_total_tokens=1024, sampling=SamplingParams(max_tokens=12)))
     env = lambda: ArithmeticEnv(n_tasks=5)
     if sources:
         init_ray(sys.argv[4])  # the test's cluster: a killed run's actors die with it, as on a real cluster

@@ -191,8 +191,8 @@ class Diverging:
 def test_the_rl_loop_stops_at_a_non_finite_loss_naming_the_step(tiny_model_dir, tmp_path):
     model, optimizer = model_and_optimizer(tiny_model_dir)
     tokenizer = load_tokenizer(tiny_model_dir)
-    cfg = loop.LoopConfig(steps=2, tasks_per_step=1, checkpoint_every=1, rollout=RolloutConfig(
-        group_size=1, max_total_tokens=512, sampling=SamplingParams(max_tokens=4)))
+    cfg = loop.LoopConfig(steps=2, tasks_per_step=1, checkpoint_every=1, group_size=1, rollout=RolloutConfig(
+        max_total_tokens=512, sampling=SamplingParams(max_tokens=4)))
     env = lambda: ArithmeticEnv(n_tasks=4)  # noqa: E731
     with pytest.raises(NonFiniteLoss, match=r"step 1: non-finite \{'loss': nan\}"):
         loop.run(cfg, Diverging(model, optimizer), tokenizer, HFPolicy(model, tokenizer), EnvEngines(env),
@@ -211,8 +211,8 @@ def test_sft_stops_at_a_non_finite_loss_naming_the_step(tiny_model_dir):
 
 # ------------------------------------------------------------------------------------------------- kills
 
-KILL_CFG = GRPOConfig(steps=8, tasks_per_step=2, lr=1e-3, minibatch_size=4, checkpoint_every=1, rollout=RolloutConfig(
-    group_size=4, max_total_tokens=1024, sampling=SamplingParams(max_tokens=12)))
+KILL_CFG = GRPOConfig(steps=8, tasks_per_step=2, lr=1e-3, minibatch_size=4, checkpoint_every=1, group_size=4,
+                      rollout=RolloutConfig(max_total_tokens=1024, sampling=SamplingParams(max_tokens=12)))
 
 
 def train_tiny(model_dir, out_dir):

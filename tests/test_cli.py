@@ -105,11 +105,11 @@ def test_compare_pools_held_out_suites_and_pairs_their_tasks(tmp_path, monkeypat
 
 
 def test_train_set_overrides_any_recipe_key(tmp_path):
-    from agentrl.cli.main import parse_sets
+    from agentrl.cli.common import parse_sets
     from agentrl.config import ConfigError
 
-    assert parse_sets(["grpo.lr=1e-4", "grpo.rollout.group_size=4", "env=math/arith-v0", "eval.split=[\"a\"]"]) == {
-        "grpo": {"lr": 1e-4, "rollout": {"group_size": 4}}, "env": "math/arith-v0", "eval": {"split": ["a"]}}
+    assert parse_sets(["grpo.lr=1e-4", "grpo.rollout.max_turns=4", "env=math/arith-v0", "eval.split=[\"a\"]"]) == {
+        "grpo": {"lr": 1e-4, "rollout": {"max_turns": 4}}, "env": "math/arith-v0", "eval": {"split": ["a"]}}
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         parse_sets(["grpo.lr"])
     recipe = tmp_path / "r.toml"

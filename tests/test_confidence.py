@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from agentrl.trainers.rewards.confidence import confidence_metrics, confidence_of, response_confidence, score_confidence
 from agentrl.trainers.methods.grpo import GRPO, GRPOConfig
 from agentrl.trainers.rewards import RewardConfig, group_rewards
-from agentrl.types import Group, Status, Task, Trajectory, Turn
+from agentrl.types import TYPICAL_STOP, Group, Status, Task, Trajectory, Turn
 
 LN2 = math.log(2)
 
@@ -25,7 +25,8 @@ def test_entropy_and_self_certainty_of_a_hand_worked_table():
 
 
 def sampled(ids, mask, reward=0.0, status=Status.OK):
-    return Trajectory("t0", tuple(ids), tuple(mask), (0.0,) * len(ids), 2, (), reward, {"outcome": reward}, status)
+    return Trajectory("t0", tuple(ids), tuple(mask), (0.0,) * len(ids), 2, (), reward, {"outcome": reward},
+                      TYPICAL_STOP[status])
 
 
 def test_scores_are_the_means_over_sampled_tokens_of_a_plain_forward(tiny_model_dir):

@@ -39,7 +39,7 @@ def test_bad_toml_and_missing_file(tmp_path):
 
 
 def test_overrides_reach_list_elements_by_index_and_a_bad_index_names_the_range():
-    from agentrl.cli.main import parse_sets
+    from agentrl.cli.common import parse_sets
     from agentrl.trainers.job.recipe import TrainJob
 
     recipe = RECIPES / "cpu_search_r1_train.toml"
@@ -59,7 +59,9 @@ TRAIN = {"env": "math/arith-v0", "model": "m"}
 @pytest.mark.parametrize("section,message", [
     ({"grpo": {"steps": "20"}}, r"grpo.steps: Input should be a valid integer, got '20'"),  # no number from a string
     ({"grpo": {"lr": "1e-4"}}, r"grpo.lr: Input should be a valid number, got '1e-4'"),
-    ({"grpo": {"rollout": {"group_size": 4, "seed": 3}}}, r"grpo.rollout.seed is derived from grpo.seed"),
+    ({"grpo": {"rollout": {"seed": 3}}}, r"grpo.rollout.seed is derived from grpo.seed"),
+    ({"grpo": {"rollout": {"group_size": 4}}}, r"grpo.rollout.group_size: the group is the method's, set grpo.group_size"),
+    ({"eval": {"temperature": 0.5, "rollout": {"sampling": {"temperature": 0.7}}}}, r"set eval.temperature instead"),
     ({"ppo": {"rollout": {"seed": 3}}, "grpo": {}}, r"ppo.rollout.seed is derived from ppo.seed"),
     ({"dpo": {"rollout": {"seed": 3}}}, r"dpo.rollout.seed is derived from dpo.seed"),
     ({"grpo": {"rollout": {"sampling": {"seed": 1}}}}, r"sampling.seed: each turn's sampling seed is derived"),
@@ -79,8 +81,8 @@ def test_a_table_that_leaves_a_key_out_gets_what_no_table_gives():
     tables = load_config(TrainJob, {**TRAIN, "grpo": {"rollout": {"max_turns": 4}},
                                     "eval": {"rollout": {"sampling": {"max_tokens": 32}}}})
     dpo = load_config(TrainJob, {**TRAIN, "dpo": {"rollout": {"max_turns": 4}}})
-    assert bare.grpo.rollout.group_size == tables.grpo.rollout.group_size == 8
-    assert bare_dpo.dpo.rollout.group_size == dpo.dpo.rollout.group_size == 4
+    assert bare.grpo.group_size == tables.grpo.group_size == 8
+    assert bare_dpo.dpo.group_size == dpo.dpo.group_size == 4
     assert bare.eval.rollout.sampling.temperature == tables.eval.rollout.sampling.temperature == 0.0  # greedy
     assert (tables.grpo.rollout.max_turns, tables.eval.rollout.sampling.max_tokens) == (4, 32)  # and the table's own
 
@@ -88,7 +90,7 @@ def test_a_table_that_leaves_a_key_out_gets_what_no_table_gives():
 def test_eval_rollout_starts_from_the_rl_rollout_greedy_and_keeps_what_it_sets():
     from agentrl.trainers.job.recipe import TrainJob
 
-    rl = {"max_turns": 3, "max_total_tokens": 700, "step_timeout": 9.0, "group_size": 4,
+    rl = {"max_turns": 3, "max_total_tokens": 700, "step_timeout": 9.0,
           "sampling": {"max_tokens": 48, "temperature": 0.9, "stop": ["</answer>"]}}
     inherited = load_config(TrainJob, {**TRAIN, "grpo": {"rollout": rl}}).eval.rollout
     assert load_config(TrainJob, {**TRAIN, "grpo": {"rollout": rl}, "eval": {"n": 5}}).eval.rollout == inherited
@@ -96,7 +98,7 @@ def test_eval_rollout_starts_from_the_rl_rollout_greedy_and_keeps_what_it_sets()
     assert (inherited.sampling.max_tokens, inherited.sampling.stop) == (48, ("</answer>",))
     assert (inherited.group_size, inherited.sampling.temperature) == (1, 0.0)  # one greedy episode per task
     own = load_config(TrainJob, {**TRAIN, "grpo": {"rollout": rl},
-                                 "eval": {"n": 5, "rollout": {"max_turns": 6, "sampling": {"temperature": 0.5}}}})
+                                 "eval": {"n": 5, "temperature": 0.5, "rollout": {"max_turns": 6}}})
     assert (own.eval.n, own.eval.rollout.max_turns, own.eval.rollout.sampling.temperature) == (5, 6, 0.5)
     assert (own.eval.rollout.max_total_tokens, own.eval.rollout.sampling.max_tokens) == (700, 48)
     ppo = load_config(TrainJob, {**TRAIN, "ppo": {"rollout": {"max_turns": 2}}})
@@ -126,12 +128,13 @@ def test_eval_job_is_typed_and_refuses_what_cannot_work(tmp_path):
     from agentrl.cli.jobs import EvalJob
 
     recipe = tmp_path / "eval.toml"
-    recipe.write_text('suite = "math/demo-heldout"\nmodel = "m"\nk = [1, 4]\n[rollout.sampling]\ntemperature = 0.7\n')
+    recipe.write_text('suite = "math/demo-heldout"\nmodel = "m"\nk = [1, 4]\ntemperature = 0.7\n')
     job = load_config(EvalJob, recipe, {"n": 5})
     assert job.k == [1, 4] and job.n == 5 and job.rollout.sampling.temperature == 0.7
     assert job.rollout.sampling.max_tokens == 256  # the rest of the table keeps its defaults
     assert load_config(EvalJob, {"suite": "s", "model": "m"}).rollout.sampling.temperature == 0.0  # greedy
     for data, message in [({"k": [1, 8]}, "pass@8 over greedy samples"), ({"k": [0]}, "positive integers"),
-                          ({"rollout": {"group_size": 4}}, "set k instead"), ({"n": "20"}, "valid integer")]:
+                          ({"rollout": {"group_size": 4}}, "set k instead"), ({"n": "20"}, "valid integer"),
+                          ({"rollout": {"sampling": {"temperature": 0.7}}}, "set temperature instead")]:
         with pytest.raises(ConfigError, match=message):
             load_config(EvalJob, {"suite": "s", "model": "m", **data})

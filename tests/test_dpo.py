@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from agentrl.trainers.methods.dpo import DPOConfig, preference_pairs, train_dpo
 from agentrl.trainers.losses import dpo_loss
 from agentrl.trainers.rewards import RewardConfig
-from agentrl.types import Group, Status, Task, Trajectory
+from agentrl.types import TYPICAL_STOP, Group, Status, Task, Trajectory
 
 NAN = float("nan")
 
@@ -42,7 +42,7 @@ def test_dpo_loss_matches_a_hand_worked_example():
 
 
 def traj(reward, status=Status.OK, ids=(1, 2, 3)):
-    return Trajectory("t", ids, (0, 1, 1), (0.0, -1.0, -1.0), 1, (), reward, {"outcome": reward}, status)
+    return Trajectory("t", ids, (0, 1, 1), (0.0, -1.0, -1.0), 1, (), reward, {"outcome": reward}, TYPICAL_STOP[status])
 
 
 def test_pairs_are_best_against_worst_of_valid_trajectories():

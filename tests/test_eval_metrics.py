@@ -23,7 +23,7 @@ from agentrl.eval.metrics import (
     summarize_run,
     wilson_interval,
 )
-from agentrl.types import Message, Status, ToolCall, Trajectory, Turn
+from agentrl.types import TYPICAL_STOP, Message, Status, ToolCall, Trajectory, Turn
 
 approx = pytest.approx
 
@@ -162,10 +162,10 @@ def episode(task: str, entry: str, sample: int, success: bool = False, status: S
         turn_list.append(Turn(start, start + 2, start + 3))
     reward = 1.0 if success else 0.0
     info = {"entry": entry, "env": "env/x", "split": entry.split(":")[1], "sample": sample, "success": success,
-            "answer": answer, "tool_calls": max(turns - 1, 0), "seconds": 1.0 + turns,
+            "tool_calls": max(turns - 1, 0), "seconds": 1.0 + turns,
             "difficulty": {"hops": hops} if hops is not None else {}}
     return Trajectory(task, tuple(ids), tuple(mask), tuple(0.0 for _ in ids), 2, tuple(turn_list), reward,
-                      {"outcome": reward, "format": 1.0}, status, reason, info=info)
+                      {"outcome": reward, "format": 1.0}, TYPICAL_STOP[status], reason, answer=answer, info=info)
 
 
 S1, S2 = "env/x:s1", "env/x:s2"

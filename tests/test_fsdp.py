@@ -327,10 +327,10 @@ tasks_per_step = 4
 lr = 1e-3
 minibatch_size = 8
 checkpoint_every = 1
+group_size = 4
 [{loop}.reward]
 terms = {{env = 1.0, length = -0.01}}   # varied rewards: the random tiny model's updates are not zero
 [{loop}.rollout]
-group_size = 4
 max_total_tokens = 512
 [{loop}.rollout.sampling]
 max_tokens = 16

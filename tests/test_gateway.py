@@ -129,7 +129,7 @@ def test_tool_calls_round_trip_with_exact_tokens(renderer, planned, monkeypatch)
     first_messages = [Message("system", "You add numbers."), Message("user", "2+3?")]
     assert policy.calls[0][0] == tuple(renderer.prompt_ids(first_messages, [CALC]))  # the first prompt, rendered
     assert trajectory.reward == 1.0 and trajectory.turns[-1].reward == 1.0 and trajectory.task_id == "t1"
-    assert trajectory.group == 2 and trajectory.weight_version == 3 and trajectory.info["session"] == sid
+    assert trajectory.group == 2 and trajectory.weight_version == 3 and trajectory.session == sid
     assert "5" in renderer.decode(trajectory.token_ids[trajectory.turns[0].end:trajectory.turns[1].start])
 
 

@@ -20,7 +20,7 @@ from agentrl.trainers.loop import TaskStream
 from agentrl.trainers.job.recipe import TrainJob
 
 CFG = GRPOConfig(steps=4, tasks_per_step=2, lr=1e-3, minibatch_size=4, epochs=2, checkpoint_every=1, kl_coef=0.05,
-                 rollout=RolloutConfig(group_size=4, max_total_tokens=1024, sampling=SamplingParams(max_tokens=12)))
+                 group_size=4, rollout=RolloutConfig(max_total_tokens=1024, sampling=SamplingParams(max_tokens=12)))
 
 
 def run(model_dir, out_dir, steps):
@@ -90,8 +90,8 @@ def test_train_pipeline_evaluates_periodically_and_per_split(tiny_model_dir, tmp
     job = load_config(TrainJob, {
         "env": "math/arith-v0", "model": str(tiny_model_dir), "out_dir": str(tmp_path), "train_tasks": 8,
         "eval": {"split": ["heldout", "train"], "n": 3, "every": 1, "rollout": rollout},
-        "grpo": {"steps": 2, "tasks_per_step": 2, "minibatch_size": 4, "max_staleness": max_staleness,
-                 "rollout": {**rollout, "group_size": 2, "sampling": {"max_tokens": 8}}}})
+        "grpo": {"steps": 2, "tasks_per_step": 2, "minibatch_size": 4, "max_staleness": max_staleness, "group_size": 2,
+                 "rollout": {**rollout, "sampling": {"max_tokens": 8}}}})
     lines = []
     summary = run_job(job, log=lines.append)
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]

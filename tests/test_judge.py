@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentrl.types import Group, Message, Status, Task, ToolCall, Trajectory
+from agentrl.policy.vllm_server import ServerConfig
+from agentrl.types import TYPICAL_STOP, Group, Message, Status, Task, ToolCall, Trajectory
 from agentrl.trainers.methods.grpo import GRPO, GRPOConfig, to_batch
 from agentrl.trainers.rewards.judge import (Judge, JudgeConfig, as_data, parse_ranking, parse_score, rank_prompt,
                                     score_prompt)
@@ -22,9 +23,8 @@ from agentrl.trainers.rewards import RewardConfig, group_rewards, reward_metrics
 def trajectory(answer: str, i: int = 0, question: str = "Who wrote Hamlet?", status: Status = Status.OK,
                messages: tuple[Message, ...] = ()) -> Trajectory:
     return Trajectory(task_id="t", token_ids=(1, 2, 3), loss_mask=(0, 1, 1), logprobs=(0.0, -0.5, -0.5),
-                      prompt_len=1, turns=(), reward=0.0, status=status, group=i,
-                      messages=messages or (Message("system", "Answer."), Message("user", question)),
-                      info={"answer": answer})
+                      prompt_len=1, turns=(), reward=0.0, stop=TYPICAL_STOP[status], group=i,
+                      messages=messages or (Message("system", "Answer."), Message("user", question)), answer=answer)
 
 
 class Scripted:
@@ -120,11 +120,11 @@ def test_a_missing_reward_leaves_the_baseline_and_the_batch(monkeypatch):
     cfg = RewardConfig(terms={"judge": 1.0}, judge=JudgeConfig(backend="constant"))
     scores = {"A": 1.0, "B": 0.0, "C": None, "D": 0.5}
     monkeypatch.setattr("agentrl.trainers.rewards.judge_for",
-                        lambda _: type("J", (), {"scores": lambda self, ts: [scores[t.info["answer"]] for t in ts],
+                        lambda _: type("J", (), {"scores": lambda self, ts: [scores[t.answer] for t in ts],
                                                  "metrics": lambda self: {}})())
     assert group_rewards(group, cfg) == [1.0, 0.0, None, 0.5]
     kept, rewards = rewarded(group, cfg)
-    assert [t.info["answer"] for t in kept] == ["A", "B", "D"] and rewards == [1.0, 0.0, 0.5]
+    assert [t.answer for t in kept] == ["A", "B", "D"] and rewards == [1.0, 0.0, 0.5]
     batch = to_batch([group], "grpo", [group_rewards(group, cfg)])
     assert len(batch) == 3  # the trajectory without a reward is not trained on
     assert torch.allclose(batch.adv_BT[:, -1], torch.tensor([1.0, -1.0, 0.0]), atol=1e-4)
@@ -159,12 +159,13 @@ def test_settings_that_cannot_work_fail_at_load():
         JudgeConfig(backend="openai")
     with pytest.raises(ValueError, match="constrained needs a vLLM server"):
         JudgeConfig(backend="transformers", model="m", constrained=True)
-    with pytest.raises(ValueError, match=r"\['gpus'\] set the server that backend 'vllm' starts"):
-        JudgeConfig(backend="openai", base_url="http://127.0.0.1:8000/v1", model="m", gpus="1")
+    with pytest.raises(ValueError, match=r"server sets the server that backend 'vllm' starts"):
+        JudgeConfig(backend="openai", base_url="http://127.0.0.1:8000/v1", model="m",
+                    server=ServerConfig(device="gpu", gpus="1"))
     with pytest.raises(ValueError, match="on GPU needs gpu_memory_utilization"):
-        JudgeConfig(backend="vllm", model="m", device="gpu", gpus="1")
-    with pytest.raises(ValueError, match="are for device 'gpu'"):
-        JudgeConfig(backend="vllm", model="m", gpu_memory_utilization=0.2)
+        JudgeConfig(backend="vllm", model="m", server=ServerConfig(device="gpu", gpus="1"))
+    with pytest.raises(ValueError, match="gpu_memory_utilization is a GPU option"):
+        JudgeConfig(backend="vllm", model="m", server=ServerConfig(gpu_memory_utilization=0.2))
     with pytest.raises(ValueError, match="does not rank"):
         JudgeConfig(backend="constant", mode="rank")
     with pytest.raises(ValueError, match="reading 'probability' needs backend 'transformers' and mode 'score'"):
@@ -230,12 +231,12 @@ def test_a_job_starts_a_vllm_server_for_its_judge_and_stops_it(tiny_model_dir, t
     from agentrl.trainers.job.pipeline import run as run_job
     from agentrl.trainers.job.recipe import TrainJob
 
-    rollout = {"max_total_tokens": 512, "group_size": 2, "sampling": {"max_tokens": 8}}
+    rollout = {"max_total_tokens": 512, "sampling": {"max_tokens": 8}}
     judge = {"backend": "vllm", "model": str(tiny_model_dir), "constrained": True, "max_tokens": 8,
-             "max_model_len": 2048}
+             "server": {"max_model_len": 2048}}
     job = load_config(TrainJob, {
         "env": "math/arith-v0", "model": str(tiny_model_dir), "out_dir": str(tmp_path), "train_tasks": 4,
-        "grpo": {"steps": 1, "tasks_per_step": 2, "minibatch_size": 4, "rollout": rollout,
+        "grpo": {"steps": 1, "tasks_per_step": 2, "minibatch_size": 4, "group_size": 2, "rollout": rollout,
                  "reward": {"terms": {"judge": 1.0}, "judge": judge}}})
     at_the_end = []
     monkeypatch.setattr(pipeline, "close_judges", lambda: (at_the_end.extend(judge_servers()), close_judges()))

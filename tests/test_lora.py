@@ -73,10 +73,10 @@ steps = 2
 tasks_per_step = 2
 lr = 1e-2
 checkpoint_every = 1
+group_size = 4
 [grpo.reward]
 terms = {{random = 1.0}}   # the random model never succeeds: a seeded coin gives a gradient
 [grpo.rollout]
-group_size = 4
 max_total_tokens = 512
 [grpo.rollout.sampling]
 max_tokens = 8

@@ -51,7 +51,7 @@ def test_a_failed_episode_writes_a_note_that_the_next_reset_shows(tiny_model_dir
     finally:
         engine.close()
     failed, solved = first.trajectories[0], second.trajectories[0]
-    assert failed.status is Status.OK and failed.reward == 0.0 and failed.info["answer"] == "123456"
+    assert failed.status is Status.OK and failed.reward == 0.0 and failed.answer == "123456"
     assert len(failed.turns) == 2 and store.notes(task.id) == [NOTE]  # the answer, then the note
     note = failed.turns[1]
     assert renderer.decode(failed.token_ids[note.start:note.end]).startswith(NOTE)

@@ -16,8 +16,8 @@ from agentrl.trainers.job.pipeline import JobMismatch, check_shardable, run
 from agentrl.trainers.job.recipe import TrainJob
 
 ROLLOUT = {"max_total_tokens": 512, "sampling": {"max_tokens": 12, "temperature": 0.0}}
-GRPO = {"steps": 2, "tasks_per_step": 2, "minibatch_size": 4, "lr": 1e-3,
-        "rollout": {**ROLLOUT, "group_size": 2, "sampling": {"max_tokens": 12}}}
+GRPO = {"steps": 2, "tasks_per_step": 2, "minibatch_size": 4, "lr": 1e-3, "group_size": 2,
+        "rollout": {**ROLLOUT, "sampling": {"max_tokens": 12}}}
 
 
 def job(model_dir, out_dir, **sections):
@@ -84,8 +84,8 @@ def test_tango_resumes_mid_run_with_the_same_metrics(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_dpo_and_majority_vote_run(tiny_model_dir, tmp_path):
-    dpo = {"tasks": 4, "epochs": 1, "reward": {"terms": {"random": 1.0}},  # the random model: all else ties
-           "rollout": {**ROLLOUT, "group_size": 3, "sampling": {"max_tokens": 12, "temperature": 1.0}}}
+    dpo = {"tasks": 4, "epochs": 1, "reward": {"terms": {"random": 1.0}}, "group_size": 3,  # random: all else ties
+           "rollout": {**ROLLOUT, "sampling": {"max_tokens": 12, "temperature": 1.0}}}
     summary = run(job(tiny_model_dir, tmp_path / "dpo", dpo=dpo), log=lambda _: None)
     assert summary["dpo"]["pairs"] > 0 and latest_checkpoint(tmp_path / "dpo") is not None
 
@@ -179,7 +179,7 @@ def test_engine_settings_that_cannot_work_fail_at_start_up(tiny_model_dir, tmp_p
     with pytest.raises(ValueError, match="use 'nccl'"):
         check_shardable(job(tiny_model_dir, tmp_path, engine={**gpu, "weight_transfer": "ipc", "gpus": "1"}))
     check_shardable(job(tiny_model_dir, tmp_path, engine={**gpu, "weight_transfer": "nccl", "gpus": "1"}))
-    assert job(tiny_model_dir, tmp_path, engine={"kind": "vllm"}).engine.transfer == "gloo"  # tied or not
+    assert job(tiny_model_dir, tmp_path, engine={"kind": "vllm"}).engine.weight_transfer == "gloo"  # tied or not
 
 
 def test_the_run_records_its_job_and_refuses_to_resume_another(tiny_model_dir, tmp_path):
@@ -189,7 +189,7 @@ def test_the_run_records_its_job_and_refuses_to_resume_another(tiny_model_dir, t
     run(first, log=lambda _: None)
     recorded = json.loads((tmp_path / "job.json").read_text())
     assert load_config(TrainJob, recorded) == first
-    assert recorded["grpo"]["rollout"]["group_size"] == 2 and recorded["eval"] is None  # resolved, not the recipe
+    assert recorded["grpo"]["group_size"] == 2 and recorded["eval"] is None  # resolved, not the recipe
     run(job(tiny_model_dir, tmp_path, grpo={**GRPO, "steps": 0, "checkpoint_every": 0}, eval=None),
         log=lambda _: None)  # the same job, a default given explicitly
     changed = job(tiny_model_dir, tmp_path, grpo={**GRPO, "steps": 0, "lr": 0.5}, eval=None, train_tasks=4)

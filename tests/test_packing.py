@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import agentrl.trainers.loop as loop
+from agentrl.trainers import distributed
 from agentrl.policy.logprobs import pack_plan, token_logprobs
 from agentrl.trainers.batch import Batch, make_batch, token_micro_batches
 from agentrl.trainers.loop import LoopConfig, optimize
@@ -194,7 +195,7 @@ def rl_batch(seed=0):
 
 def step_gradients(model, batch, cfg, agg, monkeypatch, rank=0, world=1):
     """The gradients of one optimize step over the whole batch (lr 0: the weights stay), and the passes it ran."""
-    monkeypatch.setattr(loop, "data_parallel", lambda: (rank, world))
+    monkeypatch.setattr(distributed, "current", lambda: distributed.Ranks(rank, world))
     sizes, loss_fn = [], POLICY_LOSSES["ppo"]
 
     def policy_loss(mb, rows):

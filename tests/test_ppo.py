@@ -118,7 +118,7 @@ def test_micro_batches_give_the_same_update_as_the_whole_minibatch(tiny_model_di
 
 CFG = PPOConfig(steps=4, tasks_per_step=4, lr=1e-3, critic_lr=1e-3, minibatch_size=4, micro_batch_size=2, epochs=2,
                 checkpoint_every=1, kl_coef=0.05, reward=RewardConfig(terms={"env": 1.0, "length": -0.001}),
-                rollout=RolloutConfig(group_size=1, max_total_tokens=1024, sampling=SamplingParams(max_tokens=12)))
+                group_size=1, rollout=RolloutConfig(max_total_tokens=1024, sampling=SamplingParams(max_tokens=12)))
 
 
 def run(model_dir, out_dir, steps):

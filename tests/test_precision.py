@@ -139,8 +139,9 @@ def job(model_dir, out_dir, steps: int, **extra):
         "env": "math/arith-v0", "model": str(model_dir), "out_dir": str(out_dir), "dtype": "bfloat16",
         "train_tasks": 8, "env_kwargs": {"parser": "react", "max_turns": 2}, "eval": None,
         "grpo": {"steps": steps, "tasks_per_step": 2, "minibatch_size": 4, "lr": 1e-6, "checkpoint_every": 1,
+                 "group_size": 2,
                  "reward": {"terms": {"random": 1.0}},  # a seeded coin: the random model gets a gradient
-                 "rollout": {**ROLLOUT, "group_size": 2}}, **extra})
+                 "rollout": ROLLOUT}, **extra})
 
 
 def test_job_dtype_options_are_checked(tiny_model_dir, tmp_path):

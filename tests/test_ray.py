@@ -149,8 +149,8 @@ steps = 3
 tasks_per_step = 2
 lr = 1e-3
 max_staleness = 1
-[grpo.rollout]
 group_size = 2
+[grpo.rollout]
 [grpo.rollout.sampling]
 max_tokens = 8
 """)

@@ -18,7 +18,7 @@ from agentrl.eval.metrics import summarize_run
 from agentrl.eval.report import idle_table, plot_timeline, timeline_steps, write_report
 from agentrl.rollout.jsonl import write_jsonl
 from agentrl.models.tokenizer import load_tokenizer
-from agentrl.types import Message, Status, ToolCall, Trajectory, Turn
+from agentrl.types import TYPICAL_STOP, Message, Status, StopReason, ToolCall, Trajectory, Turn
 from agentrl.eval.viewer import turn_blocks, write_viewer
 
 CHROMIUM = os.environ.get("AGENTRL_CHROMIUM", "/usr/bin/chromium")
@@ -58,11 +58,11 @@ def episode(encode, task: str, entry: str, sample: int, success: bool, answer: s
         messages.append(Message("assistant", f"<answer>{answer}</answer>"))
     reward = 1.0 if success else 0.0
     info = {"entry": entry, "env": entry.split(":")[0], "split": entry.split(":")[1], "sample": sample,
-            "success": success, "answer": None if status is Status.ERROR else answer,
-            "tool_calls": 1, "seconds": 0.5, "difficulty": {"hops": hops}}
+            "success": success, "tool_calls": 1, "seconds": 0.5, "difficulty": {"hops": hops}}
     logprobs = tuple(-0.25 if m else 0.0 for m in mask)
     return Trajectory(task, tuple(ids), tuple(mask), logprobs, prompt_len, tuple(turns), reward,
-                      {"outcome": reward}, status, reason, tuple(messages), info=info)
+                      {"outcome": reward}, TYPICAL_STOP[status], reason, tuple(messages),
+                      answer=None if status is Status.ERROR else answer, info=info)
 
 
 def make_run(run_dir: Path, encode, model: str, wins: dict[str, set[tuple[str, int]]],
@@ -294,7 +294,7 @@ def test_turn_blocks(runs, tokenizer):
     prompt, sampled = tokenizer.encode("Question?"), tokenizer.encode(" partial answ")
     T = len(prompt) + len(sampled)
     cut = Trajectory("t", tuple(prompt + sampled), (0,) * len(prompt) + (1,) * len(sampled), (0.0,) * T, len(prompt),
-                     (Turn(len(prompt), T, T, 0.0, "length"),), 0.0, status=Status.TRUNCATED,
+                     (Turn(len(prompt), T, T, 0.0, "length"),), 0.0, stop=StopReason.MAX_TOKENS,
                      reason="max_tokens reached mid-turn", messages=(Message("user", "Question?"),))
     blocks = turn_blocks(cut, tokenizer.decode)
     assert [b["index"] for b in blocks] == [None, 0] and blocks[1]["messages"] == []
@@ -396,9 +396,9 @@ def test_viewer_in_browser(browser, runs, tokenizer, tmp_path):
     episode.locator("details.tokens > summary").click()
     tokens = episode.locator(".tok")
     tokens.first.wait_for()  # drawn on the toggle event
-    ids = next(t for t in trajectories if t.info["answer"] == EVIL).token_ids
+    ids = next(t for t in trajectories if t.answer == EVIL).token_ids
     assert tokens.count() == len(ids)
-    assert episode.locator(".tok.s").count() == sum(next(t for t in trajectories if t.info["answer"] == EVIL).loss_mask)
+    assert episode.locator(".tok.s").count() == sum(next(t for t in trajectories if t.answer == EVIL).loss_mask)
     assert "".join(tokens.all_inner_texts()).replace("\u21b5", "") == "".join(tokenizer.decode([i]) for i in ids)
     page.screenshot(path=screenshots_dir(tmp_path) / "viewer.png", full_page=True)
     assert problems == []

@@ -5,15 +5,15 @@ import torch
 
 from agentrl.trainers.methods.grpo import to_batch
 from agentrl.trainers.rewards import RewardConfig, group_rewards, majority_vote_metrics
-from agentrl.types import Group, Status, Task, Trajectory
+from agentrl.types import TYPICAL_STOP, Group, Status, Task, Trajectory
 
 
 def traj(answer, outcome=0.0, sampled=4, status=Status.OK, seed=0, env_reward=None):
     """A trajectory with `sampled` assistant tokens after a 2-token prompt."""
     n = 2 + sampled
     return Trajectory("t0", tuple(range(n)), (0, 0) + (1,) * sampled, (0.0,) * n, 2, (),
-                      outcome if env_reward is None else env_reward, {"outcome": outcome}, status,
-                      seed=seed, info={"answer": answer})
+                      outcome if env_reward is None else env_reward, {"outcome": outcome}, TYPICAL_STOP[status],
+                      seed=seed, answer=answer)
 
 
 def test_majority_vote_rewards_agreement_not_correctness():

@@ -515,7 +515,7 @@ def test_partner_tokens_keep_loss_mask_zero_and_are_counted(renderer):
     assert list(t.loss_mask) == expected
     assert t.info["untrained_tokens"] == 4  # 2 per turn
     assert [turn.weight_version for turn in t.turns] == [4, 3] and t.weight_version == 3  # the oldest turn's
-    assert "close_error" not in t.info and t.info["tool_calls"] == 1 and t.info["answer"] == env.tasks[0].data["answer"]
+    assert "close_error" not in t.info and t.info["tool_calls"] == 1 and t.answer == env.tasks[0].data["answer"]
     assert isinstance(t.info["seconds"], float) and 0.0 <= t.info["seconds"] < 600.0
     assert (t.task_id, t.group) == (env.tasks[0].id, 0)
     # every id the trained policy wrote: no untrained_tokens at all; each trajectory has its task's group index

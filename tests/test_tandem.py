@@ -121,7 +121,7 @@ def test_tandem_episodes_train_only_on_the_seniors_tokens(pair):
     groups = asyncio.run(engine.run(list(ArithmeticEnv(n_tasks=4).tasks)))
     engine.close()
     trajectories = [t for g in groups for t in g.trajectories]
-    batch = make_batch(trajectories, [0.0] * len(trajectories))
+    batch = make_batch(trajectories)
     with torch.no_grad():
         logp = {name: token_logprobs(m, batch.ids_BT, batch.attention_BT)[0] for name, m in
                 (("senior", senior), ("junior", junior))}

@@ -484,11 +484,10 @@ n = 4
 [eval.rollout.sampling]
 max_tokens = 8
 temperature = 0.0
-[grpo.rollout]
-group_size = 2
 [grpo.rollout.sampling]
 max_tokens = 8
 [grpo]
+group_size = 2
 steps = {steps}
 tasks_per_step = 2
 lr = 1e-3

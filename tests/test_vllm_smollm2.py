@@ -137,7 +137,7 @@ def batched_report(model, prompts: Sequence[Sequence[int]], samples: Sequence[Sa
     ~3 s each for this model on 2 shared cores."""
     trajectories = [Trajectory("t", (*p, *s.token_ids), (0,) * len(p) + (1,) * len(s.token_ids),
                                (0.0,) * len(p) + s.logprobs, len(p), (), 0.0) for p, s in zip(prompts, samples)]
-    batch = make_batch(trajectories, [0.0] * len(trajectories))
+    batch = make_batch(trajectories)
     with torch.no_grad():
         logp_BT, _ = token_logprobs(model.eval(), batch.ids_BT, batch.attention_BT, mask_BT=batch.mask_BT)
     sampled = batch.mask_BT > 0

@@ -42,13 +42,15 @@ class Batch:
                                                  self.adv_BT)))
 
 
-def make_batch(trajectories: Sequence[Trajectory], advantages: Sequence[float | Sequence[float]]) -> Batch:
-    """`advantages[i]`: one number for the whole trajectory, or one per token (e.g. from GAE / per turn)."""
+def make_batch(trajectories: Sequence[Trajectory], advantages: Sequence[float | Sequence[float]] | None = None
+               ) -> Batch:
+    """`advantages[i]`: one number for the whole trajectory, or one per token (e.g. from GAE / per turn); None: 0
+    everywhere (a batch for logprobs or supervised training, which no advantage weighs)."""
     B, T = len(trajectories), max(len(t.token_ids) for t in trajectories)
     ids = torch.zeros((B, T), dtype=torch.long)
     attention = torch.zeros((B, T), dtype=torch.long)
     mask, old_logp, adv = (torch.zeros((B, T)) for _ in range(3))
-    for b, (t, a) in enumerate(zip(trajectories, advantages)):
+    for b, (t, a) in enumerate(zip(trajectories, advantages if advantages is not None else [0.0] * B)):
         n = len(t.token_ids)
         ids[b, :n] = torch.tensor(t.token_ids)
         attention[b, :n] = 1

@@ -22,10 +22,12 @@ reads, every rank gets its shards). In one process each is the plain call.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import os
 import types
 import warnings
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -42,6 +44,40 @@ from agentrl.trainers.checkpoint import (CheckpointError, finished_checkpoints, 
                                          save_checkpoint, set_rng_state, trainer_state)
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """Where this process stands: the only one (rank 0 of 1), or rank `rank` of `world` under torchrun."""
+
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        """Rank 0: the one that samples, evaluates, logs and writes."""
+        return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the trainer is sharded over several ranks."""
+        return self.world > 1
+
+    def share(self, rows: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """This rank's rows of a forward pass cut for every rank (`rows[rank::world]`) and the weight of their loss
+        (`world`: FSDP averages the ranks' gradients). A rank left without rows runs the first one at weight 0:
+        FSDP's collectives need every rank."""
+        return (rows[self.rank::self.world], self.world) if len(rows) > self.rank else (rows[:1], 0)
+
+
+def current() -> Ranks:
+    """This process's place in the process group (the only one outside a process group)."""
+    return Ranks(*data_parallel())
+
+
+def join() -> Ranks:
+    """This process's place, after joining torchrun's process group when a launcher started several (`init`)."""
+    return Ranks(*init()) if launched() else Ranks()
 
 
 def data_parallel() -> tuple[int, int]:
@@ -125,6 +161,27 @@ def shard_from_rank0(model: torch.nn.Module, device: torch.device | str) -> torc
         for buffer in model.buffers():  # non-persistent ones (rotary frequencies) are in no state dict
             dist.broadcast(buffer, src=0)
     return model
+
+
+def derived_model(model: torch.nn.Module, build: Callable[[dict[str, torch.Tensor]], torch.nn.Module]) -> torch.nn.Module:
+    """A model made from `model`'s weights by `build(state)` (e.g. a critic on the policy's transformer). Sharded,
+    rank 0 builds it from the gathered full weights, the other ranks on the meta device from no weights, and it is
+    sharded like the policy from rank 0's copy (`full_state_dict` is a collective: every rank calls this)."""
+    ranks = current()
+    if not ranks.sharded:
+        return build(model.state_dict())
+    full = full_state_dict(model)
+    with torch.device("meta") if not ranks.main else contextlib.nullcontext():
+        derived = build(full)
+    return shard_from_rank0(derived, next(model.parameters()).device)
+
+
+def unsharded_copy(model: torch.nn.Module, auto_class: Any) -> torch.nn.Module | None:
+    """Rank 0's empty unsharded copy of a sharded `model` (made with `auto_class`), which checkpoints gather into;
+    None elsewhere, and in one process (the model is whole)."""
+    ranks = current()
+    dtype = next(model.parameters()).dtype
+    return auto_class.from_config(model.config, dtype=dtype) if ranks.sharded and ranks.main else None
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -269,7 +326,7 @@ class Sharding:
         self.rank, self.world = data_parallel()
         self.model, self.policy, self.main = model, policy, self.rank == 0
         # rank 0's unsharded copy: the sampler's own model when in-process, else one to export from
-        self.plain = ((getattr(policy, "model", None) or AutoModelForCausalLM.from_config(model.config))
+        self.unsharded = ((getattr(policy, "model", None) or AutoModelForCausalLM.from_config(model.config))
                       if self.world > 1 and self.main else None)
         spec = self.from_main(lambda: _transfer_for_ranks(policy, model)) if self.world > 1 else None
         self.streams, self.follower = spec is not None, None  # syncs streamed from every rank's shards
@@ -297,9 +354,9 @@ class Sharding:
         """The policy's weights, as version `version`, into the engine."""
         if not self.streams:
             if self.world > 1:
-                gather_into(self.model, self.plain)  # every rank takes part
+                gather_into(self.model, self.unsharded)  # every rank takes part
             if self.main:
-                asyncio.run(self.policy.sync_weights(self.plain or self.model, version))
+                asyncio.run(self.policy.sync_weights(self.unsharded or self.model, version))
         elif self.main:  # the other ranks gather each tensor with it, then run its parity forwards
             # A failed sync raises here and ends the job (torchrun then stops the other ranks): telling them to
             # stop instead could meet them in another collective.
@@ -325,9 +382,9 @@ class Sharding:
         written by rank 0 (the optimizer state gathered first when sharded: a collective)."""
         optimizer_state = optimizer.state_dict() if self.world == 1 else full_optimizer_state(self.model, optimizer)
         if self.streams:  # streamed syncs leave rank 0's copy as it was
-            gather_into(self.model, self.plain)
+            gather_into(self.model, self.unsharded)
         if self.main:
-            save_checkpoint(out_dir, step, self.plain or self.model, tokenizer, state=state,
+            save_checkpoint(out_dir, step, self.unsharded or self.model, tokenizer, state=state,
                             optimizer_state=optimizer_state, submodels=submodels)
 
 

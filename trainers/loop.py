@@ -41,14 +41,13 @@ from agentrl.rollout.engine import Engines, EnvEngines, RolloutConfig
 from agentrl.rollout.ray_source import RaySources
 from agentrl.rollout.source import RolloutSource
 from agentrl.rollout.timeline import Timeline, idle_fractions
+from agentrl.trainers import distributed
 from agentrl.trainers.batch import Batch, token_micro_batches
-from agentrl.trainers.distributed import resume
-from agentrl.trainers.distributed import data_parallel
+from agentrl.trainers.distributed import Sharding, resume
 from agentrl.trainers.losses import (KL_KINDS, POLICY_LOSSES, CorrectionConfig, PolicyLossConfig, kl_loss, masked_mean,
                                      micro_batch_weight, rollout_correction)
 from agentrl.trainers.metrics import MetricsLogger, check_finite, rollout_metrics
 from agentrl.trainers.rewards import RewardConfig
-from agentrl.trainers.distributed import Sharding
 from agentrl.types import Group, Task
 
 
@@ -59,8 +58,10 @@ class LoopConfig:
 
     section: ClassVar[str] = "rl"  # the recipe table, for error messages
     steps: int = 20  # training steps: collect, update, sync
-    tasks_per_step: int = 8  # tasks collected per step, `rollout.group_size` episodes each
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # its seed is derived from `seed`, per step
+    tasks_per_step: int = 8  # tasks collected per step, `group_size` episodes each
+    group_size: int = 1  # episodes per task: a group (the same env seed, different samples)
+    # the episodes' budgets, parser and timeouts; its group_size is `group_size`, its seed derived from `seed`
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)  # the training reward: env's, or a mix of sources
     loss: str = "ppo"  # a key of agentrl.trainers.losses.POLICY_LOSSES
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
@@ -107,8 +108,11 @@ class LoopConfig:
 
 
 def check_loop_rollout(section: str, rollout: RolloutConfig) -> None:
-    """A training loop derives each collection's rollout seed from `section.seed` (distinct per step, the same on a
-    resumed run): a seed set in `[section.rollout]` would be replaced, so it is an error."""
+    """A training loop plays `section.group_size` episodes per task and derives each collection's rollout seed from
+    `section.seed` (distinct per step, the same on a resumed run): either set in `[section.rollout]` would be
+    replaced, so it is an error."""
+    if rollout.group_size != 1:
+        raise ValueError(f"{section}.rollout.group_size: the group is the method's, set {section}.group_size instead")
     if rollout.seed != 0:
         raise ValueError(f"{section}.rollout.seed is derived from {section}.seed (per step, the same on a resumed "
                          f"run): set {section}.seed instead")
@@ -170,7 +174,7 @@ def collect(engines: Engines, policy: Policy, renderer: Renderer, stream: TaskSt
     rounds for the groups that `keep` dropped, on an engine from `engines` (`EnvEngines`, `AgentEngines`) that lives
     for the step."""
     collected, kept = [], []
-    with engines(policy, renderer, replace(cfg.rollout, seed=seeds.step_seed(cfg.seed, step)), timeline) as engine:
+    with engines(policy, renderer, replace(cfg.rollout, group_size=cfg.group_size, seed=seeds.step_seed(cfg.seed, step)), timeline) as engine:
         for _ in range(1 + refills):
             groups = asyncio.run(engine.run(stream.take(cfg.tasks_per_step - len(kept))))
             collected += groups
@@ -236,7 +240,8 @@ class Asynchronous:
         self.position, self.done = state.get("data_position", 0), set(state.get("done_positions", ()))
         self.buffer = GroupBuffer(method.keep, cfg.max_staleness, shares=max(sources, 1))
         source = partial(RaySources, sources) if sources else RolloutSource  # Ray actors, or a thread of this process
-        self.source = source(engines, policy, renderer, cfg.rollout, stream.at, self.buffer,
+        self.source = source(engines, policy, renderer, replace(cfg.rollout, group_size=cfg.group_size), stream.at,
+                             self.buffer,
                              tasks_per_step=cfg.tasks_per_step, seed=cfg.seed, start=self.position, skip=self.done,
                              timeline=timeline, restart=not cfg.partial_rollouts)
         self.give_up_after = cfg.tasks_per_step * (1 + method.refills)
@@ -291,8 +296,7 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
 
     Sharded (FSDP, `trainers/distributed.py`), the minibatch is cut into passes of `world` micro-batches; rank r runs
     rows[r::world] of each, weighted by `world` times their share, since FSDP averages the ranks' gradients."""
-    device, totals, counts = next(model.parameters()).device, {}, {}
-    rank, world = data_parallel()
+    device, totals, counts, ranks = next(model.parameters()).device, {}, {}, distributed.current()
 
     def add(metrics: dict) -> None:
         for k, v in metrics.items():
@@ -303,10 +307,8 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
         order = torch.randperm(len(batch), generator=generator)
         for rows in order.split(cfg.minibatch_size):
             optimizer.zero_grad()
-            for ranks_rows in passes(cfg, batch, rows, world):  # the same number on every rank
-                # A rank left without rows still runs one, at weight 0: FSDP's collectives need every rank.
-                micro_rows, share = ((ranks_rows[rank::world], world) if len(ranks_rows) > rank
-                                     else (ranks_rows[:1], 0))
+            for pass_rows in passes(cfg, batch, rows, ranks.world):  # the same number on every rank
+                micro_rows, share = ranks.share(pass_rows)
                 with autocast(model):  # the compute dtype, over float32 master weights (if marked)
                     loss, metrics = loss_fn(batch.select(micro_rows).to(device), micro_rows)
                 (loss * share * micro_batch_weight(batch.mask_BT[micro_rows], batch.mask_BT[rows], agg)).backward()

@@ -32,7 +32,7 @@ class SFTConfig:
     seed: int = 0
 
 
-def passes(t: Trajectory, min_outcome: float | None) -> bool:
+def kept_for_sft(t: Trajectory, min_outcome: float | None) -> bool:
     """The SFT filter: `t` is not an error, and its outcome (else its reward) is at least `min_outcome`, if set."""
     if t.status is Status.ERROR:
         return False
@@ -49,12 +49,12 @@ def last_turn_only(t: Trajectory) -> Trajectory:
 def sft(model: torch.nn.Module, trajectories: Sequence[Trajectory], cfg: SFTConfig,
         on_step: Callable[[dict], None] | None = None) -> list[dict]:
     """Trains `model` in place on the masked tokens of the trajectories that pass the filter."""
-    kept = [t for t in trajectories if passes(t, cfg.min_outcome)]
+    kept = [t for t in trajectories if kept_for_sft(t, cfg.min_outcome)]
     if not kept:
         raise ValueError(f"No trajectory passes the SFT filter (min_outcome={cfg.min_outcome}).")
     if cfg.last_turn_only:
         kept = [last_turn_only(t) for t in kept]
-    batch = make_batch(kept, [0.0] * len(kept))
+    batch = make_batch(kept)
     device = next(model.parameters()).device
     batches = ((epoch, batch.select(rows).to(device))
                for epoch, rows in shuffled(len(batch), cfg.batch_size, cfg.epochs, cfg.seed))

@@ -46,3 +46,26 @@ def missing_directory(model: str) -> bool:
     """Whether `model` names a local directory (a path, not a hub name `org/name`) that does not exist."""
     local = model.startswith((".", "/", "~")) or model.count("/") >= 2
     return local and not Path(os.path.expanduser(model)).is_dir()
+
+
+def parse_sets(assignments: list[str]) -> dict:
+    """`["grpo.lr=1e-4", "eval.n=16"]` as nested overrides; a value is TOML (a bare word is a string)."""
+    import tomllib
+
+    from agentrl.config import ConfigError
+
+    out: dict = {}
+    for assignment in assignments:
+        key, sep, text = assignment.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. --set grpo.lr=1e-4")
+        try:
+            value = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = text  # a bare word: `--set env=math/arith-v0`
+        *parents, leaf = key.strip().split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out

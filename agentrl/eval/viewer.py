@@ -69,7 +69,7 @@ def episode_view(index: int, t: Trajectory, decode: Callable[[list[int]], str] |
         "index": index, "task_id": t.task_id, "entry": str(info.get("entry", "")),
         "sample": info.get("sample", t.group), "status": t.status.value, "reason": t.reason,
         "success": "unknown" if success is None else "yes" if success else "no",
-        "reward": t.reward, "components": t.reward_components, "answer": info.get("answer"),
+        "reward": t.reward, "components": t.reward_components, "answer": t.answer,
         "tool_calls": info.get("tool_calls", sum(len(m.tool_calls) for m in t.messages)),
         "seconds": info.get("seconds"), "difficulty": info.get("difficulty") or {},
         "turns": len(t.turns), "tokens": len(t.token_ids), "sampled": t.num_sampled, "weight_version": t.weight_version,

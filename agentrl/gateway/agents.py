@@ -36,7 +36,7 @@ from agentrl.rollout import seeds
 from agentrl.rollout.engine import RolloutConfig, captured, describe, within
 from agentrl.rollout.timeline import Timeline
 from agentrl.system.tcp import listening_socket
-from agentrl.types import Group, Status, StopReason, Task, Trajectory
+from agentrl.types import Group, StopReason, Task, Trajectory
 
 Program = Callable[[Task, str], "Awaitable[float | None] | float | None"]
 
@@ -144,9 +144,9 @@ class AgentEngine:
         trajectories = tuple(self.gateway.pop(session.id))
         if not trajectories:  # the program made no call: nothing to train, one error to count
             reason = f"agent program: {describe(error)}" if error else "the agent program made no model call"
-            trajectories = (Trajectory(task.id, (), (), (), 0, (), 0.0, status=Status.ERROR, reason=reason,
-                                       group=group, seed=env_seed, info={"session": session.id},
-                                       stop=StopReason.ENV_ERROR),)
+            trajectories = (Trajectory(task_id=task.id, token_ids=(), loss_mask=(), logprobs=(), prompt_len=0, turns=(),
+                                       reward=0.0, stop=StopReason.ENV_ERROR, reason=reason, group=group,
+                                       seed=env_seed, session=session.id),)
         return trajectories
 
     async def _call(self, task: Task, base_url: str) -> Any:

@@ -14,7 +14,7 @@ model sampled: it finds the segment whose history the request continues and appe
     new         = no match (a sub-agent's own prompt, a compacted or edited history): render(M_k) from scratch
     then        + the sampled ids, verbatim                                  (loss mask 1)
 
-Each segment becomes its own `Trajectory` when the session closes, linked to the session by `info["session"]`.
+Each segment becomes its own `Trajectory` when the session closes, linked to the session by `Trajectory.session`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, Sequence
 
 from agentrl.policy.protocol import Sample
 from agentrl.renderer import Renderer
-from agentrl.types import Message, Status, StopReason, Trajectory, Turn
+from agentrl.types import Message, StopReason, Trajectory, Turn
 
 Key = tuple
 
@@ -85,19 +85,18 @@ class Segment:
         self.messages = self.messages[:at + 1] + rest
         self.accepts = self.accepts[:at + 1] + [frozenset({key(m)}) for m in rest]
 
-    def to_trajectory(self, session: str, task_id: str, group: int, reward: float, status: Status, reason: str,
-                      stop: StopReason, info: dict[str, Any]) -> Trajectory:
+    def to_trajectory(self, session: str, task_id: str, group: int, reward: float, reason: str, stop: StopReason,
+                      info: dict[str, Any]) -> Trajectory:
         """The segment as a trajectory: the session's reward on its last turn."""
         last = len(self.turns) - 1
         turns = tuple(Turn(t.start, t.end, t.obs_end if t.obs_end >= 0 else t.end, reward if i == last else 0.0,
                            t.finish_reason, t.weight_version) for i, t in enumerate(self.turns))
         return Trajectory(
             task_id=task_id, token_ids=tuple(self.ids), loss_mask=tuple(self.mask), logprobs=tuple(self.logprobs),
-            prompt_len=self.prompt_len, turns=turns, reward=reward, status=status, reason=reason,
+            prompt_len=self.prompt_len, turns=turns, reward=reward, stop=stop, reason=reason,
             messages=tuple(self.messages), group=group, weight_version=min(t.weight_version for t in self.turns),
-            info={**info, "session": session, "segment": self.index,
-                  **({"forked_from": self.forked_from} if self.forked_from is not None else {})},
-            stop=stop)
+            session=session, info={**info, "segment": self.index,
+                                   **({"forked_from": self.forked_from} if self.forked_from is not None else {})})
 
 
 @dataclass(frozen=True)

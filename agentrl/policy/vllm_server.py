@@ -57,7 +57,10 @@ class ServerError(RuntimeError):
 @with_config(STRICT)
 @dataclass(frozen=True)
 class ServerConfig:
-    model: str  # a local model directory or a hub name
+    """How a vLLM server starts: the one declaration of these settings, whoever starts it (`agentrl serve policy`,
+    a job's engine, which extends it as `EngineConfig`, and a judge's `server`)."""
+
+    model: str = ""  # a local model directory or a hub name (a job's engine and a judge serve their own model)
     device: Literal["cpu", "gpu"] = "cpu"
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port, chosen at the first start and kept across restarts
@@ -72,10 +75,11 @@ class ServerConfig:
     log_file: str | None = None  # default: a new file in the temp dir
     env: dict[str, str] = field(default_factory=dict)  # extra environment, e.g. VLLM_CPU_OMP_THREADS_BIND
     extra_args: tuple[str, ...] = ()  # more `vllm serve` flags, passed as they are
-    # How syncs reach the engine: a safetensors checkpoint it reloads, or a transfer from the trainer's memory
-    # (gloo: CPU tensors; nccl: GPU to GPU; ipc: CUDA IPC on the trainer's own GPU). See
-    # agentrl.policy.weight_transfer.
-    weight_transfer: WeightTransfer = "checkpoint"
+    # How syncs reach the engine: a transfer from the trainer's memory (gloo: a broadcast through CPU memory, any
+    # device, tied embeddings too; nccl: GPU to GPU; ipc: CUDA IPC on the trainer's own GPU), or a safetensors
+    # checkpoint it reloads (untied embeddings only). A client attaching to the server uses the same value.
+    # See agentrl.policy.weight_transfer.
+    weight_transfer: WeightTransfer = "gloo"
     # The weight-sync routes (/collective_rpc, /update_weights) let whoever reaches the port replace the weights:
     # a host other than loopback needs this set, for a network that only the job's machines reach.
     trust_network: bool = False
@@ -173,6 +177,8 @@ class VLLMServer:
     """
 
     def __init__(self, config: ServerConfig):
+        if not config.model:
+            raise ValueError("ServerConfig.model is empty: give the model directory or hub name the server serves")
         self.config = config
         self.port = config.port or free_port(config.host)
         self.log_path = Path(config.log_file) if config.log_file else \

@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable, ClassVar, Protocol, Self, Sequence,
 
 from pydantic import with_config
 
-from agentrl.config import STRICT
+from agentrl.config import STRICT, ConfigError
 from agentrl.env.api import TextEnv
 from agentrl.policy.protocol import Policy, PolicyError, Sample, SamplingParams, current_episode
 from agentrl.renderer import Renderer, RendererError
@@ -66,6 +66,23 @@ class RolloutConfig:
         if self.sampling.max_tokens >= self.max_total_tokens:
             raise ValueError(f"sampling.max_tokens ({self.sampling.max_tokens}) must be below max_total_tokens "
                              f"({self.max_total_tokens}), which also holds the prompt")
+
+    def at_temperature(self, temperature: float) -> RolloutConfig:
+        """This rollout, sampling at `temperature`."""
+        return replace(self, sampling=replace(self.sampling, temperature=temperature))
+
+
+def evaluation_temperature(table: object, where: str) -> None:
+    """An evaluation's temperature is its `temperature` key (greedy by default), which its rollout samples at: a
+    table whose `rollout.sampling.temperature` says another is refused rather than overruled."""
+    if not isinstance(table, dict):
+        return  # a malformed table, which validation names
+    rollout = table.get("rollout")
+    sampling = rollout.get("sampling") if isinstance(rollout, dict) else None
+    if isinstance(sampling, dict) and sampling.get("temperature", table.get("temperature", 0.0)) != \
+            table.get("temperature", 0.0):
+        raise ConfigError(f"{where}rollout.sampling.temperature: an evaluation samples at its own temperature; set "
+                          f"{where}temperature instead")
 
 
 _plays = itertools.count()  # makes every play's episode key unique, replays included
@@ -219,15 +236,15 @@ class _Episode:
     def freeze(self, stop: StopReason, reason: str) -> Trajectory:
         # sampled tokens a frozen partner wrote (tandem rollouts) keep loss mask 0
         untrained = sum(t.end - t.start - sum(self.mask[t.start:t.end]) for t in self.turns)
-        info = {"tool_calls": self.tool_calls, "answer": self.answer,
+        info = {"tool_calls": self.tool_calls,
                 "seconds": round(time.perf_counter() - self.started, 3),
                 **({"untrained_tokens": untrained} if untrained else {}),
                 **({"close_error": self.close_error} if self.close_error else {}), **self.per_turn}
         return Trajectory(
             task_id=self.task.id, token_ids=tuple(self.ids), loss_mask=tuple(self.mask),
             logprobs=tuple(self.logprobs), prompt_len=self.prompt_len, turns=tuple(self.turns), reward=self.reward,
-            reward_components=self.components, status=stop.status, reason=reason, messages=tuple(self.messages),
-            group=self.group, seed=self.env_seed, info=info, stop=stop,
+            reward_components=self.components, stop=stop, reason=reason, messages=tuple(self.messages),
+            group=self.group, seed=self.env_seed, answer=self.answer, info=info,
             weight_version=min((t.weight_version for t in self.turns), default=self.weight_version))
 
 

@@ -97,11 +97,6 @@ def _hit(item: dict[str, Any]) -> SearchHit:
     return SearchHit(str(doc.get("id", "")), doc["contents"], float(item.get("score", 0.0)))
 
 
-def split_title(contents: str) -> tuple[str, str]:
-    """`"Title"\\ntext` (the Search-R1 / DPR corpus format) -> (title, text)."""
-    title, _, text = contents.partition("\n")
-    return title.strip().strip('"'), text.strip()
-
 
 def format_passages(hits: Sequence[SearchHit], with_ids: bool = False) -> str:
     """Passages exactly as Search-R1 shows them to the model: `Doc 1(Title: "Title") text`, one per line;

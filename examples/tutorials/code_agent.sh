@@ -8,7 +8,7 @@ OUT=${OUT:-runs/tutorial-code}
 SMALL=()
 if [ "${TUTORIAL_SMALL:-0}" = 1 ]; then
   SMALL=(--set sft.episodes=8 --set eval.n=2 --set grpo.steps=1 --set grpo.tasks_per_step=1
-         --set grpo.rollout.group_size=2 --set grpo.rollout.sampling.max_tokens=64
+         --set grpo.group_size=2 --set grpo.rollout.sampling.max_tokens=64
          --set eval.rollout.sampling.max_tokens=64)
 fi
 

@@ -102,14 +102,13 @@ def main() -> None:
     from agentrl.models.tokenizer import load_tokenizer
 
     model_dir = build_tiny_model(args.model, quiet=True)
-    engine = RolloutEngine(lambda: agentrl.make("tutorial/warehouse-v0"), HFPolicy.load(str(model_dir)),
-                           Renderer(load_tokenizer(model_dir)), RolloutConfig(max_total_tokens=768))
-    groups = asyncio.run(engine.run(env.tasks[:4]))
+    with RolloutEngine(lambda: agentrl.make("tutorial/warehouse-v0"), HFPolicy.load(str(model_dir)),
+                       Renderer(load_tokenizer(model_dir)), RolloutConfig(max_total_tokens=768)) as engine:
+        groups = asyncio.run(engine.run(env.tasks[:4]))
     for trajectory in (t for g in groups for t in g.trajectories):
         sampled = sum(trajectory.loss_mask)
         print(f"{trajectory.task_id}: {trajectory.status.value}, reward {trajectory.reward}, "
               f"{len(trajectory.turns)} turns, {sampled} of {len(trajectory.token_ids)} tokens sampled")
-    engine.close()
     # --8<-- [end:main]
 
 

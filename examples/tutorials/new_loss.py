@@ -81,9 +81,9 @@ def main() -> None:
         "env": "math/arith-v0", "model": str(model), "out_dir": str(args.out),
         "env_kwargs": {"max_turns": 2},
         "eval": {"split": "heldout", "n": 4, "rollout": {"sampling": {"max_tokens": 32, "temperature": 0.0}}},
-        "grpo": {"steps": args.steps, "tasks_per_step": 2, "loss": "cispo", "lr": 1e-4,
+        "grpo": {"steps": args.steps, "tasks_per_step": 2, "group_size": 4, "loss": "cispo", "lr": 1e-4,
                  "policy_loss": {"clip_low": 0.2, "clip_high": 0.28},
-                 "rollout": {"group_size": 4, "sampling": {"max_tokens": 32}}},
+                 "rollout": {"sampling": {"max_tokens": 32}}},
     })
     summary = run(job)
     print({key: summary[key] for key in ("before", "after") if key in summary})

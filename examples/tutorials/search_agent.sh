@@ -12,7 +12,7 @@ if [ "${TUTORIAL_SMALL:-0}" = 1 ]; then
          --set warmup.context_episodes=8 --set env_kwargs.train_worlds=2 --set sft.0.episodes=16
          --set sft.1.episodes=16 --set sft.1.config.epochs=1
          --set eval.n=2 --set grpo.steps=1 --set grpo.tasks_per_step=2
-         --set grpo.rollout.group_size=2)
+         --set grpo.group_size=2)
 fi
 
 agentrl model init "$MODEL" --corpus search  # the 5 M-parameter model; its tokenizer also learned the corpus

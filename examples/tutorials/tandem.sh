@@ -7,7 +7,7 @@ OUT=${OUT:-runs/tutorial-tandem}
 WARM=() RL=()
 if [ "${TUTORIAL_SMALL:-0}" = 1 ]; then
   WARM=(--set warmup.steps=20 --set sft.episodes=16 --set sft.config.epochs=1 --set eval.n=2)
-  RL=(--steps 1 --set grpo.tasks_per_step=2 --set grpo.rollout.group_size=2 --set eval.n=2)
+  RL=(--steps 1 --set grpo.tasks_per_step=2 --set grpo.group_size=2 --set eval.n=2)
 fi
 
 agentrl model init "$MODEL"

@@ -134,7 +134,7 @@ def plan(job: TrainJob, hardware: Hardware, world: int = 1, model_config: str | 
             share = (engine.gpu_memory_utilization or 0.9) * capacity
         if engine.device == "gpu":
             problems += _engine_problems(job, model, hardware, own, capacity)
-    if engine.kind == "vllm" and engine.transfer == "checkpoint" and ties_embeddings(model.config):
+    if engine.kind == "vllm" and engine.weight_transfer == "checkpoint" and ties_embeddings(model.config):
         problems.append(f"{job.model} ties its embeddings, which a checkpoint sync leaves half-updated: set "
                         "engine.weight_transfer = 'auto' (gloo) or a transfer backend")
     if job.dtype == "bfloat16" and not job.master_weights and job.rl.lr < 1e-4:
@@ -160,10 +160,10 @@ def _engine_problems(job: TrainJob, model: torch.nn.Module, hardware: Hardware, 
                      ) -> list[str]:
     """What a job-started GPU vLLM server cannot do on `hardware`."""
     engine, problems = job.engine, []
-    if engine.transfer == "nccl" and not own:
+    if engine.weight_transfer == "nccl" and not own:
         problems.append("weight_transfer 'nccl' needs the server on GPUs of its own (NCCL refuses two ranks on one "
                         "device): set engine.gpus, or use 'ipc' on the shared GPU")
-    if engine.transfer == "ipc" and own:
+    if engine.weight_transfer == "ipc" and own:
         problems.append("weight_transfer 'ipc' needs the server on the trainer's GPU: remove engine.gpus, or use "
                         "'nccl' between GPUs")
     if own and len(engine.gpus.split(",")) < engine.tensor_parallel_size:

@@ -21,7 +21,7 @@ from agentrl.trainers.job.recipe import TrainJob
 from agentrl.types import Trajectory
 
 
-def heldout(job: TrainJob, policy: Policy, renderer: Renderer, make_env: Callable[..., TextEnv],
+def evaluate_heldout(job: TrainJob, policy: Policy, renderer: Renderer, make_env: Callable[..., TextEnv],
             log: Callable[[str], None], label: str, engines: Engines | None = None,
             execute: Callable[[Coroutine], Any] = asyncio.run) -> tuple[dict[str, Any], list[Trajectory]]:
     """(metrics, trajectories) of the held-out evaluation `label`: each split of the job's env an entry of one suite,

@@ -35,7 +35,7 @@ from agentrl.rollout.ray_pool import env_factory
 from agentrl.system.files import write_folder
 from agentrl.trainers import distributed
 from agentrl.trainers.checkpoint import save_model
-from agentrl.trainers.job.heldout import heldout
+from agentrl.trainers.job.heldout import evaluate_heldout
 from agentrl.trainers.job.recipe import TrainJob
 from agentrl.trainers.lora import add_lora
 from agentrl.trainers.methods import METHODS
@@ -54,18 +54,18 @@ class JobMismatch(ValueError):
 def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     """The whole job; resumable. Under torchrun (several processes), the GRPO trainer is sharded with FSDP2
     over the ranks and rank 0 samples, evaluates and writes (`trainers/distributed.py`, docs/scaling.md)."""
-    rank, world = distributed.init() if distributed.launched() else (0, 1)
-    if world > 1:
+    ranks = distributed.join()
+    if ranks.sharded:
         check_shardable(job)
-        log = log if rank == 0 else (lambda message: None)
+        log = log if ranks.main else (lambda message: None)
     out = Path(os.path.expanduser(job.out_dir))
     out.mkdir(parents=True, exist_ok=True)
-    if rank == 0:
+    if ranks.main:
         record_job(job, out)
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     save = lambda: summary_path.write_text(json.dumps(summary, indent=2))  # noqa: E731
-    setup = set_up(job, out, rank, world, log)
+    setup = set_up(job, out, ranks, log)
     warm_start(setup, summary, save)
     stage = METHODS[job.method].stage(setup)
 
@@ -73,7 +73,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         metrics, trajectories = setup.heldout(label)
         return {**metrics, **stage.heldout(trajectories, label)}
 
-    if job.eval and "before" not in summary and rank == 0:
+    if job.eval and "before" not in summary and ranks.main:
         summary["before"] = evaluate("before RL")
         save()
     reward = job.settings.reward
@@ -83,7 +83,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         summary.update(stage.train())
     else:
         log("No RL stage (steps = 0).")
-    if rank > 0:  # rank 0 evaluates and writes
+    if not ranks.main:  # rank 0 evaluates and writes
         return summary
     summary["rl_seconds"] = round(time.perf_counter() - started, 1)
     if job.eval and stage.trains():
@@ -132,7 +132,7 @@ def leaves(data: Any, prefix: str = "") -> dict[str, Any]:
     return {key: value for k, v in data.items() for key, value in leaves(v, f"{prefix}.{k}" if prefix else k).items()}
 
 
-def set_up(job: TrainJob, out: Path, rank: int, world: int, log: Callable[[str], None]) -> Setup:
+def set_up(job: TrainJob, out: Path, ranks: distributed.Ranks, log: Callable[[str], None]) -> Setup:
     """The tokenizer, the envs, the sampler (rank 0: in-process, or vLLM with every sync parity-checked on two task
     prompts) and the trainer's model, each failing now if it cannot work rather than after the first evaluation."""
     tokenizer = load_tokenizer(job.model, job.chat_template)
@@ -144,15 +144,15 @@ def set_up(job: TrainJob, out: Path, rank: int, world: int, log: Callable[[str],
     param_dtype = torch.float32 if job.master_weights else compute
     autocast_dtype = compute if compute != param_dtype else None
     policy = None
-    if rank == 0 and in_process:
+    if ranks.main and in_process:
         policy = HFPolicy.load(job.model, device=job.device, dtype=param_dtype)
         mixed_precision(policy.model, autocast_dtype)  # samples with the trainer's numerics (it may share the model)
-    elif rank == 0:
+    elif ranks.main:
         prompts = [renderer.prompt_ids(env.first_messages(t), env.tool_schemas) for t in tasks[:2]]
         policy = open_policy(job.model, job.engine, parity_prompts=prompts)
-    if in_process and world == 1 and not job.rl.max_staleness:  # the sampler shares the trainer's model: free syncs
+    if in_process and not ranks.sharded and not job.rl.max_staleness:  # the sampler shares the trainer's model: free syncs
         model = policy.model
-    elif world > 1:  # the trainer sharded over the ranks under torchrun
+    elif ranks.sharded:  # the trainer sharded over the ranks under torchrun
         model = distributed.from_pretrained(os.path.expanduser(job.model), param_dtype, autocast_dtype, job.device)
     else:  # the trainer has its own copy (asynchronous: the sampler runs on)
         model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(job.model), dtype=param_dtype).to(job.device)
@@ -168,7 +168,7 @@ def set_up(job: TrainJob, out: Path, rank: int, world: int, log: Callable[[str],
     engines = AgentEngines(job.agent) if job.agent else None  # else the env's episodes
 
     def evaluate(label: str, execute: Callable[[Coroutine], Any] = asyncio.run) -> tuple[dict[str, Any], list]:
-        return heldout(job, policy, renderer, make_env, log, label, engines, execute)
+        return evaluate_heldout(job, policy, renderer, make_env, log, label, engines, execute)
 
     return Setup(job, model, tokenizer, policy, renderer, make_env, tasks, out, log, engines, evaluate)
 
@@ -181,7 +181,7 @@ def check_shardable(job: TrainJob) -> None:
     if unsupported:
         raise ValueError(f"a sharded (torchrun) job runs the GRPO or PPO loop only; remove {unsupported}. Run warm "
                          "starts in one process first and set model to their output (e.g. runs/X/sft_model).")
-    if job.engine.kind == "vllm" and job.engine.transfer == "ipc":
+    if job.engine.kind == "vllm" and job.engine.weight_transfer == "ipc":
         raise ValueError("weight_transfer 'ipc' hands the engine one GPU's memory, and a sharded trainer's weights "
                          "are spread over the ranks' GPUs: use 'nccl' (an engine on GPUs of its own) or 'gloo'")
 

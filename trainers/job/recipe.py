@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Any
 
 from pydantic import with_config
 
-from agentrl.config import STRICT, merge, table_defaults
+from agentrl.config import STRICT, merge
 from agentrl.gateway.agents import AgentConfig
 from agentrl.models.tokenizer import chat_template_text
 from agentrl.policy.backends import EngineConfig
-from agentrl.policy.protocol import SamplingParams
-from agentrl.rollout.engine import RolloutConfig
+from agentrl.rollout.engine import RolloutConfig, evaluation_temperature
 from agentrl.rollout.ray_pool import RayConfig
 from agentrl.rollout.ray_source import source_problems
 from agentrl.trainers.lora import LoraSettings
@@ -45,11 +44,16 @@ class DemoSFT:
 class EvalConfig:
     split: str | list[str] = "heldout"  # one split, or several held-out suites (each reported, then averaged)
     n: int = 200  # tasks per split, one episode each
-    every: int = 0  # also evaluate every this many GRPO steps, logged with the training metrics (0: never)
-    # in a recipe: the RL rollout's table less its group_size and temperature (`TrainJob.derive`), greedy, and the
-    # keys this table sets
-    rollout: Annotated[RolloutConfig, table_defaults(sampling={"temperature": 0.0})] = field(
-        default_factory=lambda: RolloutConfig(sampling=SamplingParams(temperature=0.0)))
+    every: int = 0  # also evaluate every this many RL steps, logged with the training metrics (0: never)
+    temperature: float = 0.0  # the episodes' sampling temperature (greedy); `rollout.sampling` is given it
+    # in a recipe: the RL rollout's table (`TrainJob.derive`: budgets, parser limits and timeouts set once) and the
+    # keys this table sets; one episode per task
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+
+    def __post_init__(self) -> None:
+        if self.rollout.group_size != 1:
+            raise ValueError("eval.rollout.group_size: a held-out evaluation plays one episode per task; remove it")
+        object.__setattr__(self, "rollout", self.rollout.at_temperature(self.temperature))
 
 
 @with_config(STRICT)
@@ -114,16 +118,17 @@ class TrainJob:
 
     @staticmethod
     def derive(recipe: dict[str, Any]) -> dict[str, Any]:
-        """The recipe with its `[eval.rollout]` started from the RL rollout's table (its method's `rollout`) less
-        `group_size` and the sampling temperature (evaluation is one greedy episode per task unless it says
-        otherwise): budgets, parser limits and timeouts are set once, and the table keeps what it sets itself."""
+        """The recipe with its `[eval.rollout]` started from the RL rollout's table (its method's `rollout`) less the
+        sampling temperature (evaluation is greedy unless `eval.temperature` says otherwise): budgets, parser limits
+        and timeouts are set once, and the table keeps what it sets itself."""
         settings = next((spec.settings for name, spec in METHODS.items() if name != "grpo" and name in recipe),
                         "grpo")
         table = lambda data, key: data.get(key) if isinstance(data, dict) else None  # noqa: E731 (else: invalid)
         rl, evaluation = table(table(recipe, settings), "rollout"), table(recipe, "eval")
+        evaluation_temperature(evaluation, "eval.")
         if not isinstance(rl, dict) or (evaluation is None and "eval" in recipe):
             return recipe  # nothing to start from, or a malformed table that validation names
-        rl = json.loads(json.dumps({k: v for k, v in rl.items() if k != "group_size"}))  # a copy
+        rl = json.loads(json.dumps(rl))  # a copy
         if isinstance(rl.get("sampling"), dict):
             rl["sampling"].pop("temperature", None)
         own = evaluation.get("rollout", {}) if evaluation else {}

@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import copy
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any, Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from pydantic import with_config
 
-from agentrl.config import STRICT, table_defaults
+from agentrl.config import STRICT
 from agentrl.policy.logprobs import token_logprobs
 from agentrl.policy.precision import autocast
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
@@ -36,8 +36,8 @@ from agentrl.types import Group, Trajectory
 @dataclass(frozen=True)
 class DPOConfig:
     tasks: int = 256  # training tasks to sample pairs from
-    rollout: Annotated[RolloutConfig, table_defaults(group_size=4)] = field(  # group_size: samples per task
-        default_factory=lambda: RolloutConfig(group_size=4))
+    group_size: int = 4  # samples per task, the best and worst of which make a pair
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # its group_size is `group_size`, its seed `seed`
     reward: RewardConfig = field(default_factory=RewardConfig)  # what ranks a group's episodes
     beta: float = 0.1
     label_smoothing: float = 0.0
@@ -52,8 +52,8 @@ class DPOConfig:
         if self.beta <= 0:
             raise ValueError(f"beta must be > 0, got {self.beta}")
         check_loop_rollout("dpo", self.rollout)
-        if self.rollout.group_size < 2:
-            raise ValueError("dpo.rollout.group_size must be >= 2: pairs come from samples of one task")
+        if self.group_size < 2:
+            raise ValueError("dpo.group_size must be >= 2: pairs come from samples of one task")
         if self.min_margin < 0:
             raise ValueError(f"min_margin must be >= 0, got {self.min_margin}")
         if not 0 <= self.label_smoothing < 0.5:
@@ -89,7 +89,7 @@ def train_dpo(model: torch.nn.Module, pairs: Sequence[tuple[Trajectory, Trajecto
                          "or a larger group_size, or start from a model whose episodes differ in reward.")
     ref = copy.deepcopy(model).eval().requires_grad_(False)
     rows = [t for pair in pairs for t in pair]  # chosen, rejected, chosen, rejected, ...
-    batch = make_batch(rows, [0.0] * len(rows))
+    batch = make_batch(rows)
     device = next(model.parameters()).device
     batches = ((epoch, batch.select(torch.stack([2 * ids, 2 * ids + 1], dim=1).flatten()).to(device))  # pairs adjacent
                for epoch, ids in shuffled(len(pairs), cfg.pairs_per_step, cfg.epochs, cfg.seed))
@@ -118,10 +118,10 @@ class DPOStage(RLStage):
         if (checkpoint := latest_checkpoint(s.out)) is not None:  # DPO finished in an earlier run
             s.load(checkpoint, version=1)
             return {}
-        with RolloutEngine(s.make_env, s.policy, s.renderer, replace(cfg.rollout, seed=cfg.seed)) as engine:
+        with RolloutEngine(s.make_env, s.policy, s.renderer, replace(cfg.rollout, group_size=cfg.group_size, seed=cfg.seed)) as engine:
             groups = asyncio.run(engine.run(s.tasks[:cfg.tasks]))
         pairs = preference_pairs(groups, cfg.reward, cfg.min_margin, s.model)
-        s.log(f"DPO: {len(pairs)} preference pairs from {len(groups)} tasks × {cfg.rollout.group_size} samples")
+        s.log(f"DPO: {len(pairs)} preference pairs from {len(groups)} tasks × {cfg.group_size} samples")
         history = train_dpo(s.model, pairs, cfg)
         asyncio.run(s.policy.sync_weights(s.model, 1))
         optimizer = torch.optim.AdamW(s.model.parameters())  # a fresh one: DPO is offline, there is nothing to resume

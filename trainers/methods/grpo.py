@@ -12,15 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from pydantic import with_config
 
-from agentrl.config import STRICT, table_defaults
+from agentrl.config import STRICT
 from agentrl.env.api import TextEnv
 from agentrl.policy.protocol import Policy
-from agentrl.rollout.engine import Engines, EnvEngines, RolloutConfig
+from agentrl.rollout.engine import Engines, EnvEngines
 from agentrl.trainers import distributed, loop
 from agentrl.trainers.advantages import ADVANTAGES
 from agentrl.trainers.batch import Batch, make_batch
@@ -37,8 +37,7 @@ class GRPOConfig(loop.LoopConfig):
     """`[grpo]`: the loop's settings (`LoopConfig`) and GRPO's own."""
 
     section: ClassVar[str] = "grpo"
-    rollout: Annotated[RolloutConfig, table_defaults(group_size=8)] = field(
-        default_factory=lambda: RolloutConfig(group_size=8))
+    group_size: int = 8  # episodes per task: each one's baseline is the others'
     advantage: str = "grpo"  # a key of agentrl.trainers.advantages.ADVANTAGES
     dynamic_sampling: bool = False  # skip groups whose rewards are all equal, and refill
     max_refills: int = 2  # extra collection rounds per step when dynamic sampling drops groups
@@ -47,21 +46,21 @@ class GRPOConfig(loop.LoopConfig):
         super().__post_init__()
         if self.advantage not in ADVANTAGES:
             raise ValueError(f"advantage must be one of {sorted(ADVANTAGES)}, got {self.advantage!r}")
-        if self.rollout.group_size < 2:
-            raise ValueError("GRPO needs rollout.group_size >= 2 to compare samples of one task")
+        if self.group_size < 2:
+            raise ValueError("GRPO needs group_size >= 2 to compare samples of one task")
 
 
 def samples_of(group: Group) -> list[Any]:
-    """Per valid trajectory, the sample of the group it belongs to: its agent session (`info["session"]`, from the
-    gateway), whose segments are one sample, or itself."""
-    return [t.info.get("session", i) for i, t in enumerate(group.valid)]
+    """Per valid trajectory, the sample of the group it belongs to: its agent session (from the gateway), whose
+    segments are one sample, or itself."""
+    return [t.session if t.session is not None else i for i, t in enumerate(group.valid)]
 
 
 def to_batch(groups: list[Group], advantage: str, rewards: list[list[float | None]]) -> Batch:
     """Errors are left out entirely: they are neither in the baseline nor trained on. `rewards[i]` holds
     the training reward of each of `groups[i]`'s valid trajectories (None: missing, left out too). One call over
     the whole batch, so batch-level estimators (REINFORCE++) see every group. The segments of one agent session
-    (`info["session"]`, from the gateway) are one sample of the baseline, with their mean reward, and share its
+    (`Trajectory.session`, from the gateway) are one sample of the baseline, with their mean reward, and share its
     advantage."""
     trajectories, sample_of, sample_rewards, group_ids = [], [], [], []
     for gi, (group, rewards_of_group) in enumerate(zip(groups, rewards)):

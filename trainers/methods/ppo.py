@@ -15,7 +15,6 @@ It is saved with each checkpoint under `critic/` and loads with `from_pretrained
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -35,8 +34,7 @@ from agentrl.rollout.engine import Engines, EnvEngines
 from agentrl.trainers import loop
 from agentrl.trainers.advantages import gae, masked_whiten, turn_rewards_to_tokens
 from agentrl.trainers.batch import Batch, make_batch
-from agentrl.trainers.distributed import (Sharding, data_parallel, frozen_copy, full_state_dict, restore,
-                                          shard_from_rank0)
+from agentrl.trainers.distributed import Sharding, derived_model, frozen_copy, restore, unsharded_copy
 from agentrl.trainers.losses import kl_in_reward, masked_mean, value_loss
 from agentrl.trainers.methods.stage import RLStage, run_loop
 from agentrl.trainers.rewards import reward_metrics, rewarded
@@ -67,27 +65,24 @@ class PPOConfig(loop.LoopConfig):
 
 def make_critic(model: torch.nn.Module) -> torch.nn.Module:
     """The policy's transformer with a scalar value head at 0 (no dropout: values must not be noisy), in the
-    policy's precision (float32 master weights and its autocast dtype, `agentrl.policy.precision`). From a
-    policy sharded with FSDP, rank 0 makes the critic from the gathered weights and it is sharded the same way."""
-    rank, world = data_parallel()
+    policy's precision (float32 master weights and its autocast dtype, `agentrl.policy.precision`); sharded like
+    the policy when it is (`distributed.derived_model`)."""
     config = copy.deepcopy(model.config)
     config.num_labels, config.classifier_dropout = 1, 0.0
-    weight = next(model.parameters())
-    with torch.device("meta") if rank else contextlib.nullcontext():  # the other ranks get their shards from rank 0
+    weight, prefix = next(model.parameters()), model.base_model_prefix + "."
+
+    def build(state: dict[str, torch.Tensor]) -> torch.nn.Module:
         critic = AutoModelForTokenClassification.from_config(config, dtype=weight.dtype)
-    if world == 1:
-        critic.base_model.load_state_dict(model.base_model.state_dict())
-    elif (full := full_state_dict(model)):  # rank 0; a collective, every rank takes part
-        prefix = model.base_model_prefix + "."
-        critic.base_model.load_state_dict({k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)})
-    if rank == 0:
-        head = [m for m in critic.modules() if isinstance(m, torch.nn.Linear) and m.out_features == 1][-1]
-        torch.nn.init.zeros_(head.weight)
-        if head.bias is not None:
-            torch.nn.init.zeros_(head.bias)
-        critic.to(weight.device)
-    critic = mixed_precision(critic, compute_dtype(model))
-    return shard_from_rank0(critic, weight.device) if world > 1 else critic
+        if state:  # none on the ranks that get their shards from rank 0
+            critic.base_model.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+            head = [m for m in critic.modules() if isinstance(m, torch.nn.Linear) and m.out_features == 1][-1]
+            torch.nn.init.zeros_(head.weight)
+            if head.bias is not None:
+                torch.nn.init.zeros_(head.bias)
+            critic.to(weight.device)
+        return mixed_precision(critic, compute_dtype(model))
+
+    return derived_model(model, build)
 
 
 def token_values(critic: torch.nn.Module, ids_BT: torch.Tensor, attention_BT: torch.Tensor) -> torch.Tensor:
@@ -171,9 +166,7 @@ class PPO:
         self.critic = make_critic(model)
         self.ref = frozen_copy(model) if cfg.kl_coef > 0 else None
         self.critic_optimizer = torch.optim.AdamW(self.critic.parameters(), lr=cfg.critic_lr)
-        rank, world = data_parallel()  # rank 0's unsharded critic, which checkpoints save
-        self.plain_critic = AutoModelForTokenClassification.from_config(
-            self.critic.config, dtype=next(self.critic.parameters()).dtype) if world > 1 and rank == 0 else None
+        self.plain_critic = unsharded_copy(self.critic, AutoModelForTokenClassification)  # what checkpoints save
 
     def keep(self, group: Group) -> bool:
         """A group (usually one episode) with a valid episode that has a training reward: the critic, not the group,
@@ -189,7 +182,7 @@ class PPO:
             score_confidence(self.model, kept)
         scored = [rewarded(g, cfg.reward) for g in kept]
         trajectories, rewards_B = [t for ts, _ in scored for t in ts], [r for _, rs in scored for r in rs]
-        batch, values_BT, returns_BT, metrics = advantages(make_batch(trajectories, [0.0] * len(trajectories)),
+        batch, values_BT, returns_BT, metrics = advantages(make_batch(trajectories),
                                                            trajectories, rewards_B, self.critic, self.ref, cfg,
                                                            policy=self.model)
         metrics["train_reward"] = sum(rewards_B) / len(rewards_B)

@@ -86,7 +86,7 @@ def run_loop(setup: Setup, cfg: LoopConfig, train: Callable[..., list[dict]], na
     held-out evaluations (`eval.every`), its agent engines and Ray sources; sampling from `policy` (default the
     job's)."""
     job, log = setup.job, setup.log
-    log(f"{name}: {cfg.steps} steps × {cfg.tasks_per_step} tasks × {cfg.rollout.group_size}{note}")
+    log(f"{name}: {cfg.steps} steps × {cfg.tasks_per_step} tasks × {cfg.group_size}{note}")
 
     def periodic_eval(step: int, execute: Callable[[Coroutine], Any]) -> dict[str, Any]:
         due = job.eval and job.eval.every and step % job.eval.every == 0 and step < cfg.steps

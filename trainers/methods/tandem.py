@@ -162,7 +162,7 @@ def junior_cross_entropy(junior: torch.nn.Module, trajectories: Sequence[Traject
         chunk = [t for t in trajectories[start:start + batch_size] if t.num_sampled]
         if not chunk:
             continue
-        batch = make_batch(chunk, [0.0] * len(chunk)).to(device)
+        batch = make_batch(chunk).to(device)
         logp_BT, _ = token_logprobs(junior, batch.ids_BT, batch.attention_BT, mask_BT=batch.mask_BT)
         total -= float((logp_BT * batch.mask_BT).sum())
         count += int(batch.mask_BT.sum())

@@ -209,13 +209,13 @@ class Verifier:
         self.model, self.policy, self.renderer = model, policy, renderer
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.verifier_lr)
         sampling = replace(grpo.rollout.sampling, max_tokens=cfg.verifier_max_tokens)
-        self.grpo = replace(grpo, rollout=replace(grpo.rollout, group_size=cfg.verifier_group_size, sampling=sampling),
+        self.grpo = replace(grpo, group_size=cfg.verifier_group_size, rollout=replace(grpo.rollout, sampling=sampling),
                             lr=cfg.verifier_lr)
 
     def judge(self, tasks: Sequence[Task], seed: int) -> list[Group]:
         """One group of `verifier_group_size` judgements per task, sampled from the verifier's policy with `seed`."""
         with RolloutEngine(lambda: VerifierEnv(tasks), self.policy, self.renderer,
-                           replace(self.grpo.rollout, seed=seed)) as engine:
+                           replace(self.grpo.rollout, group_size=self.grpo.group_size, seed=seed)) as engine:
             return asyncio.run(engine.run(tasks))
 
     def train_on(self, groups: Sequence[Group], step: int) -> dict[str, float]:

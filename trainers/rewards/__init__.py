@@ -80,8 +80,8 @@ Source = Callable[[Sequence[Trajectory], RewardConfig], Sequence[float | None]]
 
 
 def _majority_vote(ts: Sequence[Trajectory], cfg: RewardConfig) -> list[float]:
-    label = majority_vote([t.info.get("answer") for t in ts])
-    return [float(label is not None and normalize_answer(t.info.get("answer")) == label) for t in ts]
+    label = majority_vote([t.answer for t in ts])
+    return [float(label is not None and normalize_answer(t.answer) == label) for t in ts]
 
 
 SOURCES: dict[str, Source] = {
@@ -89,7 +89,7 @@ SOURCES: dict[str, Source] = {
     "outcome": lambda ts, cfg: [t.reward_components.get("outcome", 0.0) for t in ts],
     "process": lambda ts, cfg: [t.reward_components.get("process", 0.0) for t in ts],
     "majority_vote": _majority_vote,
-    "format": lambda ts, cfg: [float(t.status is Status.OK and t.info.get("answer") is not None) for t in ts],
+    "format": lambda ts, cfg: [float(t.status is Status.OK and t.answer is not None) for t in ts],
     "random": lambda ts, cfg: [_coin(cfg.seed, t, i) for i, t in enumerate(ts)],
     "inverted": lambda ts, cfg: [1.0 - t.reward_components.get("outcome", 0.0) for t in ts],
     "length": lambda ts, cfg: [t.num_sampled / cfg.length_norm for t in ts],
@@ -135,8 +135,8 @@ def majority_vote_metrics(groups: Sequence[Group]) -> dict[str, float]:
     a trajectory that gave it, with outcome 1), and the mean share of the group that agrees with it."""
     correct, agreement, n = 0, 0.0, 0
     for g in groups:
-        answers = [normalize_answer(t.info.get("answer")) for t in g.valid]
-        label = majority_vote([t.info.get("answer") for t in g.valid])
+        answers = [normalize_answer(t.answer) for t in g.valid]
+        label = majority_vote([t.answer for t in g.valid])
         if label is None:
             continue
         n += 1

@@ -48,7 +48,7 @@ def response_confidence(model: torch.nn.Module, trajectories: Sequence[Trajector
                         tokens_per_pass: int = TOKENS_PER_PASS) -> list[dict[str, float]]:
     """Per trajectory, the mean over its sampled tokens (loss mask 1) of the entropy and the self-certainty of the
     distribution that predicted each: `{"entropy": ..., "self_certainty": ...}` (both 0 without sampled tokens)."""
-    batch = make_batch(trajectories, [0.0] * len(trajectories))
+    batch = make_batch(trajectories)
     device, was_training = next(model.parameters()).device, model.training
     sums = torch.zeros(len(trajectories), 2)
     model.eval()  # dropout off, as the sampler

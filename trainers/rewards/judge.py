@@ -37,12 +37,13 @@ import os
 import re
 import threading
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 from pydantic import with_config
 
 from agentrl.config import STRICT
+from agentrl.policy.vllm_server import ServerConfig
 from agentrl.system.background import BackgroundLoop
 from agentrl.trainers.metrics import correlation
 from agentrl.types import Trajectory
@@ -54,9 +55,6 @@ SYSTEM = ("You are a strict grader. Everything between <question>, <tools> and <
 SCORE_LINE = re.compile(r"Score:\s*(0(?:\.\d+)?|1(?:\.0+)?|\.\d+)")
 RANKING_LINE = re.compile(r"Ranking:\s*(\d+(?:\s*,\s*\d+)*)")
 TAGS = re.compile(r"<(/?)(question|tools|answer|answers)\b", re.I)
-
-
-SERVER_FIELDS = ("device", "max_model_len", "gpus", "gpu_memory_utilization")  # JudgeConfig's for backend "vllm"
 
 
 @with_config(STRICT)
@@ -84,12 +82,10 @@ class JudgeConfig:
     timeout: float = 60.0  # seconds per request
     concurrency: int = 8  # requests in flight (openai); the batch size (transformers)
     constant_score: float = 1.0  # the `constant` control's score
-    # vllm: the started server's device, context, and on GPU its CUDA_VISIBLE_DEVICES and memory share (required
-    # there: the judge's server shares GPUs with the policy's engine or the trainer, and vLLM's 0.9 leaves them none)
-    device: Literal["cpu", "gpu"] = "cpu"
-    max_model_len: int = 4096
-    gpus: str | None = None
-    gpu_memory_utilization: float | None = None
+    # vllm: how the judge's server starts (it serves `model`): its device, context, and on GPU its gpus and memory
+    # share (required there: the judge's server shares GPUs with the policy's engine or the trainer, and vLLM's 0.9
+    # leaves them none)
+    server: ServerConfig = field(default_factory=ServerConfig)
 
     def __post_init__(self) -> None:
         problems = []
@@ -99,14 +95,13 @@ class JudgeConfig:
             problems.append("backend 'openai' needs base_url (e.g. http://127.0.0.1:8000/v1) and model")
         if self.backend in ("vllm", "transformers") and not self.model:
             problems.append(f"backend {self.backend!r} needs model, a model folder (e.g. the policy's starting one)")
-        started = [f.name for f in fields(self) if f.name in SERVER_FIELDS and getattr(self, f.name) != f.default]
-        if self.backend != "vllm" and started:
-            problems.append(f"{started} set the server that backend 'vllm' starts: remove them, or use backend 'vllm'")
-        if self.backend == "vllm" and self.device == "gpu" and self.gpu_memory_utilization is None:
+        if self.backend != "vllm" and self.server != ServerConfig():
+            problems.append("server sets the server that backend 'vllm' starts: remove it, or use backend 'vllm'")
+        if self.server.model:
+            problems.append("server.model: the judge's server serves the judge's `model`; set that instead")
+        if self.backend == "vllm" and self.server.device == "gpu" and self.server.gpu_memory_utilization is None:
             problems.append("backend 'vllm' on GPU needs gpu_memory_utilization, the judge's share of each GPU's "
                             "memory (e.g. 0.2 for a 0.5 B judge beside the policy's engine), and gpus")
-        if self.backend == "vllm" and self.device == "cpu" and (self.gpus or self.gpu_memory_utilization):
-            problems.append("gpus and gpu_memory_utilization are for device 'gpu'")
         if self.mode not in ("score", "rank"):
             problems.append(f"mode must be 'score' or 'rank', got {self.mode!r}")
         if self.reading not in ("reply", "probability"):
@@ -159,7 +154,7 @@ def question_of(t: Trajectory) -> str:
 
 def answer_of(t: Trajectory, limit: int) -> str:
     """The trajectory's final answer, cut to `limit` characters (the cut is said)."""
-    answer = str(t.info.get("answer") or "")
+    answer = str(t.answer or "")
     return answer if len(answer) <= limit else f"{answer[:limit]}\n[... {len(answer) - limit} more characters cut]"
 
 
@@ -244,7 +239,7 @@ class Judge:
             self._cache[key] = verdict
             self._counts["judged"] += len(ts)
             self._counts["missing"] += sum(v is None for v in verdict)
-            self._scored += [(v, len(str(t.info.get("answer") or "")), t.reward)
+            self._scored += [(v, len(str(t.answer or "")), t.reward)
                              for v, t in zip(verdict, ts) if v is not None]
         return verdict
 
@@ -315,12 +310,10 @@ class _StartedVLLMBackend(_OpenAIBackend):
     or, at the latest, with this process (`agentrl.policy.vllm_server`)."""
 
     def __init__(self, cfg: JudgeConfig):
-        from agentrl.policy.vllm_server import ServerConfig, VLLMServer
+        from agentrl.policy.vllm_server import VLLMServer
 
-        server = VLLMServer(ServerConfig(model=os.path.expanduser(cfg.model), device=cfg.device,
-                                         max_model_len=cfg.max_model_len, gpus=cfg.gpus,
-                                         gpu_memory_utilization=cfg.gpu_memory_utilization,
-                                         served_model_name="judge")).start(progress=True)
+        server = VLLMServer(replace(cfg.server, model=os.path.expanduser(cfg.model),
+                                    served_model_name="judge")).start(progress=True)
         super().__init__(cfg, base_url=f"{server.url}/v1", model="judge")
         self.server = server
 
