@@ -82,8 +82,8 @@ def test_grpo_steps_on_rent_alone_keep_every_group_and_lower_the_entropy(tiny_mo
         with torch.no_grad():
             logp_BT = F.log_softmax(model(torch.tensor(ids)).logits[:, :-1].float(), -1)
             logp_BT = logp_BT.gather(-1, torch.tensor(ids)[:, 1:, None]).squeeze(-1)
-        return Group(Task("t0"), tuple(Trajectory("t0", tuple(x), mask, (0.0, *logp_T.tolist()), 2, (), 0.0, {},
-                                                  Status.OK) for x, logp_T in zip(ids, logp_BT)))
+        return Group(Task("t0"), tuple(Trajectory("t0", tuple(x), mask, (0.0, *logp_T.tolist()), 2, (), 0.0, {})
+                                       for x, logp_T in zip(ids, logp_BT)))
 
     cfg = GRPOConfig(reward=RewardConfig(terms={"rent": 1.0}), dynamic_sampling=True, lr=1e-3, minibatch_size=4)
     grpo = GRPO(cfg, model, torch.optim.AdamW(model.parameters(), lr=cfg.lr))
@@ -117,8 +117,7 @@ def test_a_ppo_step_scores_the_confidence_it_trains_on(tiny_model_dir):
     V = model.config.vocab_size
     ids = torch.randint(V, (10,), generator=torch.Generator().manual_seed(0)).tolist()
     mask = (0, 0, 0, 0, 1, 1, 1, 1, 1, 1)  # one turn: PPO puts its reward on the turn's last token
-    group = Group(Task("t0"), (Trajectory("t0", tuple(ids), mask, (0.0,) * 10, 4, (Turn(4, 10, 10),), 0.0, {},
-                                          Status.OK),))
+    group = Group(Task("t0"), (Trajectory("t0", tuple(ids), mask, (0.0,) * 10, 4, (Turn(4, 10, 10),), 0.0, {}),))
     cfg = PPOConfig(reward=RewardConfig(terms={"rent": 1.0}), minibatch_size=1)
     ppo = PPO(cfg, model, torch.optim.AdamW(model.parameters(), lr=cfg.lr))
     assert ppo.keep(group)  # nothing scored yet: keep does not need the confidence

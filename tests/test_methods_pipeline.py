@@ -175,7 +175,7 @@ def test_engine_settings_that_cannot_work_fail_at_start_up(tiny_model_dir, tmp_p
     with pytest.raises(ConfigError, match=r"max_model_len \(256\) is below the rollouts' max_total_tokens \(2048\)"):
         job(tiny_model_dir, tmp_path, engine={"kind": "vllm", "max_model_len": 256})
     with pytest.raises(ConfigError, match="attaches to a running server"):
-        job(tiny_model_dir, tmp_path, engine={"kind": "vllm", "url": "http://x", "gpus": "1"})
+        job(tiny_model_dir, tmp_path, engine={"kind": "vllm", "url": "http://x", "device": "gpu", "gpus": "1"})
     with pytest.raises(ValueError, match="use 'nccl'"):
         check_shardable(job(tiny_model_dir, tmp_path, engine={**gpu, "weight_transfer": "ipc", "gpus": "1"}))
     check_shardable(job(tiny_model_dir, tmp_path, engine={**gpu, "weight_transfer": "nccl", "gpus": "1"}))

@@ -68,7 +68,7 @@ def test_sleep_mode_is_a_gpu_option():
         ServerConfig(model="m", sleep_mode=True)
     assert "--enable-sleep-mode" in server_command(ServerConfig(model="m", device="gpu", sleep_mode=True), port=1)
     with pytest.raises(ValueError, match="vLLM's on GPU"):
-        EngineConfig(sleep_mode=True)
+        EngineConfig(device="gpu", sleep_mode=True)  # a GPU option, but of vLLM's
 
 
 def test_a_sync_sends_the_weights_in_the_engines_dtype(tiny_model_dir):

@@ -398,16 +398,17 @@ class _ConstantBackend:
         return self.reply
 
 
-_judges: dict[JudgeConfig, Judge] = {}
+_judges: dict[str, Judge] = {}  # by the settings as JSON (a config holds dicts: it cannot be a key itself)
 _judges_lock = threading.Lock()
 
 
 def judge_for(cfg: JudgeConfig) -> Judge:
     """The process's judge for these settings (one model load, one cache)."""
+    key = json.dumps(asdict(cfg), sort_keys=True)
     with _judges_lock:
-        if cfg not in _judges:
-            _judges[cfg] = Judge(cfg)
-        return _judges[cfg]
+        if key not in _judges:
+            _judges[key] = Judge(cfg)
+        return _judges[key]
 
 
 def close_judges() -> None:
