@@ -91,7 +91,7 @@ def copy_warmup(model: torch.nn.Module, tokens: list[int], cfg: CopyWarmup,
         for step in range(cfg.steps):
             n = int(torch.randint(cfg.min_len, cfg.max_len + 1, (), generator=generator))
             seq_BN = alphabet_A[torch.randint(len(tokens), (cfg.batch_size, n), generator=generator)]
-            yield step, n, torch.cat([seq_BN, seq_BN], dim=1).to(device)
+            yield [(step, n, torch.cat([seq_BN, seq_BN], dim=1).to(device))]
 
     def loss_of(batch):
         step, n, ids_BT = batch
@@ -137,8 +137,8 @@ def copy_in_context(model: torch.nn.Module, tokens: list[int], texts: Sequence[S
     def batches():
         for step in range(cfg.context_steps):
             rows = [context_sequence(generator, tokens, texts, cfg) for _ in range(cfg.context_batch_size)]
-            yield (step, torch.tensor([ids for ids, _ in rows], device=device),
-                   torch.tensor([copied for _, copied in rows], device=device)[:, 1:])
+            yield [(step, torch.tensor([ids for ids, _ in rows], device=device),
+                    torch.tensor([copied for _, copied in rows], device=device)[:, 1:])]
 
     def loss_of(batch):
         step, ids_BT, copied_BT = batch

@@ -13,7 +13,7 @@ from pydantic import with_config
 
 from agentrl.config import STRICT
 from agentrl.types import Status, Trajectory
-from agentrl.trainers.batch import make_batch
+from agentrl.trainers.batch import make_batch, token_micro_batches
 from agentrl.trainers.supervised import fit, shuffled
 from agentrl.policy.logprobs import token_logprobs
 from agentrl.policy.precision import autocast
@@ -25,6 +25,10 @@ class SFTConfig:
     epochs: int = 2
     lr: float = 1e-3
     batch_size: int = 16  # trajectories per optimizer step
+    # Padded tokens per forward/backward pass (gradient accumulation, rows sorted by length); unset: the whole batch
+    # at once, whose activations grow with batch_size x the longest trajectory (16 x 500 tokens of a 135 M model:
+    # about 15 GiB in float32)
+    micro_batch_tokens: int | None = None
     max_grad_norm: float = 1.0
     min_outcome: float | None = None  # rejection sampling: keep trajectories whose outcome is at least this
     # Train on each trajectory's last turn only: the final answer given everything before it (reading, not acting).
@@ -56,14 +60,20 @@ def sft(model: torch.nn.Module, trajectories: Sequence[Trajectory], cfg: SFTConf
         kept = [last_turn_only(t) for t in kept]
     batch = make_batch(kept)
     device = next(model.parameters()).device
-    batches = ((epoch, batch.select(rows).to(device))
-               for epoch, rows in shuffled(len(batch), cfg.batch_size, cfg.epochs, cfg.seed))
 
-    def loss_of(epoch_and_batch):
-        epoch, mb = epoch_and_batch
+    def micro_batches(rows: torch.Tensor) -> list[torch.Tensor]:
+        if cfg.micro_batch_tokens is None:
+            return [rows]
+        return token_micro_batches(rows, batch.attention_BT[rows].sum(-1), cfg.micro_batch_tokens)
+
+    steps = ([(epoch, batch.select(micro).to(device), batch.mask_BT[rows].sum()) for micro in micro_batches(rows)]
+             for epoch, rows in shuffled(len(batch), cfg.batch_size, cfg.epochs, cfg.seed))
+
+    def loss_of(micro_batch):
+        epoch, mb, step_tokens = micro_batch
         with autocast(model):  # the compute dtype, over float32 master weights (if marked)
             logp_BT, _ = token_logprobs(model, mb.ids_BT, mb.attention_BT, mask_BT=mb.mask_BT)
-        loss = -(logp_BT * mb.mask_BT).sum() / mb.mask_BT.sum()  # token-mean NLL of assistant tokens
+        loss = -(logp_BT * mb.mask_BT).sum() / step_tokens  # its share of the step's token-mean NLL
         return loss, {"epoch": epoch, "kept": len(kept)}
 
-    return fit(model, batches, loss_of, lr=cfg.lr, name="SFT", max_grad_norm=cfg.max_grad_norm, on_step=on_step)
+    return fit(model, steps, loss_of, lr=cfg.lr, name="SFT", max_grad_norm=cfg.max_grad_norm, on_step=on_step)

@@ -91,7 +91,7 @@ def train_dpo(model: torch.nn.Module, pairs: Sequence[tuple[Trajectory, Trajecto
     rows = [t for pair in pairs for t in pair]  # chosen, rejected, chosen, rejected, ...
     batch = make_batch(rows)
     device = next(model.parameters()).device
-    batches = ((epoch, batch.select(torch.stack([2 * ids, 2 * ids + 1], dim=1).flatten()).to(device))  # pairs adjacent
+    batches = ([(epoch, batch.select(torch.stack([2 * ids, 2 * ids + 1], dim=1).flatten()).to(device))]  # pairs adjacent
                for epoch, ids in shuffled(len(pairs), cfg.pairs_per_step, cfg.epochs, cfg.seed))
 
     def loss_of(epoch_and_batch):
