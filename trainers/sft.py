@@ -35,6 +35,11 @@ class SFTConfig:
     last_turn_only: bool = False
     seed: int = 0
 
+    def __post_init__(self):
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
+            raise ValueError(f"sft.config.micro_batch_tokens must be >= 1 (or unset: the whole batch at once), "
+                             f"got {self.micro_batch_tokens}")
+
 
 def kept_for_sft(t: Trajectory, min_outcome: float | None) -> bool:
     """The SFT filter: `t` is not an error, and its outcome (else its reward) is at least `min_outcome`, if set."""
