@@ -104,6 +104,36 @@ def test_compare_pools_held_out_suites_and_pairs_their_tasks(tmp_path, monkeypat
         assert text in row, (text, row)
 
 
+def test_baselines_table_pairs_every_row_with_one_and_gives_each_suite(tmp_path):
+    from agentrl.rollout.jsonl import write_jsonl
+    from agentrl.types import StopReason, Trajectory
+
+    # Same ten tasks per suite. SFT: x {0, 1, 2}, y {0}; GRPO: x {0, 3, 4, 5, 6}, y {0, 1}, and y's task 9 an error
+    # (left out: y has 9 tasks). RAG: x {0, 1}, y none.
+    solved = {"SFT": {"x": {0, 1, 2}, "y": {0}}, "GRPO": {"x": {0, 3, 4, 5, 6}, "y": {0, 1}}, "RAG": {"x": {0, 1}, "y": set()}}
+    for name, splits in solved.items():
+        write_jsonl([Trajectory(f"t{i}", (1,), (0,), (0.0,), 1, (), float(i in ids),
+                                stop=StopReason.ENV_ERROR if (name, split, i) == ("GRPO", "y", 9) else StopReason.TERMINATED,
+                                info={"split": split, "success": i in ids})
+                     for split, ids in splits.items() for i in range(10)], tmp_path / name / "trajectories.jsonl")
+    table_md = tmp_path / "table.md"
+    result = runner.invoke(app, ["baselines", *(f"{n}={tmp_path / n}" for n in solved), "--against", "SFT",
+                                 "--out", str(table_md)])
+    assert result.exit_code == 0, result.output
+    rows = {line.split("|")[1].strip(): line for line in table_md.read_text().splitlines()[2:]}
+    # x: 3/10 -> Wilson [0.11, 0.60]; y: 1/10 -> [0.02, 0.40]; GRPO y 2/9 -> [0.06, 0.55]; mean (0.5 + 2/9) / 2
+    for text in ("0.300 [0.11, 0.60] (n=10)", "0.100 [0.02, 0.40] (n=10)", "| 0.200 |", "reference"):
+        assert text in rows["SFT"], (text, rows["SFT"])
+    # paired with SFT on 19 tasks: gained x 3, 4, 5, 6 and y 1, lost x 1, 2: p = 2 * (1 + 7 + 21) / 128
+    for text in ("0.500 [0.24, 0.76] (n=10)", "0.222 [0.06, 0.55] (n=9)", "| 0.361 |", "+5 / -2 (p=0.45) on 19"):
+        assert text in rows["GRPO"], (text, rows["GRPO"])
+    assert "+0 / -2 (p=0.5) on 20" in rows["RAG"]  # lost x's 2 and y's 0
+    missing = runner.invoke(app, ["baselines", f"SFT={tmp_path / 'SFT'}", "--against", "RAG"])
+    assert missing.exit_code == 2 and "names no row" in missing.output
+    bad = runner.invoke(app, ["baselines", str(tmp_path / "SFT"), "--against", "SFT"])
+    assert bad.exit_code == 2 and "NAME=DIR" in bad.output
+
+
 def test_train_set_overrides_any_recipe_key(tmp_path):
     from agentrl.cli.common import parse_sets
     from agentrl.config import ConfigError

@@ -247,3 +247,28 @@ def test_search_recipes_leave_turns_for_every_gold_chain_they_are_evaluated_on(r
         env = make(job.env, split=split, **job.env_kwargs)
         hops = max(t.data["hops"] for t in list(env.tasks)[:job.eval.n])
         assert env.max_turns >= hops + 1, f"{recipe}: {split} asks {hops} hops in {env.max_turns} turns"
+
+
+@pytest.mark.parametrize("mode", ["direct", "rag"])
+def test_baseline_modes_ask_for_the_answer_at_once_without_the_search_tool(mode):
+    env = make("search/r1-v0", split="unseen_entities", mode=mode, topk=2)
+    assert env.validate(n_tasks=8) == []  # gold, the answer alone, gets the maximum reward
+    obs, info = env.reset(seed=0)
+    question, first_hop = env.task.data["question"], env.task.data["chain"][0]
+    prompt = obs[0].content
+    assert info["tools"] == [] and env.max_turns == 1 and "<search>" not in prompt
+    assert prompt.endswith(f"Question: {question}\n")
+    if mode == "rag":  # the question's own top 2 documents, counted as shown
+        assert prompt.count("Doc ") == 2 and f'(Title: "{first_hop["query"]}")' in prompt
+        assert set(env.task.data["supporting_docs"]) & set(env._shown)
+    else:
+        assert "<information>" not in prompt
+    _, reward, terminated, truncated, info = env.step(f"<search> {first_hop['query']} </search>")
+    assert (reward, terminated, truncated) == (0.0, False, True) and "search" in info["invalid"]
+
+
+def test_baseline_modes_are_written_for_search_r1_tags():
+    with pytest.raises(ValueError, match="Search-R1's tags"):
+        make("search/tools-v0", mode="rag")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        make("search/r1-v0", mode="closed_book")

@@ -1,4 +1,4 @@
-"""`agentrl eval`, `report`, `compare`, `attempts` and `suites`: measuring models and training runs."""
+"""`agentrl eval`, `report`, `compare`, `baselines`, `attempts` and `suites`: measuring models and training runs."""
 
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def compare(run_dirs: list[Path] = typer.Argument(..., help="Training runs (`age
             (sa, na), (sb, nb) = counts(after), counts(before)
             lo, hi = diff_interval(sa, na, sb, nb)
             change = f"{sa / na - sb / nb:+.3f} [{lo:+.2f}, {hi:+.2f}]"
-            outcomes = [_heldout_outcomes(run_dir / "heldout" / label) for label in ("before_RL", "after_RL")]
+            outcomes = [_outcomes(run_dir / "heldout" / label) for label in ("before_RL", "after_RL")]
             if all(outcomes):
                 _, gained, lost = paired_change(*outcomes)
                 paired = f"+{gained} / -{lost} (p={mcnemar_p(gained, lost):.2g})"
@@ -167,15 +167,52 @@ def compare(run_dirs: list[Path] = typer.Argument(..., help="Training runs (`age
     console.print(table)
 
 
-def _heldout_outcomes(label_dir: Path) -> dict[tuple[str, str], bool]:
-    """(split, task id) -> success of a training run's held-out evaluation as `agentrl train` saved it, errors left
-    out as in the rates; empty when it is missing."""
+def _outcomes(run_dir: Path) -> dict[tuple[str, str], bool]:
+    """(split, task id) -> success of an evaluation's episodes (`agentrl eval`'s run directory, or a training run's
+    OUT/heldout/LABEL), errors left out as in the rates; empty when it has no trajectories. One episode per task:
+    a run with several (pass@k) is refused, its tasks having no one outcome to pair."""
     from agentrl.rollout.jsonl import read_jsonl
     from agentrl.types import Status
 
-    path = label_dir / "trajectories.jsonl"
-    return {(t.info["split"], t.task_id): t.info["success"] for t in (read_jsonl(path) if path.exists() else [])
-            if t.status is not Status.ERROR}
+    path = run_dir / "trajectories.jsonl"
+    episodes = [t for t in (read_jsonl(path) if path.exists() else []) if t.status is not Status.ERROR]
+    outcomes = {(t.info["split"], t.task_id): t.info["success"] for t in episodes}
+    if len(outcomes) < len(episodes):
+        console.print(f"[red]{run_dir} has several episodes of a task (pass@k): pair runs of one episode per task "
+                      f"(`agentrl eval --k 1`)[/]")
+        raise typer.Exit(2)
+    return outcomes
+
+
+def baselines(rows: list[str] = typer.Argument(..., help="NAME=DIR for each row: an eval run directory (`agentrl "
+                                                         "eval`) or a training run's OUT/heldout/LABEL."),
+              against: str = typer.Option(..., help="The row that the others are paired against."),
+              out: Optional[Path] = typer.Option(None, help="Also write the table to this Markdown file.")) -> None:
+    """Several evaluations of the same tasks in one table (Search-R1's baselines): per suite the success rate with
+    its 95% interval, the mean over the suites, and the paired change against one row (gained / lost, McNemar's
+    exact p)."""
+    from agentrl.eval.table import results_table
+
+    named = {}
+    for row in rows:
+        name, sep, directory = row.partition("=")
+        if not sep or not name or not directory:
+            console.print(f"[red]rows are NAME=DIR, e.g. 'RAG=runs/eval/rag'; got {row!r}[/]")
+            raise typer.Exit(2)
+        if not (Path(directory) / "trajectories.jsonl").exists():
+            console.print(f"[red]{directory} has no trajectories.jsonl: give an `agentrl eval` run directory or a "
+                          f"training run's OUT/heldout/LABEL[/]")
+            raise typer.Exit(2)
+        named[name] = _outcomes(Path(directory))
+    try:
+        table = results_table(named, against)
+    except KeyError as e:
+        console.print(f"[red]{e.args[0]}[/]")
+        raise typer.Exit(2)
+    console.print(table, markup=False, highlight=False)
+    if out:
+        out.write_text(table)
+        console.print(f"table: {out}")
 
 
 def attempts(

@@ -180,6 +180,7 @@ def _dry_run(job, gpus: int | None, gpu_memory_gib: float, model_config: str | N
 
 
 for name, command in (("eval", evaluate.eval_suite), ("report", evaluate.report), ("compare", evaluate.compare),
+                      ("baselines", evaluate.baselines),
                       ("attempts", evaluate.attempts), ("suites", evaluate.suites_list)):
     app.command(name)(command)
 

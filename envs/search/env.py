@@ -16,6 +16,9 @@ Reward components (the weights are arguments; the default is plain EM, as Search
 - `unsupported_answer`: 1 if the answer occurs in no document the model was shown.
 Only the text inside the final answer action is scored.
 
+Baselines (`mode`, Search-R1's table): `direct` asks for the answer without retrieval, `rag` shows the top `topk`
+documents for the question itself and asks for the answer; both in one turn by default, with no search tool.
+
 Data: a generated knowledge world by default (`world.py`: train and held-out suites); or the user's own
 corpus JSONL and QA files (`corpus=`, `questions={split: path}`).
 """
@@ -53,6 +56,13 @@ SEARCH_R1_PROMPT = (
 TOOLS_PROMPT = ("Answer the question by searching. Search for the names in the question, read the documents, "
                 "search again for names you find there if needed, and answer with a short phrase copied from "
                 "the documents.")
+# The baselines' prompts, in Search-R1's words where they apply: no search, the answer in the same tags.
+_ANSWER_FORMAT = ("Provide the answer inside <answer> and </answer>, without detailed illustrations. For example, "
+                  "<answer> Beijing </answer>.")
+DIRECT_PROMPT = "Answer the given question directly. " + _ANSWER_FORMAT + " Question: {question}\n"
+RAG_PROMPT = ("Answer the given question with the help of the documents below. " + _ANSWER_FORMAT +
+              "\n{documents}\nQuestion: {question}\n")
+MODES = ("search", "rag", "direct")
 _WORD = re.compile(r"\S+")
 
 
@@ -66,16 +76,24 @@ class SearchEnv(ToolEnv):
     ...; each task searches its own world's corpus): more distinct invented names and facts to train on, like
     Procgen's number of training levels. Held-out suites stay in world `world_seed`; an entity's split follows a
     hash of its name, so no held-out name is a train entity in any world.
+
+    `mode` = `direct` or `rag` (Search-R1's tags only) plays the baselines: no search tool, the answer asked for at
+    once, with the question's top `topk` documents shown (`rag`) or none (`direct`); `max_turns` 1 unless given.
     """
 
     def __init__(self, split: str = "train", n_tasks: int | None = None, seed: int = 0, world_seed: int = 0,
-                 train_worlds: int = 1, parser: str = "search_r1", topk: int = 3, max_obs_words: int = 300,
-                 max_turns: int = 6, max_invalid: int = 3, answer_metric: str = "em", answer_weight: float = 1.0,
+                 train_worlds: int = 1, parser: str = "search_r1", mode: str = "search", topk: int = 3,
+                 max_obs_words: int = 300, max_turns: int | None = None, max_invalid: int = 3, answer_metric: str = "em", answer_weight: float = 1.0,
                  citation_weight: float = 0.0, search_cost_weight: float = 0.0, unsupported_weight: float = 0.0,
                  corpus: str | None = None, questions: dict[str, str] | None = None,
                  index: str | None = None, retriever_url: str | None = None, tool_timeout: float = 10.0):
         if parser not in ("search_r1", "hermes", "react"):
             raise ValueError(f"parser must be 'search_r1', 'hermes' or 'react', got {parser!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode != "search" and parser != "search_r1":
+            raise ValueError(f"mode={mode!r} (a baseline without the search tool) is written for Search-R1's tags: "
+                             f"use search/r1-v0 (parser='search_r1'), or mode='search' with parser={parser!r}")
         if answer_metric not in ("em", "f1"):
             raise ValueError(f"answer_metric must be 'em' or 'f1', got {answer_metric!r}")
         if (corpus is None) != (questions is None):
@@ -90,14 +108,16 @@ class SearchEnv(ToolEnv):
         self.n_tasks, self.task_seed, self.world_seed, self.train_worlds = n_tasks, seed, world_seed, train_worlds
         self.topk, self.max_obs_words, self.answer_metric = topk, max_obs_words, answer_metric
         self.corpus, self.questions, self.index_path, self.retriever_url = corpus, questions, index, retriever_url
-        self.parser_name = parser
-        tools = [self._search_tool(tool_timeout)]
+        self.parser_name, self.mode = parser, mode
+        tools = [self._search_tool(tool_timeout)] if mode == "search" else []
         if parser == "search_r1":
             parser_obj = PARSERS[parser]()
         else:
             tools += [self._open_tool(tool_timeout), _answer]
             parser_obj = PARSERS[parser]() if parser == "hermes" else \
                 PARSERS[parser](default_args={"search": "query", "open": "doc_id", "answer": "text"})
+        if max_turns is None:
+            max_turns = 6 if mode == "search" else 1
         super().__init__(ToolSet(tools), parser_obj, split=split, max_turns=max_turns, max_invalid=max_invalid,
                          answer_tool=None if parser == "search_r1" else "answer",
                          reward_weights={"answer": answer_weight, "citation": citation_weight,
@@ -190,6 +210,12 @@ class SearchEnv(ToolEnv):
     def first_messages(self, task: Task) -> Sequence[Message]:
         """Search-R1's prompt holding the question (`search_r1`), else a system prompt and the question."""
         question = task.data["question"]
+        if self.mode == "direct":
+            return (Message("user", DIRECT_PROMPT.format(question=question)),)
+        if self.mode == "rag":
+            hits = [h for h in self.retriever.search([question], self.topk)[0] if h.score > 0]
+            documents = self._observation(format_passages(hits), hits)
+            return (Message("user", RAG_PROMPT.format(documents=documents, question=question)),)
         if self.parser_name == "search_r1":
             return (Message("user", SEARCH_R1_PROMPT.format(question=question)),)
         prompt = TOOLS_PROMPT + (f" {self.parser.instructions}" if self.parser_name == "react" else "")
@@ -214,6 +240,8 @@ class SearchEnv(ToolEnv):
 
     def gold_actions(self, task: Task) -> list[str]:
         chain = task.data.get("chain")
+        if self.mode != "search":  # the baselines answer at once
+            return [self._format_answer(task.data["answers"][0])]
         if not chain:
             raise ValueError(f"task {task.id} has no search chain (user QA data): it has no gold solution")
         searches = [self._format_search(hop["query"]) for hop in chain]
