@@ -95,7 +95,8 @@ def runs(tmp_path, tokenizer):
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
     train = tmp_path / "train"
     train.mkdir()
-    rows = [{"step": s, "mean_reward": 0.1 + 0.04 * s, "success": 0.05 + 0.04 * s} for s in range(1, 21)]
+    rows = [{"step": s, "mean_reward": 0.1 + 0.04 * s, "success": 0.05 + 0.04 * s, "mean_tool_calls": 1 + s / 10,
+             "mean_sampled_tokens": 40 - s, "valid_action_rate": 0.5 + s / 40} for s in range(1, 21)]
     (train / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (train / "summary.json").write_text(json.dumps({"before": {"success": 0.1, "mean_reward": 0.1},
                                                     "after": {"success": 0.8, "mean_reward": 0.8}}))
@@ -139,7 +140,7 @@ def test_report_markdown(runs):
     assert "(viewer.html)" in md and "finished 2025-01-01T10:05:00" in md
     # run.json names a training run: its reward curve and held-out before/after are reported
     assert "## Training run" in md and "20 RL steps logged" in md and "held-out after RL: success 0.800" in md
-    for png in ("success", "difficulty_hops", "reward_curve"):
+    for png in ("success", "difficulty_hops", "reward_curve", "learning_dynamics"):
         assert (run_a / "report_files" / f"{png}.png").read_bytes()[:4] == b"\x89PNG"
         assert f"](report_files/{png}.png)" in md
     # its rows are from before the timeline: no section, no plot
@@ -153,7 +154,7 @@ def test_report_html_is_self_contained_and_escaped(runs):
     assert EVIL not in html and "<script" not in html  # the report has no script at all
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", html) and "url(" not in html
     pngs = re.findall(r'src="data:image/png;base64,[A-Za-z0-9+/=]{100,}"', html)
-    assert len(pngs) == 3  # success, hops, reward curve
+    assert len(pngs) == 4  # success, hops, reward curve, learning dynamics
     assert "&lt;b&gt;|&lt;/b&gt;" in html  # the error reason, as text
     assert f'href="viewer.html#entry={UNSEEN.replace("/", "%2F").replace(":", "%3A")}"' in html
     # comparison: A wins 4/7 on unseen entities, B 0/6

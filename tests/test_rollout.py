@@ -134,6 +134,27 @@ def test_failing_and_hanging_tools_become_error_trajectories(renderer):
     assert summary["stops"] == {"env_error": 32, "terminated": 32}
 
 
+def test_tool_calls_and_corrected_actions_are_counted_per_episode(renderer):
+    """What the learning-dynamics plot draws: tool calls and sampled tokens per episode, and the share of turns whose
+    action the env took. Task 0 first writes an action the env corrects, then the gold calculator call and answer."""
+    env = ArithmeticEnv(n_tasks=2)
+    scripts = gold_scripts(env)
+    first = env.tasks[0].data["question"]
+    scripts[first] = ["no action here", *scripts[first]]
+    groups = run(RolloutEngine(lambda: ArithmeticEnv(n_tasks=2), ScriptedPolicy(renderer, scripts), renderer),
+                 list(env.tasks))
+    corrected, plain = (g.trajectories[0] for g in groups)
+    assert [len(t.turns) for t in (corrected, plain)] == [len(scripts[first]), len(scripts[first]) - 1]
+    assert corrected.info["invalid_actions"] == 1 and plain.info["invalid_actions"] == 0
+    calls = [t.info["tool_calls"] for t in (corrected, plain)]
+    assert calls[0] == calls[1] >= 1 and corrected.reward == plain.reward == 1.0
+    summary = summarize([corrected, plain])
+    turns = len(corrected.turns) + len(plain.turns)
+    assert summary["valid_action_rate"] == pytest.approx(1 - 1 / turns)
+    assert summary["mean_tool_calls"] == calls[0]
+    assert summary["mean_sampled_tokens"] == (corrected.num_sampled + plain.num_sampled) / 2
+
+
 def test_limits_end_as_truncated_with_reasons(renderer):
     env = ArithmeticEnv(n_tasks=2)
     tasks = list(env.tasks)

@@ -296,6 +296,12 @@ def summarize(trajectories: Sequence[Trajectory], max_reward: float | None = Non
         "reward_components": {k: v / n_valid for k, v in components.items()},
         "mean_turns": sum(len(t.turns) for t in trajectories) / n if n else 0.0,
         "sampled_tokens": sum(t.num_sampled for t in trajectories),
+        # the learning dynamics Search-R1 draws: tool calls (searches) and response length per episode, and the
+        # share of turns whose action the env took (not answered with a correction)
+        "mean_tool_calls": sum(t.info.get("tool_calls", 0) for t in trajectories) / n if n else 0.0,
+        "mean_sampled_tokens": sum(t.num_sampled for t in trajectories) / n if n else 0.0,
+        "valid_action_rate": (1 - sum(t.info.get("invalid_actions", 0) for t in trajectories) /
+                              max(sum(len(t.turns) for t in trajectories), 1)),
         "reasons": dict(Counter(t.reason for t in trajectories if t.reason).most_common(5)),
     }
     if max_reward is not None:

@@ -92,6 +92,8 @@ def write_report(run_dir: str | Path, vs: str | Path | None = None,
     train_rows = training["rows"] if training else []
     if train_rows:
         plots["reward_curve"] = plot_reward_curve(train_rows)
+    if any("mean_tool_calls" in row for row in train_rows):  # runs from before these metrics have none
+        plots["learning_dynamics"] = plot_learning_dynamics(train_rows)
     has_timeline = any("timeline" in row for row in train_rows)  # runs from before the timeline have none
     if has_timeline:
         plots["timeline"] = plot_timeline(train_rows)
@@ -282,6 +284,25 @@ def plot_reward_curve(rows: Sequence[dict[str, Any]]) -> bytes:
     ax.set_xlabel("RL step")
     ax.grid(alpha=0.3)
     ax.legend(fontsize="small")
+    return png_bytes(fig)
+
+
+DYNAMICS = (("success", "success"), ("mean_tool_calls", "tool calls (searches) per episode"),
+            ("mean_sampled_tokens", "sampled tokens per episode"), ("valid_action_rate", "valid-action rate"))
+
+
+def plot_learning_dynamics(rows: Sequence[dict[str, Any]]) -> bytes:
+    """Search-R1's training figures, per RL step: success, tool calls and response length per episode, and the
+    share of turns whose action the env took."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(DYNAMICS), figsize=(12, 2.8))
+    steps = [r["step"] for r in rows]
+    for ax, (key, title) in zip(axes, DYNAMICS):
+        ax.plot(steps, [r.get(key, float("nan")) for r in rows], marker="." if len(rows) < 50 else None)
+        ax.set_title(title, fontsize="small")
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
     return png_bytes(fig)
 
 

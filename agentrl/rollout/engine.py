@@ -209,6 +209,7 @@ class _Episode:
     reward: float = 0.0
     components: dict[str, float] = field(default_factory=dict)
     tool_calls: int = 0
+    invalid_actions: int = 0  # turns the env answered with a correction (malformed, unknown tool, ...)
     answer: str | None = None  # the final answer, when the env reports one (ToolEnv does)
     # What the env reports for the trajectory turn by turn (`info["per_turn"]`), as (turn, value) pairs by key:
     # the web envs' page screenshots.
@@ -229,6 +230,7 @@ class _Episode:
         self.reward += reward
         self.components.update(info.get("reward_components", {}))
         self.tool_calls += info.get("tool_calls", 0)
+        self.invalid_actions += "invalid" in info
         self.answer = info.get("answer", self.answer)
         for key, value in info.get("per_turn", {}).items():
             self.per_turn.setdefault(key, []).append((turn, value))
@@ -236,7 +238,7 @@ class _Episode:
     def freeze(self, stop: StopReason, reason: str) -> Trajectory:
         # sampled tokens a frozen partner wrote (tandem rollouts) keep loss mask 0
         untrained = sum(t.end - t.start - sum(self.mask[t.start:t.end]) for t in self.turns)
-        info = {"tool_calls": self.tool_calls,
+        info = {"tool_calls": self.tool_calls, "invalid_actions": self.invalid_actions,
                 "seconds": round(time.perf_counter() - self.started, 3),
                 **({"untrained_tokens": untrained} if untrained else {}),
                 **({"close_error": self.close_error} if self.close_error else {}), **self.per_turn}
