@@ -110,10 +110,12 @@ def test_baselines_table_pairs_every_row_with_one_and_gives_each_suite(tmp_path)
 
     # Same ten tasks per suite. SFT: x {0, 1, 2}, y {0}; GRPO: x {0, 3, 4, 5, 6}, y {0, 1}, and y's task 9 an error
     # (left out: y has 9 tasks). RAG: x {0, 1}, y none.
-    solved = {"SFT": {"x": {0, 1, 2}, "y": {0}}, "GRPO": {"x": {0, 3, 4, 5, 6}, "y": {0, 1}}, "RAG": {"x": {0, 1}, "y": set()}}
+    solved = {"SFT": {"x": {0, 1, 2}, "y": {0}}, "GRPO": {"x": {0, 3, 4, 5, 6}, "y": {0, 1}},
+              "RAG": {"x": {0, 1}, "y": set()}}
     for name, splits in solved.items():
         write_jsonl([Trajectory(f"t{i}", (1,), (0,), (0.0,), 1, (), float(i in ids),
-                                stop=StopReason.ENV_ERROR if (name, split, i) == ("GRPO", "y", 9) else StopReason.TERMINATED,
+                                stop=StopReason.ENV_ERROR if (name, split, i) == ("GRPO", "y", 9)
+                                else StopReason.TERMINATED,
                                 info={"split": split, "success": i in ids})
                      for split, ids in splits.items() for i in range(10)], tmp_path / name / "trajectories.jsonl")
     table_md = tmp_path / "table.md"

@@ -65,6 +65,20 @@ def test_the_reviews_broken_combinations_are_refused_with_the_fix():
         "gpu_search_r1_train", {"engine": {"gpus": None, "gpu_memory_utilization": 0.05}})
 
 
+def test_an_sft_stage_whose_whole_batch_is_one_pass_is_counted_and_named():
+    """SFT passes count as RL's do: a stage without micro_batch_tokens runs batch_size whole episodes at once (the
+    SmolLM2 search recipe's SFT took 20 GiB that way and was killed), and the fix names its table."""
+    config, hardware = str(CONFIGS / "Qwen2.5-3B-Instruct"), Hardware(2, 80.0)
+    plain = {"gradient_checkpointing": False}
+    whole = plan(recipe("gpu_search_r1_train", {**plain, "sft": {"config": {"batch_size": 16}}}), hardware, 1, config)
+    assert "largest: activations" in "\n".join(whole.problems) and "sft.config.micro_batch_tokens" in whole.problems[0]
+    rl_only = plan(recipe("gpu_search_r1_train", plain), hardware, 1, config)
+    cut_sft = {"sft": {"config": {"batch_size": 16, "micro_batch_tokens": 1024}}}
+    cut = plan(recipe("gpu_search_r1_train", {**plain, **cut_sft}), hardware, 1, config)
+    # RL's pass is now the wider one
+    assert cut.memory["activations"] == rl_only.memory["activations"] < whole.memory["activations"]
+
+
 def test_the_cli_prints_the_plan_and_refuses_with_exit_2():
     runner = CliRunner()
     config = str(CONFIGS / "Qwen2.5-0.5B-Instruct")

@@ -83,7 +83,8 @@ class SearchEnv(ToolEnv):
 
     def __init__(self, split: str = "train", n_tasks: int | None = None, seed: int = 0, world_seed: int = 0,
                  train_worlds: int = 1, parser: str = "search_r1", mode: str = "search", topk: int = 3,
-                 max_obs_words: int = 300, max_turns: int | None = None, max_invalid: int = 3, answer_metric: str = "em", answer_weight: float = 1.0,
+                 max_obs_words: int = 300, max_turns: int | None = None, max_invalid: int = 3,
+                 answer_metric: str = "em", answer_weight: float = 1.0,
                  citation_weight: float = 0.0, search_cost_weight: float = 0.0, unsupported_weight: float = 0.0,
                  corpus: str | None = None, questions: dict[str, str] | None = None,
                  index: str | None = None, retriever_url: str | None = None, tool_timeout: float = 10.0):

@@ -88,7 +88,7 @@ def estimate(job: TrainJob, model: torch.nn.Module, world: int = 1, engine_share
         memory["reference"] = params * stored / world  # sharded like the policy (`distributed.frozen_copy`)
     if METHODS[job.method].critic:  # the critic: the policy's transformer and a scalar head, trained with its own AdamW
         memory["critic"] = 4 * (params - config.vocab_size * config.hidden_size) * stored / world
-    tokens = rl.micro_batch_tokens or (rl.micro_batch_size or rl.minibatch_size) * rl.rollout.max_total_tokens
+    tokens = max(pass_tokens(job).values())  # the largest forward/backward pass, RL's or an SFT stage's
     layers, hidden = config.num_hidden_layers, config.hidden_size
     per_layer = ACTIVATION_ELEMENTS[0] * hidden + ACTIVATION_ELEMENTS[1] * config.intermediate_size
     if job.gradient_checkpointing:
@@ -178,9 +178,21 @@ def _engine_problems(job: TrainJob, model: torch.nn.Module, hardware: Hardware, 
     return problems
 
 
+def pass_tokens(job: TrainJob) -> dict[str, int]:
+    """The padded tokens of one forward/backward pass, by the table that sets it: the RL loop's micro-batch, and each
+    SFT stage's (its `micro_batch_tokens`, else its whole batch), every episode at the rollout's max_total_tokens."""
+    rl, most = job.rl, job.rl.rollout.max_total_tokens
+    passes = {METHODS[job.method].settings: rl.micro_batch_tokens or (rl.micro_batch_size or rl.minibatch_size) * most}
+    sft = [stage.config.micro_batch_tokens or stage.config.batch_size * most for stage in job.sft_stages]
+    return {**passes, "sft.config": max(sft)} if sft else passes
+
+
 def _fixes(job: TrainJob, largest: str) -> str:
+    passes = pass_tokens(job)
+    widest = max(passes, key=passes.get)
     return {
-        "activations": f"set {METHODS[job.method].settings}.micro_batch_size lower, or gradient_checkpointing = true",
+        "activations": f"set {widest}.micro_batch_tokens (padded tokens per pass) lower, or "
+                       "gradient_checkpointing = true",
         "vLLM (its share)": "lower engine.gpu_memory_utilization, or give the server its own GPUs (engine.gpus)",
         "sampler KV cache": "lower rollout.concurrency or max_total_tokens, or sample with vLLM",
         "reference": "set kl_coef = 0, or train LoRA adapters ([lora])",

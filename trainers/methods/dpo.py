@@ -91,8 +91,8 @@ def train_dpo(model: torch.nn.Module, pairs: Sequence[tuple[Trajectory, Trajecto
     rows = [t for pair in pairs for t in pair]  # chosen, rejected, chosen, rejected, ...
     batch = make_batch(rows)
     device = next(model.parameters()).device
-    batches = ([(epoch, batch.select(torch.stack([2 * ids, 2 * ids + 1], dim=1).flatten()).to(device))]  # pairs adjacent
-               for epoch, ids in shuffled(len(pairs), cfg.pairs_per_step, cfg.epochs, cfg.seed))
+    steps = ([(epoch, batch.select(torch.stack([2 * ids, 2 * ids + 1], 1).flatten()).to(device))]  # pairs adjacent
+             for epoch, ids in shuffled(len(pairs), cfg.pairs_per_step, cfg.epochs, cfg.seed))
 
     def loss_of(epoch_and_batch):
         epoch, mb = epoch_and_batch
@@ -103,7 +103,7 @@ def train_dpo(model: torch.nn.Module, pairs: Sequence[tuple[Trajectory, Trajecto
         loss, metrics = dpo_loss(logp_BT, ref_logp_BT, mb.mask_BT, beta=cfg.beta, label_smoothing=cfg.label_smoothing)
         return loss, {"epoch": epoch, **metrics}
 
-    return fit(model, batches, loss_of, lr=cfg.lr, name="DPO", max_grad_norm=cfg.max_grad_norm, on_step=on_step)
+    return fit(model, steps, loss_of, lr=cfg.lr, name="DPO", max_grad_norm=cfg.max_grad_norm, on_step=on_step)
 
 
 class DPOStage(RLStage):
