@@ -209,7 +209,7 @@ def baselines(rows: list[str] = typer.Argument(..., help="NAME=DIR for each row:
     except KeyError as e:
         console.print(f"[red]{e.args[0]}[/]")
         raise typer.Exit(2)
-    console.print(table, markup=False, highlight=False)
+    console.print(table, markup=False, highlight=False, soft_wrap=True)  # a Markdown table: one line a row
     if out:
         out.write_text(table)
         console.print(f"table: {out}")
