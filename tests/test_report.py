@@ -364,7 +364,7 @@ def test_report_in_browser(browser, runs, tmp_path):
     write_viewer(run_a)
     page, problems = open_page(browser, html)
     images = page.eval_on_selector_all("img.plot", "imgs => imgs.map(i => i.complete && i.naturalWidth)")
-    assert len(images) == 3 and all(w > 100 for w in images)
+    assert len(images) == 4 and all(w > 100 for w in images)  # success, hops, reward curve, learning dynamics
     assert page.locator("#results-table tbody tr").count() == 3
     page.screenshot(path=screenshots_dir(tmp_path) / "report.png", full_page=True)
     page.click('#results-table a[href^="viewer.html#entry="]')  # the first entry's episodes
