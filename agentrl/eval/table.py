@@ -18,9 +18,13 @@ def suites_of(rows: Mapping[str, Outcomes]) -> list[str]:
     return list(dict.fromkeys(suite for outcomes in rows.values() for suite, _ in outcomes))
 
 
+def suite_results(outcomes: Outcomes, suite: str) -> list[bool]:
+    return [ok for (s, _), ok in outcomes.items() if s == suite]
+
+
 def rate_cell(outcomes: Outcomes, suite: str) -> str:
     """`0.235 [0.18, 0.30] (n=200)` for one suite's tasks, `-` when the row has none."""
-    results = [ok for (s, _), ok in outcomes.items() if s == suite]
+    results = suite_results(outcomes, suite)
     if not results:
         return "-"
     lo, hi = wilson_interval(sum(results), len(results))
@@ -29,13 +33,10 @@ def rate_cell(outcomes: Outcomes, suite: str) -> str:
 
 def mean_over_suites(outcomes: Outcomes, suites: list[str]) -> float | None:
     """The unweighted mean of the suites' success rates (None unless the row has every suite)."""
-    rates = []
-    for suite in suites:
-        results = [ok for (s, _), ok in outcomes.items() if s == suite]
-        if not results:
-            return None
-        rates.append(sum(results) / len(results))
-    return sum(rates) / len(rates)
+    per_suite = [suite_results(outcomes, suite) for suite in suites]
+    if not all(per_suite):
+        return None
+    return sum(sum(r) / len(r) for r in per_suite) / len(per_suite)
 
 
 def paired_cell(outcomes: Outcomes, reference: Outcomes) -> str:
