@@ -59,7 +59,12 @@ $(VENV)/.adapters: $(VENV)/.installed Makefile
 model-smollm2: setup
 	$(VENV)/bin/agentrl model fetch smollm2-135m-instruct --models-dir $(CACHE)/models
 
+# The venv's editable install points at one checkout; a second checkout sharing the cache re-points it
+# (otherwise its tests would import the other checkout's code).
 setup: $(VENV)/.installed
+	@grep -qxF '$(CURDIR)' $(VENV)/.checkout 2>/dev/null || \
+		($(VENV)/bin/pip install -q --no-deps -c constraints.txt -e . >$(VENV)/.checkout.log 2>&1 \
+		 || (cat $(VENV)/.checkout.log; exit 1)) && echo '$(CURDIR)' > $(VENV)/.checkout
 setup-vllm: $(VENV)/.vllm
 setup-adapters: $(VENV)/.adapters
 

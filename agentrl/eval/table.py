@@ -19,6 +19,7 @@ def suites_of(rows: Mapping[str, Outcomes]) -> list[str]:
 
 
 def suite_results(outcomes: Outcomes, suite: str) -> list[bool]:
+    """Each of one suite's episodes: whether it succeeded."""
     return [ok for (s, _), ok in outcomes.items() if s == suite]
 
 
