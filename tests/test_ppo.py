@@ -18,6 +18,7 @@ from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers.batch import Batch, make_batch
 from agentrl.trainers.checkpoint import latest_checkpoint
 from agentrl.trainers.methods.grpo import GRPOConfig
+from agentrl.trainers import loop
 from agentrl.trainers.loop import update
 from agentrl.trainers.methods.ppo import PPOConfig, advantages, make_critic, token_rewards, token_values, train
 from agentrl.trainers.rewards import RewardConfig
@@ -114,6 +115,45 @@ def test_micro_batches_give_the_same_update_as_the_whole_minibatch(tiny_model_di
         results.append(list(model.parameters()))
     for p, q in zip(*results):
         torch.testing.assert_close(p, q, atol=2e-6, rtol=1e-4)
+
+
+def mixed_batch(adv_rows):
+    """Four sequences with their own sampled spans, advantage `adv_rows[i]` on each of row i's sampled tokens."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(10, 4000, (4, 12), generator=g)
+    mask = torch.zeros(4, 12)
+    mask[0, 3:], mask[1, 5:9], mask[2, 8:], mask[3, 2:6] = 1, 1, 1, 1
+    return Batch(ids, torch.ones(4, 12, dtype=torch.long), mask, torch.full((4, 12), -8.0) * mask,
+                 torch.tensor(adv_rows).unsqueeze(1) * mask)
+
+
+@pytest.mark.parametrize("loss", ["ppo", "gspo"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_rows_without_advantage_are_skipped_and_the_update_is_the_same(tiny_model_dir, monkeypatch, loss, agg):
+    """Rows whose advantages are all 0 get no forward pass, but still count in the loss's normalizer."""
+    batch, results = mixed_batch([0.0, 1.3, 0.0, -0.7]), []
+    cfg = GRPOConfig(minibatch_size=4, micro_batch_size=1, max_grad_norm=1e9, loss=loss)
+    cfg = dataclasses.replace(cfg, policy_loss=dataclasses.replace(cfg.policy_loss, agg=agg))
+    for skipping in (True, False):
+        if not skipping:
+            monkeypatch.setattr(loop, "ADVANTAGE_WEIGHTED", frozenset())
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float64)
+        metrics = update(model, None, torch.optim.SGD(model.parameters(), lr=1.0), batch, cfg,
+                         torch.Generator().manual_seed(0))
+        assert metrics["skipped_rows_frac"] == (0.5 if skipping else 0.0)
+        results.append(list(model.parameters()))
+    for p, q in zip(*results):
+        torch.testing.assert_close(p, q, atol=1e-12, rtol=1e-10)
+
+
+def test_a_minibatch_without_advantage_makes_no_optimizer_step(tiny_model_dir):
+    """AdamW would move the weights on a zero gradient (weight decay); a step with nothing to learn leaves them."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    before = [p.detach().clone() for p in model.parameters()]
+    metrics = update(model, None, torch.optim.AdamW(model.parameters(), lr=1e-2), mixed_batch([0.0] * 4),
+                     GRPOConfig(minibatch_size=2), torch.Generator().manual_seed(0))
+    assert metrics == {"skipped_rows_frac": 1.0}
+    assert all(torch.equal(p, q) for p, q in zip(before, model.parameters()))
 
 
 CFG = PPOConfig(steps=4, tasks_per_step=4, lr=1e-3, critic_lr=1e-3, minibatch_size=4, micro_batch_size=2, epochs=2,

@@ -44,8 +44,8 @@ from agentrl.rollout.timeline import Timeline, idle_fractions
 from agentrl.trainers import distributed
 from agentrl.trainers.batch import Batch, token_micro_batches
 from agentrl.trainers.distributed import Sharding, resume
-from agentrl.trainers.losses import (KL_KINDS, POLICY_LOSSES, CorrectionConfig, PolicyLossConfig, kl_loss, masked_mean,
-                                     micro_batch_weight, rollout_correction)
+from agentrl.trainers.losses import (ADVANTAGE_WEIGHTED, KL_KINDS, POLICY_LOSSES, CorrectionConfig, PolicyLossConfig,
+                                     kl_loss, masked_mean, micro_batch_weight, rollout_correction)
 from agentrl.trainers.metrics import MetricsLogger, check_finite, rollout_metrics
 from agentrl.trainers.rewards import RewardConfig
 from agentrl.types import Group, Task
@@ -288,11 +288,15 @@ class Asynchronous:
 
 def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cfg: LoopConfig,
              generator: torch.Generator, loss_fn: Callable[[Batch, torch.Tensor], tuple[torch.Tensor, dict]],
-             agg: str) -> dict[str, float]:
+             agg: str, inert_B: torch.Tensor | None = None) -> dict[str, float]:
     """`cfg.epochs` passes of shuffled minibatches of `cfg.minibatch_size` trajectories, one clipped optimizer step
     each; `loss_fn(micro_batch, rows)` -> (loss, metrics), `rows` indexing `batch`. Micro-batches (`micro_batch_size`
     rows, or `micro_batch_tokens` by `token_micro_batches`) accumulate gradients weighted so that the step equals the
     whole minibatch's. Returns each metric's mean.
+
+    Rows marked in `inert_B` add nothing to the loss or its gradient, only to the minibatch's normalizer: they get
+    no forward pass, and a minibatch of only such rows makes no optimizer step (AdamW's momentum alone would move
+    the weights). The step is the same as with them; `skipped_rows` counts them.
 
     Sharded (FSDP, `trainers/distributed.py`), the minibatch is cut into passes of `world` micro-batches; rank r runs
     rows[r::world] of each, weighted by `world` times their share, since FSDP averages the ranks' gradients."""
@@ -306,8 +310,12 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
     for _ in range(cfg.epochs):
         order = torch.randperm(len(batch), generator=generator)
         for rows in order.split(cfg.minibatch_size):
+            active = rows if inert_B is None else rows[~inert_B[rows]]
+            add({"skipped_rows_frac": 1 - len(active) / len(rows)})
+            if not len(active):
+                continue
             optimizer.zero_grad()
-            for pass_rows in passes(cfg, batch, rows, ranks.world):  # the same number on every rank
+            for pass_rows in passes(cfg, batch, active, ranks.world):  # the same number on every rank
                 micro_rows, share = ranks.share(pass_rows)
                 with autocast(model):  # the compute dtype, over float32 master weights (if marked)
                     loss, metrics = loss_fn(batch.select(micro_rows).to(device), micro_rows)
@@ -378,7 +386,11 @@ def update(model: torch.nn.Module, ref: torch.nn.Module | None, optimizer: torch
         metrics["entropy"] = masked_mean(entropy_BT.detach(), mb.mask_BT).item()
         return loss, metrics
 
-    return {**optimize(model, optimizer, batch, cfg, generator, policy_loss, cfg.policy_loss.agg), **first}
+    # Without a KL term, a row whose advantages are all 0 adds nothing to these losses' gradients (the covariance
+    # losses' statistics span the batch); when most groups' rewards do not vary, that is most rows.
+    skippable = ref is None and cfg.loss in ADVANTAGE_WEIGHTED
+    inert_B = (batch.adv_BT * batch.mask_BT == 0).all(-1) if skippable else None
+    return {**optimize(model, optimizer, batch, cfg, generator, policy_loss, cfg.policy_loss.agg, inert_B), **first}
 
 
 @dataclass(frozen=True)

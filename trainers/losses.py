@@ -264,6 +264,9 @@ POLICY_LOSSES: dict[str, PolicyLossFn] = {
     "clip_cov": clip_cov_loss,
     "kl_cov": kl_cov_loss,
 }
+# The losses in which a sequence's loss and gradient are its advantage times a function of its own tokens only: a
+# sequence whose advantages are all 0 contributes nothing (the trainer skips its forward pass).
+ADVANTAGE_WEIGHTED = frozenset({"ppo", "gspo"})
 
 
 def kl_estimate(logp_BT: Tensor, ref_logp_BT: Tensor, kind: str) -> Tensor:
