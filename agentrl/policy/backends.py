@@ -26,9 +26,11 @@ class EngineConfig(ServerConfig):
     # vllm: servers started, each episode kept on one of them (agentrl.policy.router), every sync sent to all. On
     # GPU, `gpus` lists replicas × tensor_parallel_size devices, taken in order ("0,1,2,3", 2 × 2: "0,1" and "2,3")
     replicas: int = 1
-    # vllm, after each sync: the largest mean |logp_engine - logp_trainer| in nats. None: by the served dtype
-    # (float32 1e-3; bf16/fp16, and "auto" on GPU, 5e-2)
+    # vllm, after each sync: the largest mean |logp_engine - logp_trainer| in nats on the sampled tokens, and on each
+    # kind it did not sample (prompt, probe text, top-k). None: by the served dtype (float32 1e-3 and 1e-3;
+    # bf16/fp16, and "auto" on GPU, 5e-2 and 0.25)
     parity_mean_threshold: float | None = None
+    parity_unsampled_mean_threshold: float | None = None
     parity_tail_nats: float = 2.0  # vllm: a token this far off (nats) counts as a broken sync, not kernel noise
     parity_tail_share: float = 0.01  # vllm: the largest share of the tokens over parity_tail_nats
 
@@ -65,23 +67,27 @@ class EngineConfig(ServerConfig):
         return [",".join(devices[i * size:(i + 1) * size]) for i in range(self.replicas)]
 
 
-def open_policy(model: str, engine: EngineConfig, parity_prompts: Sequence[Sequence[int]] = ()) -> Policy:
+def open_policy(model: str, engine: EngineConfig, parity_prompts: Sequence[Sequence[int]] = (),
+                parity_probe: Sequence[int] = ()) -> Policy:
     """A policy serving `model`. A vLLM server started here is stopped by the policy's `close()`; several
     (`engine.replicas`) start together and serve behind a `RoutedPolicy`. With `parity_prompts`, every weight sync
-    into vLLM is checked against the trainer's logprobs on them."""
+    into vLLM is checked against the trainer's logprobs on them and on `parity_probe` (`PROBE_TEXT`'s ids)."""
     model = os.path.expanduser(model)
     if engine.kind == "transformers":
         from agentrl.policy.hf import HFPolicy
 
         return HFPolicy.load(model)
-    from agentrl.policy.parity import ParityCheck, mean_threshold_for
+    from agentrl.policy.parity import ParityCheck, mean_thresholds_for
     from agentrl.policy.vllm_client import VLLMPolicy
 
     served = engine.dtype or ("float32" if engine.device == "cpu" else "auto")  # as `server_command` resolves it
-    mean = engine.parity_mean_threshold if engine.parity_mean_threshold is not None else mean_threshold_for(served)
-    parity = ParityCheck(prompts=tuple(tuple(p) for p in parity_prompts), mean_threshold=mean,
-                         tail_nats=engine.parity_tail_nats,
-                         tail_share=engine.parity_tail_share) if parity_prompts else None
+    sampled, unsampled = mean_thresholds_for(served)
+    parity = ParityCheck(
+        prompts=tuple(tuple(p) for p in parity_prompts), probe=tuple(parity_probe),
+        mean_threshold=sampled if engine.parity_mean_threshold is None else engine.parity_mean_threshold,
+        unsampled_mean_threshold=(unsampled if engine.parity_unsampled_mean_threshold is None
+                                  else engine.parity_unsampled_mean_threshold),
+        tail_nats=engine.parity_tail_nats, tail_share=engine.parity_tail_share) if parity_prompts else None
     if engine.url:
         return VLLMPolicy.attach(engine.url, parity=parity, weight_transfer=engine.weight_transfer,
                                  sleep_mode=engine.sleep_mode)

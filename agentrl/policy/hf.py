@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from agentrl.policy.parity import Probe
 from agentrl.policy.protocol import FinishReason, PolicyError, Sample, SamplingParams
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.policy.precision import autocast
@@ -96,6 +97,25 @@ class HFPolicy:
         self._pending.extend(rows)
         self._ensure_worker(loop)
         return list(await asyncio.gather(*(row.future for row in rows)))
+
+    async def probe(self, prompt_ids: Sequence[int], sampling: SamplingParams, top_k: int) -> Probe:
+        """A parity check's view of this engine (`agentrl.policy.parity`): one sample, its logprobs as sampled; the
+        prompt's tokens and the `top_k` most likely tokens at every position from a forward pass over the whole."""
+        sample = (await self.generate(prompt_ids, replace(sampling, n=1)))[0]
+        ids, P = [int(t) for t in prompt_ids] + list(sample.token_ids), len(prompt_ids)
+        logprobs, top = await asyncio.to_thread(self._score, ids, top_k)
+        return Probe(tuple(ids), P, (*logprobs[:P - 1], *sample.logprobs), top)
+
+    @torch.no_grad()
+    def _score(self, ids: list[int], top_k: int) -> tuple[list[float], tuple[dict[int, float], ...]]:
+        """Each next token's logprob along `ids`, and the `top_k` most likely tokens at each position."""
+        device = next(self.model.parameters()).device
+        with autocast(self.model):
+            logits_TV = self.model(input_ids=torch.tensor([ids], device=device)).logits[0, :-1]
+        logp_TV = logits_TV.float().log_softmax(-1)
+        logprobs = logp_TV.gather(1, torch.tensor(ids[1:], device=device)[:, None]).squeeze(1).tolist()
+        values, indices = logp_TV.topk(top_k, -1)
+        return logprobs, tuple(dict(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist()))
 
     async def sync_weights(self, model, version: int) -> None:
         """In-process: the trainer's model is usually this very object; otherwise copy its weights."""

@@ -31,6 +31,7 @@ import contextlib
 import shutil
 import subprocess
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -38,7 +39,7 @@ import httpx
 from rich.console import Console
 
 from agentrl.policy.logprobs import is_sharded
-from agentrl.policy.parity import ParityCheck, ParityError, check_parity
+from agentrl.policy.parity import ParityCheck, ParityError, Probe, check_parity
 from agentrl.policy.protocol import PolicyError, Sample, SamplingParams
 from agentrl.policy.vllm_server import ServerConfig, ServerError, VLLMServer, WeightTransfer, free_port
 from agentrl.policy.weights import refuse_tied_embeddings, save_for_reload
@@ -120,6 +121,26 @@ class VLLMPolicy:
 
         Raises `PolicyError` while the engine holds weights that failed a parity check, for an empty prompt or one
         that fills the server's context, and when the server rejects the request or keeps failing."""
+        data = await self._complete(prompt_ids, sampling)
+        try:
+            choices = sorted(data["choices"], key=lambda c: c["index"])
+            return [_parse_choice(c) for c in choices]
+        except (KeyError, TypeError, ValueError) as e:
+            raise PolicyError(f"unexpected /v1/completions response ({e!r}): {str(data)[:300]}") from e
+
+    async def probe(self, prompt_ids: Sequence[int], sampling: SamplingParams, top_k: int) -> Probe:
+        """A parity check's view of the engine (`agentrl.policy.parity`): one sample echoed after its prompt, with
+        the logprob of every token and the `top_k` most likely tokens at each position (vLLM's prompt logprobs)."""
+        data = await self._complete(prompt_ids, replace(sampling, n=1), echo=True, logprobs=top_k,
+                                    return_token_ids=True)
+        try:
+            return _parse_probe(data["choices"][0], [int(t) for t in prompt_ids])
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise PolicyError(f"unexpected /v1/completions response to a parity probe ({e!r}): {str(data)[:300]}"
+                              ) from e
+
+    async def _complete(self, prompt_ids: Sequence[int], sampling: SamplingParams, **extra: Any) -> dict:
+        """The `/v1/completions` response for `prompt_ids` (`completion_body`, and `extra` fields)."""
         if self._rejected:
             raise PolicyError(self._rejected)
         await self._awake()
@@ -132,12 +153,7 @@ class VLLMPolicy:
                               "(--max-model-len): no room left to generate")
         # Like HFPolicy: a sample that reaches the context ends as "length" instead of failing the request.
         body = completion_body(self.model_name, prompt, sampling, min(sampling.max_tokens, max_len - len(prompt)))
-        data = (await self._post("/v1/completions", body)).json()
-        try:
-            choices = sorted(data["choices"], key=lambda c: c["index"])
-            return [_parse_choice(c) for c in choices]
-        except (KeyError, TypeError, ValueError) as e:
-            raise PolicyError(f"unexpected /v1/completions response ({e!r}): {str(data)[:300]}") from e
+        return (await self._post("/v1/completions", {**body, **extra})).json()
 
     async def sync_weights(self, model: Any, version: int) -> None:
         """Load `model`'s weights into the engine as `version`; with `parity`, check them (and roll back).
@@ -449,7 +465,7 @@ def _transfer_hint(error: Exception) -> str:
 
 def _parse_choice(choice: dict) -> Sample:
     logprobs = choice["logprobs"]
-    ids = tuple(int(t.removeprefix("token_id:")) for t in logprobs["tokens"])
+    ids = tuple(_token_id(t) for t in logprobs["tokens"])
     values = tuple(float(x) for x in logprobs["token_logprobs"])
     if len(ids) != len(values):
         raise ValueError(f"{len(ids)} tokens but {len(values)} logprobs")
@@ -461,6 +477,20 @@ def _parse_choice(choice: dict) -> Sample:
         # The renderer relies on the turn-end token being in the sampled ids (a closed turn).
         raise PolicyError(f"vLLM stopped on token {stop_id} but did not return it; this vLLM version is unsupported")
     return Sample(ids, values, finish)
+
+
+def _token_id(token: str) -> int:
+    return int(token.removeprefix("token_id:"))
+
+
+def _parse_probe(choice: dict, prompt: list[int]) -> Probe:
+    """A `Probe` from an echoed choice: its first position has no logprob (nothing predicts the first token)."""
+    logprobs = choice["logprobs"]
+    ids = tuple(_token_id(t) for t in logprobs["tokens"])
+    if list(ids[:len(prompt)]) != prompt:
+        raise ValueError("the echoed tokens do not start with the prompt")
+    top = tuple({_token_id(t): float(v) for t, v in step.items()} for step in logprobs["top_logprobs"][1:])
+    return Probe(ids, len(prompt), tuple(float(x) for x in logprobs["token_logprobs"][1:]), top)
 
 
 def _exits_within(proc: subprocess.Popen, seconds: float) -> bool:

@@ -26,6 +26,7 @@ from agentrl.gateway.agents import AgentEngines
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.policy.backends import open_policy
 from agentrl.policy.hf import HFPolicy
+from agentrl.policy.parity import PROBE_TEXT
 from agentrl.policy.precision import mixed_precision
 from agentrl.policy.scripted import ScriptedPolicy, playing
 from agentrl.renderer import Renderer
@@ -149,7 +150,8 @@ def set_up(job: TrainJob, out: Path, ranks: distributed.Ranks, log: Callable[[st
         mixed_precision(policy.model, autocast_dtype)  # samples with the trainer's numerics (it may share the model)
     elif ranks.main:
         prompts = [renderer.prompt_ids(env.first_messages(t), env.tool_schemas) for t in tasks[:2]]
-        policy = open_policy(job.model, job.engine, parity_prompts=prompts)
+        policy = open_policy(job.model, job.engine, parity_prompts=prompts,
+                             parity_probe=tokenizer.encode(PROBE_TEXT, add_special_tokens=False))
     if in_process and not ranks.sharded and not job.rl.max_staleness:  # the sampler shares the trainer's model: free syncs
         model = policy.model
     elif ranks.sharded:  # the trainer sharded over the ranks under torchrun
