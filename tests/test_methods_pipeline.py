@@ -75,11 +75,13 @@ def test_tango_resumes_mid_run_with_the_same_metrics(tiny_model_dir, tmp_path):
     a, b = straight[1], resumed[1]
     for key in ("mean_reward", "sampled_tokens", "alpha", "train_reward"):
         assert a[key] == b[key], key
-    assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+    for x, y in zip(straight, resumed):  # a step whose groups all had equal rewards trains nothing: no loss
+        assert x.get("loss") == (pytest.approx(y["loss"], abs=1e-6) if "loss" in y else None)
     assert a["verifier"]["sampled_tokens"] == b["verifier"]["sampled_tokens"]
     # the verifier's entropy on its own samples: 8.254 against 8.267 nats when the resumed run keeps the verifier
     # it started with instead of the checkpoint's
-    assert a["verifier"]["entropy"] == pytest.approx(b["verifier"]["entropy"], abs=1e-5)
+    entropy = b["verifier"].get("entropy")  # absent when the verifier's groups gave it nothing to train on
+    assert a["verifier"].get("entropy") == (None if entropy is None else pytest.approx(entropy, abs=1e-5))
 
 
 @pytest.mark.slow

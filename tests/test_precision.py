@@ -139,7 +139,7 @@ def job(model_dir, out_dir, steps: int, **extra):
         "env": "math/arith-v0", "model": str(model_dir), "out_dir": str(out_dir), "dtype": "bfloat16",
         "train_tasks": 8, "env_kwargs": {"parser": "react", "max_turns": 2}, "eval": None,
         "grpo": {"steps": steps, "tasks_per_step": 2, "minibatch_size": 4, "lr": 1e-6, "checkpoint_every": 1,
-                 "group_size": 2,
+                 "group_size": 4,  # 4 coins: a group whose rewards all agree (no gradient, no step) is rare
                  "reward": {"terms": {"random": 1.0}},  # a seeded coin: the random model gets a gradient
                  "rollout": ROLLOUT}, **extra})
 

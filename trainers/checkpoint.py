@@ -64,7 +64,9 @@ def reading(file: Path) -> Iterator[None]:
     empty file's EOFError would reach the CLI as if Ctrl-D were pressed (typer prints only "Aborted.")."""
     try:
         yield
-    except (EOFError, OSError, RuntimeError, pickle.UnpicklingError, SafetensorError) as e:
+    except CheckpointError:
+        raise
+    except (EOFError, OSError, RuntimeError, ValueError, pickle.UnpicklingError, SafetensorError) as e:
         raise CheckpointError(f"{file} does not read back, cut by a crash or damaged ({type(e).__name__}: {e})"
                               ) from None
 
@@ -112,15 +114,34 @@ def finished_checkpoints(out_dir: Path) -> list[Path]:
 
 
 def trainer_state(checkpoint: Path) -> dict[str, Any]:
-    """What `save_checkpoint` wrote beside the weights: step, state, optimizer state, RNG states."""
-    with reading(checkpoint / "trainer_state.pt"):
-        return torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+    """What `save_checkpoint` wrote beside the weights: step, state, optimizer state, RNG states. Read as tensors
+    and plain data only (a pickle that names other objects could run code), from a checkpoint whose files are
+    its own (`own_files`)."""
+    own_files(checkpoint)
+    file = checkpoint / "trainer_state.pt"
+    with reading(file):
+        if unsafe := torch.serialization.get_unsafe_globals_in_checkpoint(file):  # a crafted file, or not ours
+            raise CheckpointError(f"{file} names objects other than tensors and plain data ({', '.join(unsafe[:3])}), "
+                                  "which could run code when loaded: refused")
+        return torch.load(file, weights_only=True)
+
+
+def own_files(checkpoint: Path) -> None:
+    """A `CheckpointError` unless every entry under `checkpoint` is a plain file or folder: a symlink would resume
+    another run's (or step's) weights without a word, and a FIFO would hang the resume."""
+    for entry in [checkpoint, *checkpoint.rglob("*")]:
+        if entry.is_symlink() or not (entry.is_file() or entry.is_dir()):
+            kind = "a symlink" if entry.is_symlink() else "not a regular file"
+            raise CheckpointError(f"{entry} is {kind}; a checkpoint holds only the files that save_checkpoint "
+                                  "wrote")
 
 
 def rng_state() -> dict[str, Any]:
     """Every generator a resumed run must continue: Python's, NumPy's, torch's CPU one and, where CUDA is in use,
-    each GPU's (dropout and the in-process sampler draw there)."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    each GPU's (dropout and the in-process sampler draw there). Plain data and tensors only (`trainer_state`)."""
+    name, keys, position, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), position,
+                                                    has_gauss, gauss), "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -129,7 +150,8 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore `rng_state()`. GPU states saved on a machine with CUDA need one here with as many GPUs."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, position, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), position, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state:
         if not torch.cuda.is_available() or torch.cuda.device_count() < len(state["cuda"]):
