@@ -275,6 +275,12 @@ def test_bad_input_gets_a_4xx_and_loses_nothing(renderer):
             "unknown session": httpx.post(f"{server.url}/sessions/nope/v1/chat/completions", json={"messages": ok}),
             "oversized": httpx.post(chat, content=b" " * (MAX_BODY_BYTES + 1),
                                     headers={"content-type": "application/json"}),
+            "seed past 64 bits": httpx.post(chat, json={"messages": ok, "seed": 2**64 + 5}),
+            "lone surrogate": httpx.post(chat, content=b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+                                         headers={"content-type": "application/json"}),
+            "tool without function": httpx.post(chat, json={"messages": ok, "tools": [{"type": "function"}]}),
+            "tool without name": httpx.post(chat, json={"messages": ok, "tools": [{"type": "function",
+                                                                                   "function": {"parameters": {}}}]}),
         }
         codes = {name: (r.status_code, r.json()["error"]["message"]) for name, r in refused.items()}
         with pytest.raises(openai.BadRequestError, match="tool_choice"):
@@ -289,8 +295,10 @@ def test_bad_input_gets_a_4xx_and_loses_nothing(renderer):
         server.stop()
     assert {name: code for name, (code, _) in codes.items()} == {
         "malformed JSON": 400, "unknown field": 400, "no messages": 400, "forced tool": 400, "json schema": 400,
-        "image": 400, "unknown session": 404, "oversized": 413}
+        "image": 400, "unknown session": 404, "oversized": 413, "seed past 64 bits": 400, "lone surrogate": 400,
+        "tool without function": 400, "tool without name": 400}
     assert "temprature" in codes["unknown field"][1] and "POST /sessions" in codes["unknown session"][1]
+    assert "not valid UTF-8" in codes["lone surrogate"][1] and "tools[0] must be" in codes["tool without name"][1]
     [trajectory] = trajectories
     assert_exact(trajectory, policy.calls)
 

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 import agentrl.policy.hf as hf
 from agentrl.policy.hf import HFPolicy
-from agentrl.policy.protocol import Policy, PolicyError, Sample, SamplingParams
+from agentrl.policy.protocol import MAX_SEED, Policy, PolicyError, Sample, SamplingParams
 from agentrl.models.tokenizer import load_tokenizer
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
@@ -97,6 +97,15 @@ async def test_seeded_request_is_independent_of_its_batch(policy: HFPolicy, prom
     assert [s.token_ids for s in batched] == [s.token_ids for s in alone]
     torch.testing.assert_close(torch.tensor([s.logprobs for s in batched]), torch.tensor([s.logprobs for s in alone]),
                                atol=1e-5, rtol=0)
+
+
+async def test_the_largest_seed_samples_and_a_larger_one_is_refused(policy: HFPolicy, prompts) -> None:
+    """A seed past what the engines take (signed 64 bits, less the n samples' offsets) would fail a whole batch."""
+    assert await policy.generate(prompts[0], SamplingParams(max_tokens=4, n=2, seed=MAX_SEED))
+    with pytest.raises(ValueError, match="seed must be in"):
+        SamplingParams(seed=MAX_SEED + 1)
+    with pytest.raises(ValueError, match="seed must be in"):
+        SamplingParams(seed=-1)
 
 
 async def test_stop_token_ids_stop_and_are_kept(policy: HFPolicy, prompts) -> None:

@@ -8,10 +8,10 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from agentrl.gateway.sessions import GatewayConfig, GatewayError, Reply
-from agentrl.policy.protocol import SamplingParams
+from agentrl.policy.protocol import MAX_SEED, SamplingParams
 from agentrl.types import Message, ToolCall
 
 
@@ -66,7 +66,7 @@ class ChatRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=0)  # the engine returns the sampled token's logprob only
     stream: bool = False
@@ -80,6 +80,39 @@ class ChatRequest(BaseModel):
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _utf8(cls, value: Any) -> Any:
+        """Refuse text that UTF-8 cannot encode (a lone surrogate, which JSON's \\u escapes allow): the tokenizer
+        would fail on it."""
+        def check(x: Any, where: str) -> None:
+            if isinstance(x, str):
+                try:
+                    x.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise ValueError(f"{where} holds text that is not valid UTF-8 ({e.reason} at {e.start})"
+                                     ) from None
+            elif isinstance(x, dict):
+                for k, v in x.items():
+                    check(v, f"{where}.{k}")
+            elif isinstance(x, list):
+                for i, v in enumerate(x):
+                    check(v, f"{where}[{i}]")
+
+        check(value, "the request")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _functions(cls, value: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, tool in enumerate(value or []):
+            function = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(function, dict) or not isinstance(
+                    function.get("name"), str) or not function["name"]:
+                raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': "
+                                 f"...}}}}, got {json.dumps(tool)[:200]}")
+        return value
 
     @field_validator("response_format")
     @classmethod

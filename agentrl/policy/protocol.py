@@ -15,6 +15,9 @@ from pydantic import with_config
 from agentrl.config import STRICT
 
 FinishReason = Literal["stop", "length"]
+# Seeds the engines accept: vLLM and torch take a signed 64-bit seed, and sample i of a request draws seed + i. A
+# larger one fails the engine's whole batch, the other requests in it included.
+MAX_SEED = 2**63 - 1 - 64
 
 
 # The episode a `generate` call belongs to, set by the rollout engine for each episode's asyncio task: a
@@ -47,6 +50,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be in [0, {MAX_SEED}], got {self.seed}")
 
 
 @dataclass(frozen=True)
