@@ -29,6 +29,21 @@ def test_invalid_configs_name_the_problem(data, message):
         load_config(RolloutJob, data)
 
 
+@pytest.mark.parametrize("grpo,message", [
+    ({"steps": -1}, "steps must be >= 0, got -1"),
+    ({"tasks_per_step": 0}, "tasks_per_step must be >= 1, got 0"),
+    ({"checkpoint_every": -1}, "checkpoint_every must be >= 0, got -1"),
+    ({"epochs": 0, "minibatch_size": 0}, "epochs must be >= 1, got 0; minibatch_size must be >= 1, got 0"),
+    ({"lr": 0.0}, "lr and max_grad_norm must be > 0"),
+])
+def test_rl_counts_that_cannot_run_are_refused_at_load(grpo, message):
+    """Each of these once loaded and ran nothing (exit 0), or failed after the model was loaded."""
+    from agentrl.trainers.job.recipe import TrainJob
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(TrainJob, {"env": "math/arith-v0", "model": "m", "grpo": grpo})
+
+
 def test_bad_toml_and_missing_file(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("env = ")

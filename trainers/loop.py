@@ -86,6 +86,13 @@ class LoopConfig:
     partial_rollouts: bool = True
 
     def __post_init__(self) -> None:
+        counts = {"steps": (self.steps, 0), "checkpoint_every": (self.checkpoint_every, 0), "epochs": (self.epochs, 1),
+                  "tasks_per_step": (self.tasks_per_step, 1), "minibatch_size": (self.minibatch_size, 1)}
+        if wrong := [f"{name} must be >= {low}, got {value}" for name, (value, low) in counts.items() if value < low]:
+            raise ValueError(f"{self.section}: {'; '.join(wrong)} (steps = 0: no RL stage; checkpoint_every = 0: "
+                             "only at the end)")
+        if not self.lr > 0 or not self.max_grad_norm > 0:
+            raise ValueError(f"{self.section}.lr and max_grad_norm must be > 0, got {self.lr} and {self.max_grad_norm}")
         if self.loss not in POLICY_LOSSES:
             raise ValueError(f"loss must be one of {sorted(POLICY_LOSSES)}, got {self.loss!r}")
         if self.kl_kind not in KL_KINDS:
