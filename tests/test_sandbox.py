@@ -13,6 +13,7 @@ import pytest
 
 from agentrl.tools.sandbox import Limits, LocalRuntime, RunResult, SandboxError
 from agentrl.tools.sandbox.pool import SandboxPool
+from agentrl.tools.sandbox import runner
 from agentrl.tools.sandbox.runner import Capture
 
 # --- pure parts ---------------------------------------------------------------------------------------------
@@ -36,6 +37,19 @@ def test_observation_says_how_the_run_ended():
     assert failed == "Traceback ...\nValueError: x\n[exit code 1]"
     timed_out = RunResult(None, "partial\n", "", timed_out=True, seconds=3.0).observation()
     assert timed_out == "partial\n[killed: still running after the 3 s timeout]"
+
+
+def test_a_python_run_that_cannot_fork_is_an_exit_code_not_a_dead_runner(tmp_path, monkeypatch):
+    """A process limit (RLIMIT_NPROC) makes the fork fail: the run reports it as a shell would (126), the runner
+    lives on, and no pipe is left open."""
+    def no_fork():
+        raise BlockingIOError(11, "Resource temporarily unavailable")
+
+    before = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(runner.os, "fork", no_fork)
+    result = runner.run(None, "", 5.0, 10_000, kill_all=lambda proc: None, cwd=str(tmp_path), code="print(1)")
+    assert result["exit_code"] == 126 and "cannot run 'python': Resource temporarily unavailable" in result["stderr"]
+    assert len(os.listdir("/proc/self/fd")) == before
 
 
 def test_limits_are_validated():

@@ -82,8 +82,13 @@ class Forked:
     session, standard streams, `__main__` module and argv, so the program runs as it would as a script."""
 
     def __init__(self, code: str, path: str, cwd: str, setup):
-        (in_r, in_w), (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe(), os.pipe()
-        self.pid, self.returncode = os.fork(), None
+        (in_r, in_w), (out_r, out_w), (err_r, err_w) = fds = os.pipe(), os.pipe(), os.pipe()
+        try:
+            self.pid, self.returncode = os.fork(), None
+        except OSError:  # EAGAIN: a process limit; the runner lives on, the pipes closed
+            for fd in (fd for pair in fds for fd in pair):
+                os.close(fd)
+            raise
         if self.pid == 0:  # the child: never returns
             status = 1
             try:
@@ -169,7 +174,8 @@ def run(argv: list[str] | None, stdin: str, timeout: float, max_output: int, kil
             preexec_fn=setup, start_new_session=True)
     except (OSError, ValueError) as e:  # E2BIG, ENOENT; a NUL byte in an argument
         reason = getattr(e, "strerror", None) or str(e)
-        return {"ok": True, "exit_code": 126, "stdout": "", "stderr": f"cannot run {argv[0]!r}: {reason}",
+        program = "python" if code is not None else argv[0]  # a fork of this interpreter has no argv
+        return {"ok": True, "exit_code": 126, "stdout": "", "stderr": f"cannot run {program!r}: {reason}",
                 "timed_out": False, "truncated": False, "seconds": round(time.monotonic() - start, 4)}
     streams = {proc.stdout: Capture(max_output // 2), proc.stderr: Capture(max_output // 2)}
     sel = selectors.DefaultSelector()
