@@ -271,6 +271,24 @@ def ipc_objects(sandbox) -> list[str]:
 
 
 @docker_only
+def test_a_reset_puts_back_what_a_run_changed_about_the_runner(sandbox):
+    """Code runs as the runner's user, so it reaches PID 1 (prlimit, setpriority), whose every later fork inherits
+    the change: a limit written by one episode was read back by the next, and RLIMIT_NPROC = 1 failed the next
+    episodes' runs. A reset puts the limits back; what it cannot (a priority lowered) fails the reset, and the pool
+    replaces the sandbox."""
+    probe = "import os, resource; print(resource.getrlimit(resource.RLIMIT_NOFILE), os.getpriority(0, 0))"
+    before = sandbox.run(code=probe).stdout
+    sandbox.run(code="import resource\nfor r, soft in ((resource.RLIMIT_NOFILE, 42), (resource.RLIMIT_NPROC, 1)):\n"
+                     "    resource.prlimit(1, r, (soft, resource.prlimit(1, r)[1]))")
+    assert sandbox.run(code=probe).exit_code == 126  # inherited: the runner cannot fork
+    sandbox.reset()
+    assert sandbox.run(code=probe).stdout == before
+    sandbox.run(code="import os; os.setpriority(0, 1, 10)")
+    with pytest.raises(SandboxError, match=r"changed the runner's own nice 10 \(was 0\)"):
+        sandbox.reset()
+
+
+@docker_only
 def test_a_reset_leaves_no_shared_memory_queues_or_files(sandbox):
     assert sandbox.run(code=PLANT_IPC).stdout == "1 segment\n"
     assert len(ipc_objects(sandbox)) == 5  # shm, msg, sem, the queue, the file

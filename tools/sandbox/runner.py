@@ -5,8 +5,8 @@ user. One JSON request per line on stdin, one JSON reply per line on stdout:
 
     {"op": "run", "argv": [...] | "code": "...", "stdin": "", "timeout": 10, "max_output": 16000}
     {"op": "write", "path": "a.py", "data": "<base64>"}     {"op": "read", "path": "a.py", "max_bytes": N}
-    {"op": "reset"}   (kill every process, empty the workspace, $AGENTRL_SCRATCH and System V IPC; reply with the
-                       memory still in use)                                                   {"op": "ping"}
+    {"op": "reset"}   (kill every process, empty the workspace, $AGENTRL_SCRATCH and System V IPC, put back the
+                       runner's own limits and scheduling; reply with the memory still in use)  {"op": "ping"}
 
 A `docker exec` per call costs 0.1 s; a line over an open pipe costs microseconds. After every run all other
 processes in the container are killed (as PID 1, `kill(-1, SIGKILL)` reaches every process of the
@@ -20,6 +20,7 @@ import base64
 import ctypes
 import json
 import os
+import resource
 import selectors
 import shutil
 import signal
@@ -305,6 +306,43 @@ def memory_in_use() -> int | None:
     return None
 
 
+RLIMITS = sorted({getattr(resource, name) for name in dir(resource) if name.startswith("RLIMIT_")})
+
+
+def own_state() -> dict:
+    """What code run here can change about the runner itself: as the same user it reaches PID 1 with prlimit,
+    setpriority, sched_setaffinity and sched_setscheduler, and every later fork would inherit the change."""
+    return {"rlimits": {r: resource.getrlimit(r) for r in RLIMITS}, "nice": os.getpriority(os.PRIO_PROCESS, 0),
+            "affinity": os.sched_getaffinity(0), "scheduler": os.sched_getscheduler(0)}
+
+
+def restore(state: dict) -> None:
+    """Puts back what `own_state` read at start; a RuntimeError naming what cannot be (a hard limit lowered, a
+    priority lowered: raising either back needs a capability the sandbox does not have), so that the host
+    replaces the container."""
+    failed = []
+    for r, limits in state["rlimits"].items():
+        if resource.getrlimit(r) != limits:
+            try:
+                resource.setrlimit(r, limits)
+            except (ValueError, OSError):
+                failed.append(f"rlimit {r} {resource.getrlimit(r)} (was {limits})")
+    steps = {"nice": lambda: os.setpriority(os.PRIO_PROCESS, 0, state["nice"]),
+             "affinity": lambda: os.sched_setaffinity(0, state["affinity"]),
+             "scheduler": lambda: os.sched_setscheduler(0, state["scheduler"], os.sched_param(0))}
+    for name, put_back in steps.items():
+        if own_state()[name] != state[name]:
+            try:
+                put_back()
+            except OSError:
+                failed.append(f"{name} {own_state()[name]} (was {state[name]})")
+    if failed:
+        raise RuntimeError(f"a run changed the runner's own {', '.join(failed)}, which cannot be put back")
+
+
+START = own_state()
+
+
 def handle(req: dict) -> dict:
     """Carries out one request and returns its reply.
 
@@ -332,6 +370,7 @@ def handle(req: dict) -> dict:
                 path = os.path.join(folder, name)
                 shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
         empty_ipc()
+        restore(START)
         return {"ok": True, "memory_bytes": memory_in_use()}
     return {"ok": False, "error": f"unknown op {op!r}"}
 
