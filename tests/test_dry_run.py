@@ -4,6 +4,7 @@ are refused with their fix, and the memory estimate matches what a training pass
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ from transformers import LlamaConfig
 from typer.testing import CliRunner
 
 from agentrl.cli.main import app
-from agentrl.config import load_config
+from agentrl.config import ConfigError, load_config
 from agentrl.trainers.job.dry_run import Hardware, estimate, meta_model, plan
 from agentrl.trainers.job.recipe import TrainJob
 
@@ -63,6 +64,45 @@ def test_the_reviews_broken_combinations_are_refused_with_the_fix():
         **asleep["engine"], "gpu_memory_utilization": 0.5}})
     assert "barely holds the weights" in problems(
         "gpu_search_r1_train", {"engine": {"gpus": None, "gpu_memory_utilization": 0.05}})
+
+
+IMPOSSIBLE = {  # overrides of gpu_search_r1_train on 8 GPUs of 80 GiB -> what the refusal says
+    "vLLM at 0.9 on the trainer's GPU, named in engine.gpus": (
+        {"engine": {"gpus": "0", "gpu_memory_utilization": 0.9}}, r"largest: vLLM \(its share\).*not the trainer's"),
+    "a GPU index past the node": ({"engine": {"gpus": "9"}}, r"names GPU\(s\) \[9\], but the node has 8 \(0-7\)"),
+    "one GPU for two replicas": ({"engine": {"gpus": "1,1", "replicas": 2}}, r"gives GPU\(s\) \[1\] to two vLLM"),
+    "tensor parallel 3 against 16 heads": ({"engine": {"gpus": "1,2,3", "tensor_parallel_size": 3}},
+                                           r"does not divide the model's 16 attention heads .* one of \[1, 2, 4, 8\]"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IMPOSSIBLE))
+def test_impossible_placements_are_refused_with_the_fix(case):
+    overrides, message = IMPOSSIBLE[case]
+    problems = plan(recipe("gpu_search_r1_train", overrides), Hardware(8, 80.0), 1,
+                    str(CONFIGS / "Qwen2.5-3B-Instruct")).problems
+    assert re.search(message, "\n".join(problems)), problems
+
+
+@pytest.mark.parametrize("overrides", [{}, {"engine": {"gpus": "1,2", "tensor_parallel_size": 2}},
+                                       {"engine": {"gpus": "1,2,3,4", "replicas": 2, "tensor_parallel_size": 2}}])
+def test_possible_placements_pass(overrides):
+    assert plan(recipe("gpu_search_r1_train", overrides), Hardware(8, 80.0), 1,
+                str(CONFIGS / "Qwen2.5-3B-Instruct")).problems == []
+
+
+def test_settings_no_server_takes_and_a_missing_config_are_refused_before_planning():
+    with pytest.raises(ConfigError, match=r"gpu_memory_utilization is the server's share of each GPU, in \(0, 1\]"):
+        recipe("gpu_search_r1_train", {"engine": {"gpu_memory_utilization": 1.5}})
+    for gpus in ("1,2", "a", None):  # more GPUs than 1 replica × tensor parallel 1 takes; not indices; none for 2
+        with pytest.raises(ConfigError, match="needs gpus to list replicas × tensor_parallel_size"):
+            recipe("gpu_search_r1_train", {"engine": {"gpus": gpus, "replicas": 1 if gpus else 2}})
+    # KV heads too: Qwen2.5-1.5B's 12 query heads split 3 ways, its 2 KV heads do not
+    problems = plan(recipe("gpu_web_train", {"engine": {"gpus": "1,2,3", "tensor_parallel_size": 3}}),
+                    Hardware(8, 80.0), 1, str(CONFIGS / "Qwen2.5-1.5B-Instruct")).problems
+    assert any("12 attention heads (2 KV heads)" in p for p in problems)
+    with pytest.raises(ValueError, match="no model config at '/nowhere'.*--model-config DIR"):
+        plan(recipe("gpu_search_r1_train"), Hardware(2, 80.0), 1, "/nowhere")
 
 
 def test_an_sft_stage_whose_whole_batch_is_one_pass_is_counted_and_named():

@@ -167,7 +167,11 @@ def _dry_run(job, gpus: int | None, gpu_memory_gib: float, model_config: str | N
         console.print(f"[red]{e.args[0]}[/]")
         raise typer.Exit(2)
     console.print_json(data=job_record(job))
-    the_plan = plan_for(job, Hardware(gpus, gpu_memory_gib) if gpus is not None else None, model_config)
+    try:
+        the_plan = plan_for(job, Hardware(gpus, gpu_memory_gib) if gpus is not None else None, model_config)
+    except ValueError as e:  # no model config to plan from
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(2)
     table = Table("part", "where / memory", title=f"{job.model} · {job.method} · dry run")
     for row in describe(the_plan):
         table.add_row(*row)

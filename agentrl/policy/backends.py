@@ -49,12 +49,12 @@ class EngineConfig(ServerConfig):
                              "(kind = 'vllm', no url), at least 1. To route over servers started elsewhere, build "
                              "agentrl.policy.router.RoutedPolicy over VLLMPolicy.attach(url) for each "
                              "(docs/scaling.md)")
-        if self.replicas > 1 and self.device == "gpu":
-            devices = [d for d in (self.gpus or "").split(",") if d.strip()]
-            if len(devices) != self.replicas * self.tensor_parallel_size:
+        if self.device == "gpu" and (self.replicas > 1 or self.gpus is not None):
+            devices = [d.strip() for d in (self.gpus or "").split(",") if d.strip()]
+            if not all(d.isdigit() for d in devices) or len(devices) != self.replicas * self.tensor_parallel_size:
                 raise ValueError(f"engine.replicas = {self.replicas} on GPU needs gpus to list replicas × "
-                                 f"tensor_parallel_size = {self.replicas * self.tensor_parallel_size} devices, one "
-                                 f"group per server in order (e.g. gpus = \"0,1\" for 2 × 1), got {self.gpus!r}")
+                                 f"tensor_parallel_size = {self.replicas * self.tensor_parallel_size} device indices, "
+                                 f"one group per server in order (e.g. gpus = \"0,1\" for 2 × 1), got {self.gpus!r}")
         if self.url and any(v for v in started.values()):
             raise ValueError(f"engine.url attaches to a running server, so {[k for k, v in started.items() if v]} "
                              "cannot apply: set them where the server is started (`agentrl serve policy`)")

@@ -93,6 +93,11 @@ class ServerConfig:
             raise ValueError("kv_cache_gib is a CPU option; on GPU set gpu_memory_utilization")
         if self.device == "cpu" and self.gpu_memory_utilization is not None:
             raise ValueError("gpu_memory_utilization is a GPU option; on CPU set kv_cache_gib")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization is the server's share of each GPU, in (0, 1]; got "
+                             f"{self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.weight_transfer not in get_args(WeightTransfer):
             raise ValueError(f"weight_transfer must be one of {get_args(WeightTransfer)}, not {self.weight_transfer!r}")
         if self.device == "cpu" and self.weight_transfer in ("nccl", "ipc"):

@@ -10,9 +10,12 @@ The estimate per trainer device (`estimate`), in bytes:
 - activations of one micro-batch of the longest episodes: `ACTIVATION_ELEMENTS` per token and layer without
   gradient checkpointing, one hidden state per token and layer with it (plus one layer's worth, recomputed);
 - the LM head's chunk (`HEAD_CHUNK` tokens of float32 logits, their log-softmax and their gradient);
-- the sampler: vLLM's share of the GPU when its server sits on the trainer's GPU (in sleep mode it is free while the
-  trainer steps, and the share must fit beside the trainer's weights and optimizer while it samples), or,
-  in-process, the KV cache of every episode in flight at the longest length.
+- the sampler: vLLM's share of the GPU when its server sits on the trainer's GPU, `engine.gpus` unset or naming it
+  (in sleep mode it is free while the trainer steps, and the share must fit beside the trainer's weights and
+  optimizer while it samples), or, in-process, the KV cache of every episode in flight at the longest length.
+
+Placements vLLM, torch or the node would refuse are problems too: GPU indices past the node, a GPU given to two
+vLLM replicas, tensor parallelism that does not divide the attention or KV heads, a utilization outside (0, 1].
 `tests/test_dry_run.py` checks the activation and state terms against peak memory measured on CPU.
 """
 
@@ -62,8 +65,12 @@ class Plan:
 
 def meta_model(model: str) -> torch.nn.Module:
     """The model's architecture with no weights (the meta device): exact shapes, no memory, no download beyond its
-    config."""
-    config = AutoConfig.from_pretrained(os.path.expanduser(model))
+    config. A ValueError with the fix when there is no config to read."""
+    try:
+        config = AutoConfig.from_pretrained(os.path.expanduser(model))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"no model config at {model!r} ({str(e).splitlines()[0]}): pass --model-config DIR, a "
+                         "folder holding the model's config.json, or fetch the model first") from None
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)
 
@@ -130,10 +137,13 @@ def plan(job: TrainJob, hardware: Hardware, world: int = 1, model_config: str | 
         own = engine.gpus is not None
         placement["sampler"] = (f"vLLM on GPU(s) {engine.gpus}" if own else f"vLLM on the trainer's {job.device}") + \
             f", tensor parallel {engine.tensor_parallel_size}"
-        if engine.device == "gpu" and not own and cuda:
-            share = (engine.gpu_memory_utilization or 0.9) * capacity
         if engine.device == "gpu":
-            problems += _engine_problems(job, model, hardware, own, capacity)
+            engine_gpus, device_problems = _engine_gpus(job, model, hardware)
+            problems += device_problems
+            shared = not own or bool(engine_gpus & trainer_gpus(job, world))  # the trainer's GPU holds it too
+            if shared and cuda:
+                share = (engine.gpu_memory_utilization or 0.9) * capacity
+            problems += _engine_problems(job, model, hardware, own and not shared, capacity)
     if engine.kind == "vllm" and engine.weight_transfer == "checkpoint" and ties_embeddings(model.config):
         problems.append(f"{job.model} ties its embeddings, which a checkpoint sync leaves half-updated: set "
                         "engine.weight_transfer = 'auto' (gloo) or a transfer backend")
@@ -156,6 +166,34 @@ def plan(job: TrainJob, hardware: Hardware, world: int = 1, model_config: str | 
     return Plan(hardware, placement, memory, problems)
 
 
+def trainer_gpus(job: TrainJob, world: int) -> set[int]:
+    """The GPU indices the trainer runs on: its device's, or one per rank under torchrun."""
+    if not job.device.startswith("cuda"):
+        return set()
+    return {int(job.device.split(":")[1])} if ":" in job.device else set(range(world))
+
+
+def _engine_gpus(job: TrainJob, model: torch.nn.Module, hardware: Hardware) -> tuple[set[int], list[str]]:
+    """The GPUs a job-started vLLM takes, and the placements vLLM or the node would refuse: indices past the node,
+    a GPU given to two replicas, tensor parallelism that does not divide the attention or KV heads."""
+    engine, problems, config = job.engine, [], model.config.get_text_config()
+    tp, heads = engine.tensor_parallel_size, config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if heads % tp or (kv_heads % tp and tp % kv_heads):
+        fits = [n for n in range(1, max(hardware.gpus, 1) + 1) if not heads % n and not (kv_heads % n and n % kv_heads)]
+        problems.append(f"engine.tensor_parallel_size {tp} does not divide the model's {heads} attention heads "
+                        f"({kv_heads} KV heads), which vLLM refuses: use one of {fits}")
+    if engine.gpus is None:
+        return set(), problems
+    listed = [int(d) for d in engine.gpus.split(",") if d.strip()]  # indices: `EngineConfig` checked them
+    if past := sorted({d for d in listed if not 0 <= d < hardware.gpus}):
+        problems.append(f"engine.gpus names GPU(s) {past}, but the node has {hardware.gpus}"
+                        + (f" (0-{hardware.gpus - 1})" if hardware.gpus else ""))
+    if twice := sorted({d for d in listed if listed.count(d) > 1}):
+        problems.append(f"engine.gpus gives GPU(s) {twice} to two vLLM servers: each replica needs its own")
+    return set(listed), problems
+
+
 def _engine_problems(job: TrainJob, model: torch.nn.Module, hardware: Hardware, own: bool, capacity: float
                      ) -> list[str]:
     """What a job-started GPU vLLM server cannot do on `hardware`."""
@@ -166,9 +204,6 @@ def _engine_problems(job: TrainJob, model: torch.nn.Module, hardware: Hardware, 
     if engine.weight_transfer == "ipc" and own:
         problems.append("weight_transfer 'ipc' needs the server on the trainer's GPU: remove engine.gpus, or use "
                         "'nccl' between GPUs")
-    if own and len(engine.gpus.split(",")) < engine.tensor_parallel_size:
-        problems.append(f"engine.tensor_parallel_size {engine.tensor_parallel_size} needs as many GPUs in "
-                        f"engine.gpus ({engine.gpus!r})")
     weights = 2 * sum(p.numel() for p in model.parameters()) / engine.tensor_parallel_size
     budget = (engine.gpu_memory_utilization or 0.9) * capacity
     if weights > 0.8 * budget:
@@ -193,7 +228,8 @@ def _fixes(job: TrainJob, largest: str) -> str:
     return {
         "activations": f"set {widest}.micro_batch_tokens (padded tokens per pass) lower, or "
                        "gradient_checkpointing = true",
-        "vLLM (its share)": "lower engine.gpu_memory_utilization, or give the server its own GPUs (engine.gpus)",
+        "vLLM (its share)": "lower engine.gpu_memory_utilization, or give the server GPUs of its own (engine.gpus, "
+                            "not the trainer's)",
         "sampler KV cache": "lower rollout.concurrency or max_total_tokens, or sample with vLLM",
         "reference": "set kl_coef = 0, or train LoRA adapters ([lora])",
     }.get(largest, "train LoRA adapters ([lora]), or shard the trainer over more GPUs (torchrun)")
