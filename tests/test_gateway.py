@@ -133,6 +133,30 @@ def test_tool_calls_round_trip_with_exact_tokens(renderer, planned, monkeypatch)
     assert "5" in renderer.decode(trajectory.token_ids[trajectory.turns[0].end:trajectory.turns[1].start])
 
 
+def test_a_client_that_renumbers_tool_call_ids_stays_in_one_segment(renderer):
+    """Frameworks rewrite tool-call ids (renumbered at every call here, calls and results alike): a sampled reply must
+    not become re-tokenized context of a new segment because of it."""
+    server, policy = serve(renderer, [f"Let me compute.\n{CALL}", f"Once more.\n{CALL}", "<answer>5</answer>"])
+    try:
+        sid, client = server.session()
+        messages = [{"role": "user", "content": "2+3?"}]
+        for call in range(3):
+            reply = client.chat.completions.create(model="m", messages=messages, tools=[CALC]).choices[0].message
+            messages += [reply.model_dump(exclude_none=True)]
+            if reply.tool_calls:
+                messages += [{"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "5"}]
+            ids = iter(range(100))
+            for m in messages:
+                for c in m.get("tool_calls", []):
+                    c["id"] = f"call_{call}_{next(ids)}"
+                if m["role"] == "tool":  # the result names its call's new id
+                    m["tool_call_id"] = f"call_{call}_{next(ids) - 1}"
+        [trajectory] = server.reward(sid, 1.0)
+    finally:
+        server.stop()
+    assert_exact(trajectory, policy.calls)
+
+
 def test_a_diverging_history_starts_a_new_segment(renderer):
     texts = ["first reply", "sub-agent reply", "after an edit", "continues the first"]
     server, policy = serve(renderer, texts)

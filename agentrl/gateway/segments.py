@@ -38,7 +38,7 @@ def key(message: Message) -> Key:
     if "</think>" in content:  # however the reasoning was spaced when it is put back
         thought, rest = content.split("</think>", 1)
         content = f"<think>{thought.removeprefix('<think>').strip()}</think>{rest.strip()}"
-    return message.role, content, calls, message.tool_call_id if message.role == "tool" else None
+    return message.role, content, calls
 
 
 def tools_key(tools: Sequence[dict] | None) -> str:
