@@ -303,7 +303,7 @@ def optimize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Ba
 
     Rows marked in `inert_B` add nothing to the loss or its gradient, only to the minibatch's normalizer: they get
     no forward pass, and a minibatch of only such rows makes no optimizer step (AdamW's momentum alone would move
-    the weights). The step is the same as with them; `skipped_rows` counts them.
+    the weights). The step is the same as with them; `skipped_rows_frac` is their share.
 
     Sharded (FSDP, `trainers/distributed.py`), the minibatch is cut into passes of `world` micro-batches; rank r runs
     rows[r::world] of each, weighted by `world` times their share, since FSDP averages the ranks' gradients."""
