@@ -72,8 +72,10 @@ class Renderer:
             if i in special:
                 marker = self.tokenizer.convert_ids_to_tokens(i)
                 return (marker, *EXTRA_TURN_ENDS.get(marker, ()))
-        raise RendererError("Could not find the token that ends an assistant turn in this chat template; "
-                            "pass turn_end=[...] (e.g. ['<|im_end|>']).")
+        raise RendererError("This chat template ends an assistant turn with no special token of the tokenizer, and "
+                            "sampling stops at that token: choose a template that writes one (`--chat-template "
+                            "chatml-tools`, `chat_template = ...` in a recipe, or your own file whose assistant turn "
+                            "ends with e.g. <|im_end|>); from Python, Renderer(tokenizer, turn_end=[...]) names it.")
 
     # ---- text ----
     def render(self, messages: Sequence[Message], tools: Sequence[dict] | None = None,

@@ -220,3 +220,10 @@ def test_turn_end_detection(renderers):
     assert renderers["gemma2"].turn_end == ("<end_of_turn>",)
     assert renderers["phi3_5"].turn_end == ("<|end|>",)
     assert renderers["gpt_oss"].turn_end == ("<|return|>", "<|call|>", "<|end|>")
+
+
+def test_a_template_without_a_turn_end_token_names_a_fix_the_cli_takes(base_tokenizer):
+    tok = copy.deepcopy(base_tokenizer)
+    tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}"
+    with pytest.raises(RendererError, match="no special token of the tokenizer.*--chat-template chatml-tools"):
+        Renderer(tok)
