@@ -303,6 +303,7 @@ def test_bad_input_gets_a_4xx_and_loses_nothing(renderer):
             "lone surrogate": httpx.post(chat, content=b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
                                          headers={"content-type": "application/json"}),
             "tool without function": httpx.post(chat, json={"messages": ok, "tools": [{"type": "function"}]}),
+            "a session id the client picks": httpx.post(f"{server.url}/sessions", json={"id": sid + "x"}),
             "tool without name": httpx.post(chat, json={"messages": ok, "tools": [{"type": "function",
                                                                                    "function": {"parameters": {}}}]}),
         }
@@ -320,7 +321,8 @@ def test_bad_input_gets_a_4xx_and_loses_nothing(renderer):
     assert {name: code for name, (code, _) in codes.items()} == {
         "malformed JSON": 400, "unknown field": 400, "no messages": 400, "forced tool": 400, "json schema": 400,
         "image": 400, "unknown session": 404, "oversized": 413, "seed past 64 bits": 400, "lone surrogate": 400,
-        "tool without function": 400, "tool without name": 400}
+        "tool without function": 400, "tool without name": 400, "a session id the client picks": 400}
+    assert len(sid) == 32 and int(sid, 16) >= 0  # random, 128 bits: another client cannot guess it
     assert "temprature" in codes["unknown field"][1] and "POST /sessions" in codes["unknown session"][1]
     assert "not valid UTF-8" in codes["lone surrogate"][1] and "tools[0] must be" in codes["tool without name"][1]
     [trajectory] = trajectories

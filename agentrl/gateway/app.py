@@ -39,7 +39,7 @@ class OpenSession(BaseModel):
     task_id: str = ""
     group: int = 0
     info: dict[str, Any] = Field(default_factory=dict)
-    id: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,128}$")
+    # no `id`: a session's random 128-bit id is its only credential, so a client cannot choose one another could guess
 
 
 class SessionReward(BaseModel):
@@ -76,7 +76,7 @@ def create_app(gateway: Gateway, model_name: str = "agentrl-policy") -> FastAPI:
 
     @app.post("/sessions")
     def open_session(body: OpenSession, request: Request) -> dict[str, str]:
-        session = gateway.open(body.task_id, body.group, body.info, body.id)
+        session = gateway.open(body.task_id, body.group, body.info)
         return {"id": session.id, "base_url": f"{str(request.base_url).rstrip('/')}/sessions/{session.id}/v1"}
 
     @app.get("/sessions/{session_id}")
