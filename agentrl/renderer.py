@@ -25,6 +25,7 @@ trajectory can differ from rendering the final conversation from scratch; for pr
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from typing import Any, Sequence
 
 from agentrl.types import Message
@@ -103,6 +104,12 @@ class Renderer:
         return self.tokenizer.apply_chat_template(
             [m.to_dict() for m in messages], tools=None if tools is None else list(tools), tokenize=False,
             add_generation_prompt=add_generation_prompt, **self.template_kwargs)
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token of the vocabulary stands for: a text of n characters is at least
+        n / max_token_chars tokens, known without tokenizing it."""
+        return max(map(len, self.tokenizer.get_vocab()))
 
     def encode(self, text: str) -> Ids:
         """Text (with special tokens written out, as templates produce them) to ids; no BOS/EOS added."""

@@ -304,6 +304,8 @@ def test_bad_input_gets_a_4xx_and_loses_nothing(renderer):
                                          headers={"content-type": "application/json"}),
             "tool without function": httpx.post(chat, json={"messages": ok, "tools": [{"type": "function"}]}),
             "a session id the client picks": httpx.post(f"{server.url}/sessions", json={"id": sid + "x"}),
+            "more text than the context holds": httpx.post(chat, json={"messages": [{"role": "user", "content": "x" * (
+                4096 * renderer.max_token_chars + 1)}]}),
             "tool without name": httpx.post(chat, json={"messages": ok, "tools": [{"type": "function",
                                                                                    "function": {"parameters": {}}}]}),
         }
@@ -321,7 +323,9 @@ def test_bad_input_gets_a_4xx_and_loses_nothing(renderer):
     assert {name: code for name, (code, _) in codes.items()} == {
         "malformed JSON": 400, "unknown field": 400, "no messages": 400, "forced tool": 400, "json schema": 400,
         "image": 400, "unknown session": 404, "oversized": 413, "seed past 64 bits": 400, "lone surrogate": 400,
-        "tool without function": 400, "tool without name": 400, "a session id the client picks": 400}
+        "tool without function": 400, "tool without name": 400, "a session id the client picks": 400,
+        "more text than the context holds": 400}
+    assert "characters, more than 4096 tokens can hold" in codes["more text than the context holds"][1]
     assert len(sid) == 32 and int(sid, 16) >= 0  # random, 128 bits: another client cannot guess it
     assert "temprature" in codes["unknown field"][1] and "POST /sessions" in codes["unknown session"][1]
     assert "not valid UTF-8" in codes["lone surrogate"][1] and "tools[0] must be" in codes["tool without name"][1]

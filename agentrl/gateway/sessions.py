@@ -182,6 +182,10 @@ class Gateway:
         if session.trajectories is not None:
             raise GatewayError(409, f"session {session_id!r} is closed: open a new session for a new run")
         session.last_active, session.calls = time.monotonic(), session.calls + 1
+        chars, most = sum(len(m.content) for m in messages), self.config.max_total_tokens
+        if chars > most * self.renderer.max_token_chars:  # refused before tokenizing megabytes of text
+            raise GatewayError(400, f"the conversation has {chars} characters, more than {most} tokens can hold "
+                                    "(gateway.max_total_tokens)", "context_length_exceeded")
         async with session.lock:
             try:
                 if sum(len(m.content) for m in messages) <= INLINE_PLAN_CHARS:
