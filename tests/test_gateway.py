@@ -24,6 +24,7 @@ from agentrl.gateway import Gateway, GatewayConfig, create_app
 from agentrl.gateway.app import MAX_BODY_BYTES
 from agentrl.policy.protocol import Sample, SamplingParams
 from agentrl.renderer import Renderer
+from agentrl.system import http_limits
 from agentrl.system.tcp import listening_socket
 from agentrl.types import Message, Trajectory
 
@@ -331,6 +332,28 @@ def test_bad_input_gets_a_4xx_and_loses_nothing(renderer):
     assert "not valid UTF-8" in codes["lone surrogate"][1] and "tools[0] must be" in codes["tool without name"][1]
     [trajectory] = trajectories
     assert_exact(trajectory, policy.calls)
+
+
+def test_bodies_that_never_arrive_get_408_and_free_their_connections(renderer, monkeypatch):
+    """A client that sends its headers and withholds the body (300 such connections were all still held after 62 s)."""
+    monkeypatch.setattr(http_limits, "BODY_TIMEOUT_S", 0.5)
+    server, _ = serve(renderer, [])
+    try:
+        port = int(server.url.rsplit(":", 1)[1])
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+        for sock in held:
+            sock.sendall(b"POST /sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"task")
+        for sock in held:
+            sock.settimeout(10)
+            reply = b""
+            while chunk := sock.recv(4096):  # to the end: the server closes the connection
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.5 s" in reply
+            sock.close()
+        assert httpx.post(f"{server.url}/sessions", json={}).status_code == 200  # whole bodies are read as before
+    finally:
+        server.stop()
 
 
 def test_sessions_do_not_mix(renderer):
