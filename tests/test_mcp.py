@@ -62,7 +62,7 @@ def http_server(tmp_path_factory):
 
 
 def test_the_server_tools_are_listed_with_their_schemas_in_openai_format(tools):
-    assert list(tools) == ["add", "refuse", "sleep", "flood", "count", "spawn", "crash"]
+    assert list(tools) == ["add", "refuse", "busy", "sleep", "flood", "count", "spawn", "crash"]
     function = tools["add"].schema["function"]
     assert tools["add"].schema["type"] == "function" and function["name"] == "add"
     assert function["description"] == "Add two integers."
@@ -103,6 +103,7 @@ def test_calls_return_text_and_the_models_mistakes_are_caught_before_sending(too
 
 def test_server_errors_are_observations_and_long_results_are_cut(tools):
     assert tools["refuse"].run({"reason": "no"}) == "Error executing tool refuse: refused: no"
+    assert tools["busy"].run({}) == "Error: the server is busy"  # code -32000, the SDK's "connection closed" too
     flood = tools["flood"].run({"chars": 5000})
     assert flood == "x" * 1000 + "\n[... 4000 more characters cut]"
 
@@ -113,6 +114,16 @@ def test_a_call_past_its_timeout_is_a_tool_timeout_and_the_session_lives_on(tool
         tools["sleep"].run({"seconds": 30})
     assert time.monotonic() - started < 4
     assert tools["add"].run({"a": 1, "b": 1}) == "2"
+
+
+def test_a_result_still_arriving_after_its_timeout_does_not_wedge_the_next_call():
+    """A 40 MB result outlives its 1 s timeout and held up every later reply of the session (the next call timed out
+    too): a session that does not answer after a timeout is reopened."""
+    tools = {t.name: t for t in McpTools([spec(name="wedged", timeout=1)])}
+    with pytest.raises(ToolTimeout, match="'flood' of server 'wedged' timed out"):
+        tools["flood"].run({"chars": 40_000_000})
+    assert tools["add"].run({"a": 1, "b": 1}) == "2"
+    close_pooled()
 
 
 def test_streamable_http_servers_answer_like_stdio_ones(http_server):

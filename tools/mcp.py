@@ -43,6 +43,7 @@ from agentrl.tools.errors import ToolArgumentError, ToolError, ToolTimeout
 from agentrl.tools.tool import DEFAULT_TIMEOUT
 
 CLOSE_TIMEOUT = 10.0  # seconds for a session to close (the SDK gives a stdio server 2 s, then SIGTERM, SIGKILL)
+PING_TIMEOUT = 2.0  # seconds for a server to answer after a call timed out, before its session is reopened
 LOG_DIR = Path.home() / ".cache" / "agentrl" / "logs" / "mcp"  # stdio servers' stderr, a file per server and process
 
 
@@ -161,6 +162,15 @@ class _Session:
             if not (cursor := page.next_cursor):
                 return tools
 
+    async def _answers(self) -> bool:
+        """Whether the server answers a listing of its tools within `PING_TIMEOUT` (after a call timed out: a tool
+        still running leaves it answering; a result still streaming in does not). MCP's ping is deprecated."""
+        try:
+            await asyncio.wait_for(self.client.list_tools(), PING_TIMEOUT)
+            return True
+        except Exception:  # noqa: BLE001 -- any failure to answer means the same
+            return False
+
     async def call(self, name: str, arguments: dict[str, Any]) -> Any:
         from mcp.shared.exceptions import MCPError
         from mcp_types import CONNECTION_CLOSED
@@ -168,12 +178,16 @@ class _Session:
         try:
             return await asyncio.wait_for(self.client.call_tool(name, arguments), self.server.timeout)
         except MCPError as e:
-            if e.code != CONNECTION_CLOSED:
-                return e  # the server answered with an error: the model sees it
+            # the server answered with an error: the model sees it. -32000 is also the first of JSON-RPC's server
+            # error codes, so the SDK's "connection closed" is believed only if the server no longer answers.
+            if e.code != CONNECTION_CLOSED or await self._answers():
+                return e
             self.broken = self.broken or "the server closed the connection (its process ended?)"
             raise ToolError(f"MCP server {self.server.name!r} failed during a call of {name!r}: "
                             f"{self.broken}{_log_hint(self.server)}") from e
         except TimeoutError:
+            if not await self._answers():  # a reply still arriving (a huge result) holds up every later one
+                self.broken = self.broken or f"it stopped answering after a call of {name!r} timed out"
             raise ToolTimeout(f"MCP tool {name!r} of server {self.server.name!r} timed out after "
                               f"{self.server.timeout:g}s") from None
         except Exception as e:  # the connection failed under the call: this session is done

@@ -1,5 +1,5 @@
 """An MCP server for the tests of `agentrl.tools.mcp`, written with the official SDK: tools that answer, fail, hang,
-flood, keep state, start a child process, and kill their own server.
+flood, keep state, start a child process, send a JSON-RPC server error, and kill their own server.
 
     python tests/data/mcp_server.py                # stdio
     python tests/data/mcp_server.py --port 8000    # streamable HTTP
@@ -12,6 +12,7 @@ import time
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.shared.exceptions import MCPError
 
 server = MCPServer("testing")
 calls = 0
@@ -25,6 +26,12 @@ def add(a: int, b: int) -> int:
 @server.tool(description="Fail with a message for the model.")
 def refuse(reason: str) -> str:
     raise ToolError(f"refused: {reason}")
+
+
+@server.tool(description="Fail with a JSON-RPC server error of code -32000 (the code the SDK also uses for a closed "
+                         "connection).")
+def busy() -> str:
+    raise MCPError(-32000, "the server is busy")
 
 
 @server.tool(description="Sleep, then say so.")
