@@ -397,6 +397,62 @@ def test_a_file_site_cannot_be_left_however_the_url_is_spelled(tmp_path, listene
     assert hits == []
 
 
+@pytest.fixture
+def site_server(listener):
+    """The task's site on another loopback port: a page, a redirect to the listener, a WebSocket and a popup to it."""
+    import http.server
+    import threading
+
+    port = listener[0]
+    pages = {"/": "<p>home</p>", "/same": "<p>same site</p>",
+             "/ws": f"<p>sockets</p><script>new WebSocket('ws://127.0.0.1:{port}/socket')</script>",
+             "/popup": f"<a href='/same' target='_blank'>tab</a><a href='http://127.0.0.1:{port}/tab' "
+                       f"target='_blank'>away</a><script>window.open('/same')</script>"}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path in ("/away", "/hop"):  # a server-side redirect: off the site, or on it
+                self.send_response(302)
+                self.send_header("Location", f"http://127.0.0.1:{port}/redirected" if self.path == "/away" else "/same")
+                self.end_headers()
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(pages.get(self.path, "<p>404</p>").encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.mark.browser
+def test_redirects_websockets_and_popups_stay_on_the_site(site_server, listener):
+    """Ways off the page that the request route did not see: a server's 302 to another loopback port, and popups
+    (on the site, they stayed open beside the episode's page); a WebSocket to the other port is refused too."""
+    port, hits = listener
+    with shared_browser().session() as session:
+        session.restrict(Site(f"{site_server}/"))
+        session.goto(f"{site_server}/")
+        with pytest.raises(ActionError):
+            session.goto(f"{site_server}/away")
+        session.goto(f"{site_server}/hop")  # a redirect within the site is followed
+        assert "same site" in session.observe().lines
+        session.goto(f"{site_server}/ws")
+        session.goto(f"{site_server}/popup")
+        for name in ("tab", "away"):
+            session.click(next(e["id"] for e in session.observe().elements if e.get("name") == name))
+        time.sleep(0.5)
+        assert session.page.context.pages == [session.page]  # every popup closed
+        page = session.observe()
+        assert page.url == f"{site_server}/popup" and "tab" in "\n".join(page.lines)
+    assert hits == []
+
+
 @pytest.mark.browser
 def test_the_shop_reaches_no_other_loopback_port(listener):
     port, hits = listener

@@ -12,9 +12,10 @@ threads; so the async API runs on one private event-loop thread and every call i
 `max_sessions` contexts are open at once; every call has a timeout. The browser closes at exit; if this
 process is killed, Playwright's driver sees its pipe close and takes the browser down with it.
 
-Every request a page makes (navigations, scripts, images, frames, redirects) passes the session's request
+Every request a page makes (navigations, scripts, images, frames, WebSockets) passes the session's request
 route, which sees the URL as Chromium parsed it (`%2e%2e` resolved, `\\` read as `/`): so a session restricted
-to a `Site` loads nothing else, however the model spells a URL.
+to a `Site` loads nothing else, however the model spells a URL. A server's redirect is fetched without being
+followed and followed only onto the site; a popup is closed.
 
 Two kinds of failure: `ActionError` is the model's (no element [7], a click that cannot land, a blocked URL):
 the env shows it as the observation's error line. `BrowserError` is the browser's (crashed, hung): the episode
@@ -34,7 +35,7 @@ from functools import cached_property
 from importlib.resources import files
 from pathlib import Path
 from typing import Any, Coroutine, Iterator
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote, urljoin, urlsplit
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
 ALWAYS_ALLOWED_SCHEMES = ("file", "data", "about", "blob")
@@ -204,7 +205,7 @@ class Browser:
             raise
         session = Session(self, context, page)
         try:
-            self.call(context.route("**/*", session._route))
+            self.call(session._guard())
         except BaseException:
             session.close()
             raise
@@ -361,16 +362,46 @@ class Session:
             self.browser._slots.release()
 
     # ---- internals ----
+    async def _guard(self) -> None:
+        """Every request of the context through `_route`, every WebSocket through `_route_web_socket`; a page the
+        episode's page opens (a popup, `target=_blank`) is closed: the episode has one page."""
+        await self._context.route("**/*", self._route)
+        await self._context.route_web_socket(lambda url: True, self._route_web_socket)
+        self._context.on("page", lambda page: None if page == self.page else asyncio.ensure_future(page.close()))
+
     async def _route(self, route) -> None:
         request = route.request
-        leaving = request.is_navigation_request() and request.frame.parent_frame is None  # the page would change
-        if self._allows(request.url, leaving):
+        try:
+            leaving = request.is_navigation_request() and request.frame.parent_frame is None  # the page would change
+        except Exception:  # noqa: BLE001 -- Playwright's Error: a popup's first navigation, before its frame exists
+            leaving = True
+        if not self._allows(request.url, leaving):
+            await self._refuse(route, request.url, leaving)
+            return
+        if self.site is None or urlsplit(request.url).scheme not in DEFAULT_PORTS:
             await route.continue_()
             return
-        self.browser.blocked.append(request.url)
+        # Chromium follows a server's redirect without asking the route again: fetch without following, and let
+        # the browser follow (back through here) only a redirect that stays on the site.
+        response = await route.fetch(max_redirects=0)
+        target = urljoin(request.url, response.headers.get("location", "")) if 300 <= response.status < 400 else None
+        if target is not None and not self._allows(target, leaving):
+            await self._refuse(route, target, leaving)
+            return
+        await route.fulfill(response=response)
+
+    async def _refuse(self, route, url: str, leaving: bool) -> None:
+        self.browser.blocked.append(url)
         self._refused_navigation |= leaving
         # A refused navigation is cancelled ("aborted"), not failed: a failed one replaces the page by an error page.
         await route.abort("aborted" if leaving else "blockedbyclient")
+
+    async def _route_web_socket(self, ws) -> None:
+        if self._allows(ws.url.replace("ws", "http", 1), False):  # a site's origin is its http(s) one
+            ws.connect_to_server()
+        else:
+            self.browser.blocked.append(ws.url)
+            await ws.close(code=1008, reason="not on this task's site")
 
     def _allows(self, url: str, leaving: bool) -> bool:
         if self.site is None:
