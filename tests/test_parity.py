@@ -142,7 +142,8 @@ async def test_half_rerandomized_engine_fails(trainer, prompts, tiny_model_dir) 
                     p.copy_(torch.randn(p.shape, generator=g) * p.std())
     sampled, unsampled = mean_thresholds_for("bfloat16")
     check = ParityCheck(prompts=prompts, mean_threshold=sampled, unsampled_mean_threshold=unsampled)
-    with pytest.raises(ParityError, match=r"disagree: sampled tokens' mean \|Δlogp\| .* > 0.05 nats.*\[engine\] dtype"):
+    with pytest.raises(ParityError, match=r"disagree: sampled tokens' mean \|Δlogp\| .* > 0.05 nats.*\[engine\] "
+                                          r"dtype"):
         await engine_check(broken, trainer, tiny_model_dir, check)
 
 
@@ -161,7 +162,8 @@ def test_one_padded_forward_gives_each_sequence_its_own_logprobs(trainer):
     """The parity check's trainer side runs all its sequences in one right-padded forward (under FSDP every
     forward gathers the whole model): each row's logprobs are those of its own forward."""
     sequences = [((5, 6, 7), tuple(range(100, 140))), ((8,), (9, 10)), ((11, 12, 13, 14, 15), tuple(range(200, 220)))]
-    batched = trainer_scores(trainer, [([*p, *s], [(len(p) - 1 + i, t) for i, t in enumerate(s)]) for p, s in sequences])
+    rows = [([*p, *s], [(len(p) - 1 + i, t) for i, t in enumerate(s)]) for p, s in sequences]
+    batched = trainer_scores(trainer, rows)
     for (prompt, sampled), logp in zip(sequences, batched):
         alone = trainer_logprobs(trainer, prompt, sampled)
         assert logp.shape == (len(sampled),) and torch.allclose(logp, alone, atol=1e-5), (logp - alone).abs().max()

@@ -13,7 +13,7 @@ import pytest
 
 import agentrl
 from agentrl.envs.swe.generate import INSTANCES, candidates, file_diff, generate_repo
-from agentrl.envs.swe.env import TEST_CONFIG, patch_paths, single_hunk_edit, split_patch
+from agentrl.envs.swe.env import TEST_CONFIG, gradable, patch_paths, single_hunk_edit, split_patch
 from agentrl.envs.swe.instances import InconsistentOutput, load_jsonl, parse_pytest_summary, to_task
 from agentrl.envs.swe.mutate import mutate, sites
 from agentrl.envs.swe.repos import REPOS
@@ -128,6 +128,25 @@ def test_the_agent_patch_is_graded_without_tests_or_test_settings():
     assert left_out == ["conftest.py", "evil.pth", "pkg/sub/pytest.ini", "tests/test_m.py"]
     renamed = "diff --git a/src/m.py b/tests/test_m.py\nsimilarity index 100%\nrename from src/m.py\nrename to tests/test_m.py\n"
     assert patch_paths(renamed) == {"src/m.py", "tests/test_m.py"}
+
+
+BASE = {"pkg/__init__.py", "pkg/m.py", "tests/test_m.py", "setup.py", "README.md", "pytest.ini"}
+
+
+@pytest.mark.parametrize("path, graded", [
+    # what forged a reward of 1.0 by a name the old list did not hold: a config, a plugin's entry point, a module
+    # that shadows pytest or the standard library
+    (".pytest.ini", False), ("pytest.toml", False), ("pkg-1.0.dist-info/entry_points.txt", False),
+    ("pytest/__init__.py", False), ("argparse.py", False), ("tests/argparse.py", False),
+    # the names refused before
+    ("conftest.py", False), ("pkg/conftest.py", False), ("sub/sitecustomize.py", False), ("x.pth", False),
+    ("pytest.ini", False), ("tests/test_m.py", False),
+    # the code under test: its files, new modules and subpackages inside its packages
+    ("pkg/m.py", True), ("pkg/new.py", True), ("pkg/sub/__init__.py", True), ("pkg/sub/x.py", True),
+    ("setup.py", True), ("README.md", True),
+])
+def test_only_the_code_under_test_is_graded(path, graded):
+    assert gradable(path, BASE, {"tests/test_m.py"}) == graded
 
 
 def test_candidate_order_is_deterministic_and_alternates_kinds(tmp_path):
@@ -272,8 +291,25 @@ def test_interpreter_hooks_planted_in_home_do_not_reach_the_grader(env):
              f"        (pathlib.Path(d) / name).write_text({forge(task)!r})\n")
     env.sandbox.write("plant.py", plant)
     assert call(env, "bash", command="python3 ../plant.py && python3 -c 'pass'")[0][0].content.startswith("PASSED")
-    info = assert_not_resolved(env, "not graded (tests or test settings): sitecustomize.py, usercustomize.py")
+    info = assert_not_resolved(env, "not graded (tests, test settings, or new files outside the packages): "
+                                    "sitecustomize.py, usercustomize.py")
     assert "+++ b/sitecustomize.py" in info["detail"]  # the recorded diff still shows what the agent did
+
+
+@pytest.mark.docker
+def test_start_up_files_under_new_names_are_not_graded(env):
+    """Ways that forged a reward of 1.0 past a grader that left files out by name: a pytest config, a plugin's entry
+    point and modules that shadow pytest or the standard library, each read when the tests start."""
+    task = env.tasks[0]
+    env.reset(seed=0, options={"task": task})
+    report = forge(task) + "raise SystemExit(0)\n"  # a pytest that only prints every graded test as passed
+    planted = {"pytest/__init__.py": "", "pytest/__main__.py": report, "argparse.py": report,
+               ".pytest.ini": "[pytest]\naddopts = -p forged\n", "pytest.toml": "[pytest]\naddopts = ['-p', 'forged']\n",
+               "forged-1.0.dist-info/entry_points.txt": "[pytest11]\nforged = forged\n", "forged.py": report}
+    for path, content in planted.items():
+        env.sandbox.write(f"repo/{path}", content)
+    info = assert_not_resolved(env, "not graded (tests, test settings, or new files outside the packages): ")
+    assert all(path in info["detail"].split("\n--- diff\n")[0] for path in planted)
 
 
 @pytest.mark.docker
@@ -304,7 +340,7 @@ def test_committed_test_edits_are_not_graded(env):
     call(env, "bash", command=f"sed -i 's/assert /assert True or /' {test_file} && git add -A && "
                               "git -c user.name=a -c user.email=a@b commit -qm 'fix tests'")
     assert "nothing to commit" in call(env, "bash", command="git status")[0][0].content
-    assert_not_resolved(env, f"not graded (tests or test settings): {test_file}")
+    assert_not_resolved(env, f"not graded (tests, test settings, or new files outside the packages): {test_file}")
     env.reset(seed=0, options={"task": visible})  # and the gold fix still resolves this form of the task
     for action in env.gold_actions(visible):
         _, reward, *_ = env.step(action)
@@ -415,11 +451,14 @@ def test_the_agents_edits_to_tests_and_test_settings_are_not_graded(tmp_path, mo
     try:
         env.on_reset(task)
         env.sandbox.write("repo/t.py", "print('PASSED t.py::b')\n")
-        env.sandbox.write("repo/conftest.py", "import sys\n")
+        env.sandbox.write("repo/x/conftest.py", "import sys\n")
+        # without prefixes the diff names x/conftest.py, which the filter read as no path, and which `git apply -p1`
+        # created as a root conftest.py
+        assert env.sandbox.run(argv=["git", "-C", "repo", "config", "diff.noprefix", "true"]).ok
         score = env.score(task, "", ())
     finally:
         env.close()
         pool.close()
     assert score.components == {"outcome": 0.0, "fail_to_pass": 0.0, "pass_to_pass": 1.0}
-    assert score.detail.startswith("FAIL_TO_PASS 0.00, PASS_TO_PASS 1.00; not graded (tests or test settings): "
-                                   "conftest.py, t.py\n--- diff\n")
+    assert score.detail.startswith("FAIL_TO_PASS 0.00, PASS_TO_PASS 1.00; not graded (tests, test settings, or new files "
+                                   "outside the packages): t.py, x/conftest.py\n--- diff\n")

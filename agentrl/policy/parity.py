@@ -157,7 +157,8 @@ Query = tuple[int, int]  # (position i, token): log p(token | ids[:i + 1])
 def trainer_logprobs(model: Any, prompt_ids: Sequence[int], sampled_ids: Sequence[int]) -> torch.Tensor:
     """log p(sampled[i] | prompt + sampled[:i]) as the trainer computes it. Returns [T]."""
     P = len(prompt_ids)
-    return trainer_scores(model, [([*prompt_ids, *sampled_ids], [(P - 1 + i, t) for i, t in enumerate(sampled_ids)])])[0]
+    queries = [(P - 1 + i, t) for i, t in enumerate(sampled_ids)]
+    return trainer_scores(model, [([*prompt_ids, *sampled_ids], queries)])[0]
 
 
 def trainer_scores(model: Any, rows: Sequence[tuple[Sequence[int], Sequence[Query]]]) -> list[torch.Tensor]:

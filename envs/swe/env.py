@@ -5,9 +5,12 @@ shell in the repository, with a timeout and head/tail output truncation), `view(
 `edit(path, old, new)` (replace one exact, unique occurrence), `create(path, content)`, and `submit(summary)`.
 At submit, or when the turns run out, the repository is graded as SWE-bench grades it, in a sandbox the agent
 never touched: the agent's diff against the base commit recorded at setup (not `HEAD`, which the agent can
-move) is applied to a fresh copy, without the files of `test_patch` and without what configures the test run
-(`conftest.py`, pytest and packaging settings, `*customize.py`, `.pth`); the test patch is applied (so deleting,
-editing or committing tests changes nothing); the tests run with no user site and a fresh `HOME`; and the
+move) is applied to a fresh copy, without the files of `test_patch`, without what configures the test run
+(`conftest.py`, pytest and packaging settings, `*customize.py`, `.pth`) and without new files outside the
+repository's packages (`gradable`: an allow-list, since a config, plugin entry point or shadowing module can take
+any name); the files the patch changed are checked against those it names; the test patch is applied (so deleting,
+editing or committing tests changes nothing); the tests run with no user site, a fresh `HOME` and without the
+working directory first on `sys.path`; and the
 reward is 1 iff every FAIL_TO_PASS and every PASS_TO_PASS test passes; the fraction of each is reported. Test
 output that contradicts itself (a test with two statuses, status lines that disagree with the final counts, a
 second summary) is a failure, as is a run that never reached its summary. The hidden tests are never in the
@@ -38,13 +41,16 @@ from agentrl.types import Message, Task, ToolCall
 
 REPO = "repo"  # the repository's place in the workspace
 GIT = "git -c user.name=agentrl -c user.email=agentrl@localhost"
-# Reading the agent's repository: no replaced objects, hooks, external diff programs or text conversions of its own.
-READ_GIT = "GIT_NO_REPLACE_OBJECTS=1 git -c core.hooksPath=/dev/null"
+# Reading the agent's repository: no replaced objects, hooks, external diff programs or text conversions of its own,
+# and the diff's a/ and b/ prefixes whatever its git config says (another prefix would hide a path from the filter).
+READ_GIT = ("GIT_NO_REPLACE_OBJECTS=1 git -c core.hooksPath=/dev/null -c diff.noprefix=false "
+            "-c diff.mnemonicPrefix=false")
 # Files that configure the test run rather than the code under test: an agent's change to them is not graded.
 TEST_CONFIG = {"conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "sitecustomize.py",
                "usercustomize.py"}
-# The tests run with no user site, a fresh HOME and none of the agent's Python settings.
-TEST_ENV = "env -u PYTHONPATH -u PYTHONSTARTUP HOME=/tmp/agentrl-home PYTHONNOUSERSITE=1"
+# The tests run with no user site, a fresh HOME, none of the agent's Python settings, and without the working
+# directory first on sys.path (PYTHONSAFEPATH: a module there would shadow the standard library or pytest itself).
+TEST_ENV = "env -u PYTHONPATH -u PYTHONSTARTUP HOME=/tmp/agentrl-home PYTHONNOUSERSITE=1 PYTHONSAFEPATH=1"
 SYSTEM_PROMPT = (
     "You fix bugs in a Python repository, which is your working directory. Use bash to explore and run "
     "code, view to read files, edit and create to change them; every bash command runs in a fresh shell. "
@@ -213,26 +219,28 @@ class SWEEnv(ToolEnv):
         d = task.data
         diff = self._agent_diff()
         self._release()  # graded elsewhere: nothing the agent left in its sandbox (files, processes) takes part
-        test_files = patch_paths(d["test_patch"])
-        graded, left_out = split_patch(diff, lambda path: path in test_files or PurePosixPath(path).name in TEST_CONFIG
-                                       or path.endswith(".pth"))
         with self._pool().lease() as grader:
             setup(grader, task)
-            steps = [f"cd {REPO}"]
-            for name, patch in ((".agent.patch", graded), (".test.patch", d["test_patch"])):
-                if patch:
-                    grader.write(name, patch)
-                    steps.append(f"git apply --binary ../{name}")
-            # to a file: the summary of every test is longer than a tool call's output budget
-            steps.append(f"mkdir -p /tmp/agentrl-home && (COLUMNS=250 {TEST_ENV} {d['test_cmd']}) > ../.test_output "
-                         "2>&1; true")
-            result = grader.run(argv=["bash", "-c", " && ".join(steps)], timeout=max(self.limits.timeout, 300))
+            base = grader.run(argv=["bash", "-c", f"cd {REPO} && git ls-files -z"]).stdout.split("\0")
+            graded, left_out = split_patch(diff, lambda path: not gradable(path, set(base), patch_paths(
+                d["test_patch"])))
+            applied, problem = self._apply(grader, graded)
+            if not problem:
+                steps = [f"cd {REPO}"]
+                if d["test_patch"]:
+                    grader.write(".test.patch", d["test_patch"])
+                    steps.append("git apply --binary ../.test.patch")
+                # to a file: the summary of every test is longer than a tool call's output budget
+                steps.append(f"mkdir -p /tmp/agentrl-home && (COLUMNS=250 {TEST_ENV} {d['test_cmd']}) > "
+                             "../.test_output 2>&1; true")
+                result = grader.run(argv=["bash", "-c", " && ".join(steps)], timeout=max(self.limits.timeout, 300))
+            outcomes = {}
             try:
-                outcomes, problem = parse_pytest_summary(grader.read(".test_output")), ""
+                outcomes = {} if problem else parse_pytest_summary(grader.read(".test_output"))
             except InconsistentOutput as e:
-                outcomes, problem = {}, f"the test output is not to be trusted: {e}"
+                problem = f"the test output is not to be trusted: {e}"
             except OSError:
-                outcomes, problem = {}, ""
+                pass
         f2p, p2p = (sum(outcomes.get(t) == "PASSED" for t in tests) / len(tests) if tests else 1.0
                     for tests in (d["FAIL_TO_PASS"], d["PASS_TO_PASS"]))
         resolved = float(f2p == 1.0 and p2p == 1.0 and not problem)
@@ -240,13 +248,30 @@ class SWEEnv(ToolEnv):
         if problem or not outcomes:
             detail += f"; {problem or 'the tests did not run: ' + result.observation()[-300:]}"
         if left_out:
-            detail += f"; not graded (tests or test settings): {', '.join(left_out)}"
+            detail += f"; not graded (tests, test settings, or new files outside the packages): {', '.join(left_out)}"
         return Score({"outcome": resolved, "fail_to_pass": f2p, "pass_to_pass": p2p}, detail + f"\n--- diff\n{diff}")
+
+    @staticmethod
+    def _apply(grader: Runtime, patch: str) -> tuple[set[str], str]:
+        """Applies the graded part of the agent's patch to the grader's repository; (the paths it changed, a
+        problem). A path changed that the patch's parsed names do not hold (a prefix or quoting the filter did not
+        read) is a problem: nothing is graded."""
+        if not patch:
+            return set(), ""
+        grader.write(".agent.patch", patch)
+        result = grader.run(argv=["bash", "-c", f"cd {REPO} && git apply --binary ../.agent.patch && "
+                                                "git add -A --force && git diff --cached --name-only -z --no-renames"])
+        if not result.ok:
+            return set(), f"the agent's patch does not apply: {result.observation()[-300:]}"
+        changed = {p for p in result.stdout.split("\0") if p}
+        if unnamed := sorted(changed - patch_paths(patch)):
+            return changed, f"the patch changed {', '.join(unnamed)}, which its file headers do not name"
+        return changed, ""
 
     def _agent_diff(self) -> str:
         """Everything the agent changed since the base commit, new files included, as a binary-safe patch."""
         write = (f"cd {REPO} && {READ_GIT} add -A && {READ_GIT} diff --cached --binary --no-ext-diff --no-textconv "
-                 f"{self._base} > ../.agent.patch")
+                 f"--src-prefix=a/ --dst-prefix=b/ {self._base} > ../.agent.patch")
         result = self.sandbox.run(argv=["bash", "-c", write])
         return self.sandbox.read(".agent.patch") if result.ok else ""
 
@@ -288,6 +313,23 @@ def setup(sandbox: Runtime, task: Task) -> str:
     if not result.ok:
         raise SandboxError(f"could not set up {task.id}: {result.observation()[-500:]}")
     return result.stdout.split()[-1]
+
+
+def gradable(path: str, base: set[str], test_files: set[str]) -> bool:
+    """Whether the agent's change to `path` is graded: not a test or what configures the test run (by name), and
+    either a file of the repository at its base commit or a new `.py` file inside one of its packages. A new file
+    anywhere else could be read when the tests start (a pytest config under a name of its own, a plugin's
+    entry point, a module that shadows the standard library or pytest): a name list cannot cover those, so new
+    files are allowed only where nothing is read but what the code under test imports."""
+    name = PurePosixPath(path).name
+    if path in test_files or name in TEST_CONFIG or name.endswith(("customize.py", ".pth")):
+        return False
+    if path in base:
+        return True
+    parent = PurePosixPath(path).parent
+    packages = {str(PurePosixPath(f).parent) for f in base if PurePosixPath(f).name == "__init__.py"}
+    new_dir = not any(f.startswith(f"{parent}/") for f in base)  # a subpackage the patch adds
+    return name.endswith(".py") and (str(parent) in packages or new_dir and str(parent.parent) in packages)
 
 
 def patch_paths(patch: str) -> set[str]:
