@@ -132,6 +132,13 @@ def test_the_cli_prints_the_plan_and_refuses_with_exit_2():
     too_big = runner.invoke(app, ["train", "recipes/gpu_qwen_math_train.toml", "--dry-run", "--gpus", "1",
                                   "--gpu-memory-gib", "8", "--model-config", config])
     assert too_big.exit_code == 2 and "of its 8" in too_big.output
+    # FSDP plans from the command line, not only from torchrun's WORLD_SIZE: 4 ranks on 2 GPUs cannot start
+    sharded = runner.invoke(app, ["train", "recipes/gpu_qwen_math_train.toml", "--dry-run", "--gpus", "2",
+                                  "--ranks", "4", "--model-config", config])
+    assert sharded.exit_code == 2 and "4 trainer ranks need 4 GPUs; 2 are visible" in sharded.output
+    missing = runner.invoke(app, ["train", "recipes/gpu_qwen_math_train.toml", "--dry-run", "--gpus", "1",
+                                  "--model-config", "/nowhere"])
+    assert missing.exit_code == 2 and "no model config at '/nowhere'" in missing.output  # not a traceback
 
 
 MEASURE = """

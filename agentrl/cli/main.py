@@ -112,6 +112,8 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
           gpu_memory_gib: float = typer.Option(80.0, help="--dry-run with --gpus: each GPU's memory in GiB."),
           model_config: Optional[str] = typer.Option(None, help="--dry-run: a folder with the model's config.json "
                                                      "[default: the recipe's model]; offline, a saved copy."),
+          ranks: Optional[int] = typer.Option(None, min=1, help="--dry-run: plan for this many trainer ranks (FSDP "
+                                              "under torchrun) [default: torchrun's WORLD_SIZE, else 1]."),
           ) -> None:
     """SFT warm start (optional) → held-out eval → RL (GRPO, PPO, tandem, tango or DPO) → held-out eval;
     resumes from the latest checkpoint."""
@@ -138,7 +140,7 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
                       "fetch NAME`; or a hub name.[/]")
         raise typer.Exit(2)
     if dry_run:
-        _dry_run(job, gpus, gpu_memory_gib, model_config)
+        _dry_run(job, gpus, gpu_memory_gib, model_config, ranks)
         return
     make_or_exit(job.env, **job.env_kwargs)
     try:
@@ -154,7 +156,7 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
 
 
 
-def _dry_run(job, gpus: int | None, gpu_memory_gib: float, model_config: str | None) -> None:
+def _dry_run(job, gpus: int | None, gpu_memory_gib: float, model_config: str | None, ranks: int | None) -> None:
     """Print the resolved job (what OUT/job.json would hold), where its parts would run and their memory; exit 2,
     with each problem and its fix, if it cannot work."""
     from agentrl.env.registry import spec
@@ -168,7 +170,7 @@ def _dry_run(job, gpus: int | None, gpu_memory_gib: float, model_config: str | N
         raise typer.Exit(2)
     console.print_json(data=job_record(job))
     try:
-        the_plan = plan_for(job, Hardware(gpus, gpu_memory_gib) if gpus is not None else None, model_config)
+        the_plan = plan_for(job, Hardware(gpus, gpu_memory_gib) if gpus is not None else None, model_config, ranks)
     except ValueError as e:  # no model config to plan from
         console.print(f"[red]{e}[/]")
         raise typer.Exit(2)

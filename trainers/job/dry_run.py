@@ -252,7 +252,9 @@ def hardware_here() -> Hardware:
     return Hardware(0, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB)
 
 
-def plan_for(job: TrainJob, hardware: Hardware | None = None, model_config: str | None = None) -> Plan:
-    """`plan` on the given hardware (default: this machine's) with torchrun's world size (WORLD_SIZE)."""
-    return plan(job, hardware or hardware_here(), int(os.environ.get("WORLD_SIZE", "1")), model_config)
+def plan_for(job: TrainJob, hardware: Hardware | None = None, model_config: str | None = None,
+             ranks: int | None = None) -> Plan:
+    """`plan` on the given hardware (default: this machine's) for `ranks` trainer ranks (default: torchrun's
+    WORLD_SIZE, else 1)."""
+    return plan(job, hardware or hardware_here(), ranks or int(os.environ.get("WORLD_SIZE", "1")), model_config)
 
