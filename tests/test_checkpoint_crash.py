@@ -174,6 +174,20 @@ def test_a_crafted_trainer_state_is_refused_without_running_its_code(tiny_model_
     assert not marker.exists()
 
 
+def test_a_checkpoint_with_the_numpy_state_as_an_array_still_resumes(tiny_model_dir, tmp_path):
+    """Checkpoints written before the RNG state was saved as plain data hold NumPy's state as an array."""
+    import numpy as np
+
+    save_steps(tiny_model_dir, tmp_path, [1])
+    file = tmp_path / "checkpoints" / "step-000001" / "trainer_state.pt"
+    state = torch.load(file, weights_only=True)
+    np.random.seed(7)
+    torch.save({**state, "rng": {**state["rng"], "numpy": np.random.get_state()}}, file)
+    expected = np.random.random()
+    assert resume(*model_and_optimizer(tiny_model_dir), tmp_path)["step"] == 1
+    assert np.random.random() == expected
+
+
 @pytest.mark.parametrize("how", ["symlink to the previous step", "fifo"])
 def test_a_checkpoint_file_that_is_not_its_own_is_refused(tiny_model_dir, tmp_path, how):
     """A symlinked model would resume other weights without a word; a FIFO would hang the resume for good."""
