@@ -329,7 +329,7 @@ minibatch_size = 8
 checkpoint_every = 1
 group_size = 4
 [{loop}.reward]
-terms = {{env = 1.0, length = -0.01}}   # varied rewards: the random tiny model's updates are not zero
+terms = {{env = 1.0, random = 0.5}}   # varied rewards (a seeded coin): the random tiny model's updates are not zero
 [{loop}.rollout]
 max_total_tokens = 512
 [{loop}.rollout.sampling]
@@ -371,11 +371,13 @@ def test_train_command_under_torchrun(tiny_model_dir, tmp_path, loop):
     if loop == "ppo":  # the critic's checkpoint, gathered from its shards, loads like any other
         AutoModelForTokenClassification.from_pretrained(tmp_path / "sharded" / "checkpoints" / "step-000002" / "critic")
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
-    moved = max((weights[1][k] - start[k]).abs().max().item() for k in weights[1])
-    error = max((weights[0][k] - weights[1][k]).abs().max().item() for k in weights[1])
+    # As norms over all weights: Adam's first step is about lr × sign(gradient), so a weight whose gradient is near 0
+    # moves by float noise either way, and the largest single difference says little.
+    moved = sum(((weights[1][k] - start[k]) ** 2).sum().item() for k in weights[1]) ** 0.5
+    error = sum(((weights[0][k] - weights[1][k]) ** 2).sum().item() for k in weights[1]) ** 0.5
     # PPO: the critic's values carry float noise of the sharded forward, which whitening the advantages
     # amplifies (as it amplified the engine's noise, see test_ppo); still a small share of the step
-    assert moved > 0 and error < (1e-3 if loop == "grpo" else 5e-2) * moved, (error, moved)
+    assert moved > 0 and error < (1e-2 if loop == "grpo" else 5e-2) * moved, (error, moved)
 
     train(tmp_path, tiny_model_dir, "resumed", 1, ranks=2, loop=loop)
     resumed = train(tmp_path, tiny_model_dir, "resumed", 2, ranks=2, loop=loop)

@@ -32,7 +32,8 @@ def metrics(out_dir):
 
 @pytest.mark.slow
 def test_tandem_reports_handoff_robustness(tiny_model_dir, tmp_path):
-    summary = run(job(tiny_model_dir, tmp_path, grpo=GRPO, tandem={"eval_p": [0.5], "eval_after": [2]}),
+    coin = {**GRPO, "reward": {"terms": {"env": 1.0, "random": 0.5}}}  # varied rewards: both steps train
+    summary = run(job(tiny_model_dir, tmp_path, grpo=coin, tandem={"eval_p": [0.5], "eval_after": [2]}),
                   log=lambda _: None)
     for when in ("before", "after"):
         assert set(summary[when]["handoff"]) == {"junior_xent", "p=0.5", "after=2"}
