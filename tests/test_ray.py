@@ -218,6 +218,10 @@ def test_rollout_sources_in_ray_actors_keep_the_staleness_bound_and_the_versions
         assert any(refused(p) for p in first.done) and buffer.discarded[1] >= 1 and buffer.discarded[0] == 0
         sources.sync(None, 1)
         second = buffer.take(4, version=1)
+        deadline = time.monotonic() + 60
+        while buffer.ready() < 1:  # a group played with version 1 before the next sync, on a loaded machine too
+            assert time.monotonic() < deadline, buffer.ready()
+            time.sleep(0.05)
         sources.sync(None, 2)
         third = buffer.take(4, version=2)
         busy = sources.timeline.cut()
