@@ -221,10 +221,10 @@ class SWEEnv(ToolEnv):
         self._release()  # graded elsewhere: nothing the agent left in its sandbox (files, processes) takes part
         with self._pool().lease() as grader:
             setup(grader, task)
-            base = grader.run(argv=["bash", "-c", f"cd {REPO} && git ls-files -z"]).stdout.split("\0")
-            graded, left_out = split_patch(diff, lambda path: not gradable(path, set(base), patch_paths(
-                d["test_patch"])))
-            applied, problem = self._apply(grader, graded)
+            base = set(grader.run(argv=["bash", "-c", f"cd {REPO} && git ls-files -z"]).stdout.split("\0"))
+            test_files = patch_paths(d["test_patch"])
+            graded, left_out = split_patch(diff, lambda path: not gradable(path, base, test_files))
+            problem = self._apply(grader, graded)
             if not problem:
                 steps = [f"cd {REPO}"]
                 if d["test_patch"]:
@@ -252,21 +252,21 @@ class SWEEnv(ToolEnv):
         return Score({"outcome": resolved, "fail_to_pass": f2p, "pass_to_pass": p2p}, detail + f"\n--- diff\n{diff}")
 
     @staticmethod
-    def _apply(grader: Runtime, patch: str) -> tuple[set[str], str]:
-        """Applies the graded part of the agent's patch to the grader's repository; (the paths it changed, a
-        problem). A path changed that the patch's parsed names do not hold (a prefix or quoting the filter did not
-        read) is a problem: nothing is graded."""
+    def _apply(grader: Runtime, patch: str) -> str:
+        """Applies the graded part of the agent's patch to the grader's repository; the problem, if any. A path
+        changed that the patch's parsed names do not hold (a prefix or quoting the filter did not read) is a
+        problem: nothing is graded."""
         if not patch:
-            return set(), ""
+            return ""
         grader.write(".agent.patch", patch)
         result = grader.run(argv=["bash", "-c", f"cd {REPO} && git apply --binary ../.agent.patch && "
                                                 "git add -A --force && git diff --cached --name-only -z --no-renames"])
         if not result.ok:
-            return set(), f"the agent's patch does not apply: {result.observation()[-300:]}"
+            return f"the agent's patch does not apply: {result.observation()[-300:]}"
         changed = {p for p in result.stdout.split("\0") if p}
         if unnamed := sorted(changed - patch_paths(patch)):
-            return changed, f"the patch changed {', '.join(unnamed)}, which its file headers do not name"
-        return changed, ""
+            return f"the patch changed {', '.join(unnamed)}, which its file headers do not name"
+        return ""
 
     def _agent_diff(self) -> str:
         """Everything the agent changed since the base commit, new files included, as a binary-safe patch."""

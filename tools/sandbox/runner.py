@@ -330,12 +330,13 @@ def restore(state: dict) -> None:
     steps = {"nice": lambda: os.setpriority(os.PRIO_PROCESS, 0, state["nice"]),
              "affinity": lambda: os.sched_setaffinity(0, state["affinity"]),
              "scheduler": lambda: os.sched_setscheduler(0, state["scheduler"], os.sched_param(0))}
+    now = own_state()
     for name, put_back in steps.items():
-        if own_state()[name] != state[name]:
+        if now[name] != state[name]:
             try:
                 put_back()
             except OSError:
-                failed.append(f"{name} {own_state()[name]} (was {state[name]})")
+                failed.append(f"{name} {now[name]} (was {state[name]})")
     if failed:
         raise RuntimeError(f"a run changed the runner's own {', '.join(failed)}, which cannot be put back")
 
