@@ -21,7 +21,7 @@ from agentrl.policy.hf import HFPolicy
 from agentrl.policy.protocol import SamplingParams
 from agentrl.trainers.advantages import grpo_advantages
 from agentrl.trainers.batch import Batch
-from agentrl.trainers.loop import LoopConfig, update
+from agentrl.trainers.loop import LoopConfig, model_logprobs, update
 from agentrl.trainers.losses import CorrectionConfig, PolicyLossConfig
 
 STEPS, G, MAX_TOKENS, LR = 16, 16, 4, 1e-3
@@ -94,3 +94,15 @@ def test_loop_config_refuses_tis_with_the_covariance_losses() -> None:
         LoopConfig(loss="clip_cov", correction=CorrectionConfig(decoupled=True, tis="token"))
     LoopConfig(loss="kl_cov", correction=CorrectionConfig(decoupled=True, mis="sequence"))  # MIS is a mask: any loss
     assert LoopConfig().correction == CorrectionConfig(decoupled=False, tis=None, mis=None)  # off by default
+
+
+def test_the_recomputed_logprobs_hold_no_graph(tiny_model_dir):
+    """Decoupled PPO's (and a distillation teacher's) logprobs come from passes without gradients: a graph kept
+    with them would hold every pass's activations through the whole update."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids_BT = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 0]])
+    mask_BT = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.0, 1.0, 1.0, 0.0]])
+    batch = Batch(ids_BT, (ids_BT > 0).long(), mask_BT, torch.zeros(2, 4), torch.zeros(2, 4))
+    logp_BT = model_logprobs(model, batch, LoopConfig())
+    assert logp_BT.grad_fn is None and not logp_BT.requires_grad
+    assert (logp_BT[mask_BT == 1] < 0).all() and (logp_BT[mask_BT == 0] == 0).all()

@@ -105,7 +105,9 @@ def test_one_method_per_recipe(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match=r"\[ppo\] replaces GRPO"):
         job(tiny_model_dir, tmp_path, ppo={}, grpo=GRPO)
     # the method is the one table of METHODS the recipe has, GRPO without any
-    assert [job(tiny_model_dir, tmp_path, **{m: {}} if m != "grpo" else {}).method for m in METHODS] == list(METHODS)
+    tables = {m: {"teacher": str(tiny_model_dir)} if m == "distill" else {} for m in METHODS if m != "grpo"}
+    assert [job(tiny_model_dir, tmp_path, **{m: tables[m]} if m != "grpo" else {}).method for m in METHODS] == \
+        list(METHODS)
     with pytest.raises(ValueError, match=r"remove \['tango'\]"):  # not shardable: refused under torchrun
         check_shardable(job(tiny_model_dir, tmp_path, tango={}))
 

@@ -99,6 +99,18 @@ def masked_whiten(x_BT: Tensor, mask_BT: Tensor, *, eps: float = 1e-6) -> Tensor
     return _whiten(x_BT.float().flatten(), m.flatten(), scale_by_std=True, eps=eps).view_as(x_BT)
 
 
+def distillation_advantages(student_logp_BT: Tensor, teacher_logp_BT: Tensor, mask_BT: Tensor) -> Tensor:
+    """On-policy distillation's per-token advantage (Agarwal et al. 2024, GKD; Thinking Machines' "On-Policy
+    Distillation", 2025): the student samples, the teacher scores the student's own tokens, and each sampled token's
+    advantage is the negative of its reverse-KL estimate,
+
+        A_t = -(log pi_student(x_t | x_<t) - log pi_teacher(x_t | x_<t)) = log pi_teacher - log pi_student,
+
+    so the policy gradient lowers KL(student || teacher) over the student's own distribution. 0 off the mask (the
+    env's tokens are neither the student's nor scored)."""
+    return (teacher_logp_BT - student_logp_BT) * mask_BT
+
+
 def gae(rewards_BT: Tensor, values_BT: Tensor, mask_BT: Tensor, *, gamma: float = 1.0,
         lam: float = 1.0) -> tuple[Tensor, Tensor]:
     """Generalized advantage estimation (Schulman et al. 2016) over loss-masked positions only.

@@ -349,10 +349,11 @@ def no_grad_passes(cfg: LoopConfig, batch: Batch) -> list[torch.Tensor]:
     return [p for rows in torch.arange(len(batch)).split(cfg.minibatch_size) for p in passes(cfg, batch, rows)]
 
 
-def _trainer_logprobs(model: torch.nn.Module, batch: Batch, cfg: LoopConfig) -> torch.Tensor:
-    """The trainer's logprobs of `batch`'s sampled tokens (0 elsewhere), in `no_grad_passes`, in eval mode (dropout
-    off, like the sampler) and the loss's compute dtype (so that PPO's ratio starts at 1). Sharded, every rank runs
-    every row: the forwards stay matched."""
+@torch.no_grad()  # else each pass's graph would live as long as the logprobs: the whole update
+def model_logprobs(model: torch.nn.Module, batch: Batch, cfg: LoopConfig) -> torch.Tensor:
+    """`model`'s logprobs of `batch`'s sampled tokens (0 elsewhere), in `no_grad_passes`, in eval mode (dropout
+    off, like the sampler) and its compute dtype (the trainer's: PPO's ratio starts at 1). The trainer's for decoupled
+    PPO, a teacher's for distillation. Sharded, every rank runs every row: the forwards stay matched."""
     device, logp_BT = next(model.parameters()).device, torch.zeros_like(batch.old_logp_BT)
     model.eval()
     for rows in no_grad_passes(cfg, batch):
@@ -373,7 +374,7 @@ def update(model: torch.nn.Module, ref: torch.nn.Module | None, optimizer: torch
     `sampler_logprob_diff_max`, the largest |trainer - sampler| before any update: they must nearly agree."""
     loss_fn, first = POLICY_LOSSES[cfg.loss], {}
     if cfg.correction.decoupled:
-        sampler_BT, trainer_BT = batch.old_logp_BT, _trainer_logprobs(model, batch, cfg)
+        sampler_BT, trainer_BT = batch.old_logp_BT, model_logprobs(model, batch, cfg)
         adv_BT, mask_BT, first = rollout_correction(trainer_BT, sampler_BT, batch.adv_BT, batch.mask_BT, cfg.correction)
         first["sampler_logprob_diff_max"] = ((trainer_BT - sampler_BT).abs() * batch.mask_BT).max().item()
         batch = replace(batch, mask_BT=mask_BT, old_logp_BT=trainer_BT, adv_BT=adv_BT)

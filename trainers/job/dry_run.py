@@ -6,7 +6,7 @@ The estimate per trainer device (`estimate`), in bytes:
 - weights, gradients and AdamW's two moments, in the parameters' dtype (float32 master weights, or the compute
   dtype without them), sharded over the ranks under torchrun; gradients and moments of the trainable ones only
   (LoRA: the adapters);
-- a frozen reference model (`kl_coef > 0`) and PPO's critic with its own gradients and moments;
+- a frozen reference model (`kl_coef > 0`), PPO's critic with its own gradients and moments, a distillation teacher;
 - activations of one micro-batch of the longest episodes: `ACTIVATION_ELEMENTS` per token and layer without
   gradient checkpointing, one hidden state per token and layer with it (plus one layer's worth, recomputed);
 - the LM head's chunk (`HEAD_CHUNK` tokens of float32 logits, their log-softmax and their gradient);
@@ -95,6 +95,8 @@ def estimate(job: TrainJob, model: torch.nn.Module, world: int = 1, engine_share
         memory["reference"] = params * stored / world  # sharded like the policy (`distributed.frozen_copy`)
     if METHODS[job.method].critic:  # the critic: the policy's transformer and a scalar head, trained with its own AdamW
         memory["critic"] = 4 * (params - config.vocab_size * config.hidden_size) * stored / world
+    if job.distill:  # the teacher: frozen, whole on the trainer's device (distillation is not sharded)
+        memory["teacher"] = sum(p.numel() for p in meta_model(job.distill.teacher).parameters()) * stored
     tokens = max(pass_tokens(job).values())  # the largest forward/backward pass, RL's or an SFT stage's
     layers, hidden = config.num_hidden_layers, config.hidden_size
     per_layer = ACTIVATION_ELEMENTS[0] * hidden + ACTIVATION_ELEMENTS[1] * config.intermediate_size
@@ -153,7 +155,7 @@ def plan(job: TrainJob, hardware: Hardware, world: int = 1, model_config: str | 
     memory = estimate(job, model, world, 0.0 if engine.sleep_mode else share)
     if engine.sleep_mode and share:  # asleep while the trainer steps; while it samples, the trainer's states stay
         placement["sampler"] += ", asleep while the trainer steps"
-        states = sum(memory.get(k, 0.0) for k in ("weights", "optimizer", "reference", "critic"))
+        states = sum(memory.get(k, 0.0) for k in ("weights", "optimizer", "reference", "critic", "teacher"))
         if states + share > capacity:
             problems.append(f"while vLLM samples, its share ({share / GIB:.1f} GiB) and the trainer's weights and "
                             f"optimizer ({states / GIB:.1f} GiB) exceed the GPU's {hardware.memory_gib:g} GiB: lower "

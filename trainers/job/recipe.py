@@ -19,6 +19,7 @@ from agentrl.rollout.ray_pool import RayConfig
 from agentrl.rollout.ray_source import source_problems
 from agentrl.trainers.lora import LoraSettings
 from agentrl.trainers.methods import METHODS
+from agentrl.trainers.methods.distill import DistillConfig
 from agentrl.trainers.methods.dpo import DPOConfig
 from agentrl.trainers.methods.grpo import GRPOConfig
 from agentrl.trainers.methods.ppo import PPOConfig
@@ -78,6 +79,7 @@ class TrainJob:
     tandem: TandemConfig | None = None  # GRPO on tandem rollouts: a frozen junior writes some of each response
     tango: TangoConfig | None = None  # GRPO with a co-trained process verifier (RL Tango)
     dpo: DPOConfig | None = None  # instead of GRPO: DPO on pairs of the starting model's episodes
+    distill: DistillConfig | None = None  # instead of GRPO: on-policy distillation from a teacher model
     engine: EngineConfig = field(default_factory=EngineConfig)  # transformers in-process, or vLLM
     ray: RayConfig | None = None  # envs in Ray worker actors (a local cluster, or `address`'s)
     # train an agent program through the gateway instead of the env's episodes; the env gives the tasks
@@ -165,12 +167,12 @@ class TrainJob:
         return max(r.max_total_tokens for r in rollouts)
 
     @property
-    def settings(self) -> GRPOConfig | PPOConfig | DPOConfig:
+    def settings(self) -> GRPOConfig | PPOConfig | DistillConfig | DPOConfig:
         """The method's settings: its table, or [grpo] for the methods built on GRPO."""
         return getattr(self, METHODS[self.method].settings)
 
     @property
-    def rl(self) -> GRPOConfig | PPOConfig:
+    def rl(self) -> GRPOConfig | PPOConfig | DistillConfig:
         """The RL loop's settings: the method's, or [grpo]'s for a method without a loop (DPO), whose rollout and
         seed the warm starts use."""
         return self.settings if METHODS[self.method].loop else self.grpo

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agentrl.trainers.methods.distill import DistillStage
 from agentrl.trainers.methods.dpo import DPOStage
 from agentrl.trainers.methods.grpo import GRPOStage
 from agentrl.trainers.methods.ppo import PPOStage
@@ -33,4 +34,5 @@ METHODS: dict[str, MethodSpec] = {
     "tandem": MethodSpec(TandemStage, "grpo"),  # GRPO on tandem rollouts
     "tango": MethodSpec(TangoStage, "grpo"),  # GRPO with a co-trained process verifier
     "dpo": MethodSpec(DPOStage, "dpo", loop=False),  # DPO on pairs of the starting model's episodes
+    "distill": MethodSpec(DistillStage, "distill"),  # on-policy distillation: a teacher scores the student's tokens
 }
