@@ -16,7 +16,7 @@ from agentrl.rollout.jsonl import read_jsonl
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers.checkpoint import latest_checkpoint
 from agentrl.trainers.methods.grpo import GRPOConfig, train
-from agentrl.trainers.loop import TaskStream
+from agentrl.trainers.tasks import TaskStream
 from agentrl.trainers.job.recipe import TrainJob
 
 CFG = GRPOConfig(steps=4, tasks_per_step=2, lr=1e-3, minibatch_size=4, epochs=2, checkpoint_every=1, kl_coef=0.05,

@@ -18,13 +18,12 @@ Where the groups come from is `cfg.max_staleness`'s choice:
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Coroutine, Protocol
+from typing import Any, Callable, ClassVar, Coroutine, Protocol, Sequence
 
 import torch
 from pydantic import with_config
@@ -43,6 +42,7 @@ from agentrl.rollout.source import RolloutSource
 from agentrl.rollout.timeline import Timeline, idle_fractions
 from agentrl.trainers import distributed
 from agentrl.trainers.batch import Batch, token_micro_batches
+from agentrl.trainers.tasks import Curriculum, CurriculumConfig, TaskStream
 from agentrl.trainers.distributed import Sharding, resume
 from agentrl.trainers.losses import (ADVANTAGE_WEIGHTED, KL_KINDS, POLICY_LOSSES, CorrectionConfig, PolicyLossConfig,
                                      kl_loss, masked_mean, micro_batch_weight, rollout_correction)
@@ -84,6 +84,7 @@ class LoopConfig:
     # asynchronous: episodes in flight at a weight update take their next turn with the new weights (each turn
     # records its version); false: they are aborted and played again from the start with the new weights
     partial_rollouts: bool = True
+    curriculum: CurriculumConfig | None = None  # draw tasks by their measured pass rates (trainers/curriculum.py)
 
     def __post_init__(self) -> None:
         counts = {"steps": (self.steps, 0), "checkpoint_every": (self.checkpoint_every, 0), "epochs": (self.epochs, 1),
@@ -111,6 +112,9 @@ class LoopConfig:
             raise ValueError(f"{self.section}.correction.tis folds the weight into the advantage, which is exact for "
                              f"the ppo and gspo losses only ({self.loss!r} reads the advantage itself): use "
                              "correction.mis, or loss = 'ppo'")
+        if self.curriculum and self.max_staleness:
+            raise ValueError(f"{self.section}.curriculum draws each step's tasks by the pass rates of the steps before "
+                             "it, which asynchronous rollouts run ahead of: remove max_staleness or the curriculum")
         check_loop_rollout(self.section, self.rollout)
 
 
@@ -148,32 +152,6 @@ class Method(Protocol):
         """Load what `checkpoint_state` saved, on resuming from `checkpoint`."""
 
 
-class TaskStream:
-    """Tasks in a seeded order, reshuffled each pass; `position` is the data position saved in checkpoints."""
-
-    def __init__(self, tasks: list[Task], seed: int, position: int = 0):
-        self.tasks, self.seed, self.position = tasks, seed, position
-        self._pass: tuple[int, list[int]] = (-1, [])  # the last pass's order, as (epoch, order)
-
-    def _order(self, epoch: int) -> list[int]:
-        if self._pass[0] != epoch:
-            order = list(range(len(self.tasks)))
-            random.Random(self.seed * 7919 + epoch).shuffle(order)
-            self._pass = (epoch, order)
-        return self._pass[1]
-
-    def at(self, position: int) -> Task:
-        """The task at `position` of the stream."""
-        epoch, i = divmod(position, len(self.tasks))
-        return self.tasks[self._order(epoch)[i]]
-
-    def take(self, n: int) -> list[Task]:
-        """The next `n` tasks, continuing into the next pass (a new order) when this one runs out."""
-        out = [self.at(p) for p in range(self.position, self.position + n)]
-        self.position += n
-        return out
-
-
 def collect(engines: Engines, policy: Policy, renderer: Renderer, stream: TaskStream,
             cfg: LoopConfig, step: int, keep: Callable[[Group], bool], refills: int = 0,
             timeline: Timeline | None = None) -> tuple[list[Group], list[Group]]:
@@ -197,7 +175,7 @@ class Synchronous:
 
     def __init__(self, sharding: Sharding, engines: Engines, renderer: Renderer, stream: TaskStream,
                  cfg: LoopConfig, method: Method, timeline: Timeline):
-        self.sharding, self.stream = sharding, stream
+        self.sharding, self.stream, self.max_reward = sharding, stream, engines.max_reward
         self._collect = lambda step: collect(engines, sharding.policy, renderer, stream, cfg, step, method.keep,
                                              method.refills, timeline)
 
@@ -209,15 +187,15 @@ class Synchronous:
         """(groups to train on, all collected, metrics of the flow) of `step`."""
         kept, collected = self.sharding.from_main(lambda: self._collect(step))
         self.sharding.release_engine()
-        return kept, collected, {}
+        return kept, collected, self.stream.observe(collected, self.max_reward)
 
     def sync(self, version: int) -> None:
         """The new weights into the engine."""
         self.sharding.sync(version)
 
     def state(self) -> dict:
-        """The data position a checkpoint keeps."""
-        return {"data_position": self.stream.position}
+        """The data position a checkpoint keeps (and a curriculum's pass rates)."""
+        return self.stream.state()
 
     @staticmethod
     def run(coroutine: Coroutine) -> Any:
@@ -442,7 +420,8 @@ def run(cfg: LoopConfig, method: Method, tokenizer: Any, policy: Policy, engines
     gateway) on `tasks`, sampled by `policy`; returns the metrics of the steps run now."""
     resumed = resume(method.model, method.optimizer, out_dir, method.restore)  # weights, optimizer, RNGs, state
     start, saved = (resumed["step"], resumed["state"]) if resumed else (0, {"data_position": 0})
-    stream = TaskStream(tasks, cfg.seed, saved["data_position"])
+    stream = (Curriculum(tasks, cfg.seed, cfg.curriculum, saved.get("curriculum")) if cfg.curriculum
+              else TaskStream(tasks, cfg.seed, saved["data_position"]))
     sharding, renderer, timeline = Sharding(method.model, policy), Renderer(tokenizer), Timeline()
     rollouts = (Asynchronous(method, sharding, engines, renderer, stream, cfg, timeline, saved, hooks.sources)
                 if cfg.max_staleness else Synchronous(sharding, engines, renderer, stream, cfg, method, timeline))
