@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from agentrl.config import load_config
@@ -15,9 +16,10 @@ from agentrl.rollout.engine import RolloutConfig
 from agentrl.rollout.jsonl import read_jsonl
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers.checkpoint import latest_checkpoint
-from agentrl.trainers.methods.grpo import GRPOConfig, train
+from agentrl.trainers.methods.grpo import GRPO, GRPOConfig, train
 from agentrl.trainers.tasks import TaskStream
 from agentrl.trainers.job.recipe import TrainJob
+from agentrl.types import Group, Task, Trajectory
 
 CFG = GRPOConfig(steps=4, tasks_per_step=2, lr=1e-3, minibatch_size=4, epochs=2, checkpoint_every=1, kl_coef=0.05,
                  group_size=4, rollout=RolloutConfig(max_total_tokens=1024, sampling=SamplingParams(max_tokens=12)))
@@ -109,3 +111,20 @@ def test_train_pipeline_evaluates_periodically_and_per_split(tiny_model_dir, tmp
     assert any("held-out (train, 3 tasks) at step 1" in line for line in lines)
     at_step_1 = read_jsonl(tmp_path / "heldout" / "at_step_1" / "trajectories.jsonl")
     assert len(at_step_1) == 6 and {t.weight_version for t in at_step_1} == {1}  # the weights after step 1
+
+
+def test_dynamic_sampling_admits_groups_by_their_reward_spread():
+    """Without dynamic sampling every group with a baseline is kept; with it, groups whose rewards do not vary are
+    dropped, and `min_reward_spread` raises the bar to a range of rewards."""
+    def group(*rewards):
+        return Group(Task("t"), tuple(Trajectory("t", (1, 2), (0, 1), (0.0, -0.5), 1, (), r) for r in rewards))
+
+    def kept(**settings):
+        method = GRPO(GRPOConfig(**settings), torch.nn.Linear(1, 1), None)
+        return [method.keep(g) for g in (group(1.0, 1.0), group(0.0, 0.25), group(0.0, 1.0), group(1.0))]
+
+    assert kept() == [True, True, True, False]  # a lone episode has no baseline
+    assert kept(dynamic_sampling=True) == [False, True, True, False]
+    assert kept(dynamic_sampling=True, min_reward_spread=0.5) == [False, False, True, False]
+    with pytest.raises(ValueError, match="set dynamic_sampling = true"):
+        GRPOConfig(min_reward_spread=0.5)

@@ -40,6 +40,8 @@ class GRPOConfig(loop.LoopConfig):
     group_size: int = 8  # episodes per task: each one's baseline is the others'
     advantage: str = "grpo"  # a key of agentrl.trainers.advantages.ADVANTAGES
     dynamic_sampling: bool = False  # skip groups whose rewards are all equal, and refill
+    # with dynamic sampling, the admission gate: a group's rewards must span at least this (max - min); 0: any spread
+    min_reward_spread: float = 0.0
     max_refills: int = 2  # extra collection rounds per step when dynamic sampling drops groups
 
     def __post_init__(self) -> None:
@@ -48,6 +50,9 @@ class GRPOConfig(loop.LoopConfig):
             raise ValueError(f"advantage must be one of {sorted(ADVANTAGES)}, got {self.advantage!r}")
         if self.group_size < 2:
             raise ValueError("GRPO needs group_size >= 2 to compare samples of one task")
+        if self.min_reward_spread < 0 or (self.min_reward_spread and not self.dynamic_sampling):
+            raise ValueError(f"{self.section}.min_reward_spread gates the groups dynamic sampling keeps: set "
+                             f"dynamic_sampling = true, and a spread >= 0 (got {self.min_reward_spread})")
 
 
 def samples_of(group: Group) -> list[Any]:
@@ -90,11 +95,13 @@ class GRPO:
 
     def keep(self, group: Group) -> bool:
         """A group with a baseline (two valid episodes, or agent sessions, with a training reward) and, with dynamic
-        sampling, rewards that vary. The policy's confidence is scored later, at training time: it never misses, and
+        sampling, rewards that vary (by at least `min_reward_spread`). The policy's confidence is scored later, at training time: it never misses, and
         varies whenever the responses do."""
         rewards = group_rewards(group, self.cfg.reward, skip=CONFIDENCE_SOURCES)
         samples = {s for s, r in zip(samples_of(group), rewards) if r is not None}
-        varied = len({r for r in rewards if r is not None}) > 1 or self.cfg.reward.confident
+        present = [r for r in rewards if r is not None]
+        spread = max(present) - min(present) if present else 0.0
+        varied = spread > 0 and spread >= self.cfg.min_reward_spread or self.cfg.reward.confident
         return len(samples) >= 2 and (not self.cfg.dynamic_sampling or varied)
 
     def train_step(self, kept: list[Group], collected: list[Group], step: int) -> dict:
