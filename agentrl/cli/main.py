@@ -15,6 +15,7 @@ from rich.table import Table
 from agentrl.cli import evaluate
 from agentrl.cli.common import (CHAT_TEMPLATE_HELP, console, given, make_or_exit, missing_directory, parse_sets,
                                 progress_bar)
+from agentrl.cli.doctor import doctor
 from agentrl.cli.envs import envs_app, sandbox_app, swe_app
 from agentrl.cli.model import model_app
 from agentrl.cli.serve import serve_app
@@ -23,6 +24,7 @@ app = typer.Typer(help="Train tool-using LLM agents with RL.", no_args_is_help=T
 for name, group in (("envs", envs_app), ("model", model_app), ("serve", serve_app), ("sandbox", sandbox_app),
                     ("swe", swe_app)):
     app.add_typer(group, name=name)
+app.command()(doctor)
 
 
 @app.command()
