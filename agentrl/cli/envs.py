@@ -11,16 +11,27 @@ from rich.table import Table
 
 from agentrl.cli.common import KWARGS_HELP, console, make_or_exit
 
-envs_app = typer.Typer(help="List, inspect and check environments.", no_args_is_help=True)
-sandbox_app = typer.Typer(help="Docker sandboxes for code envs.", no_args_is_help=True)
-swe_app = typer.Typer(help="SWE tasks.", no_args_is_help=True)
+envs_app = typer.Typer(help="List, inspect and check environments.", no_args_is_help=True,
+                       rich_markup_mode=None)
+sandbox_app = typer.Typer(help="Docker sandboxes for code envs.", no_args_is_help=True,
+                          rich_markup_mode=None)
+swe_app = typer.Typer(help="SWE tasks.", no_args_is_help=True,
+                      rich_markup_mode=None)
 
 
 @envs_app.command("list")
-def envs_list() -> None:
-    """Registered environment ids (ours and installed plugins')."""
+def envs_list(as_json: bool = typer.Option(False, "--json", help="Plain JSON (id, entry point, defaults) for scripts.")
+              ) -> None:
+    """Registered environment ids (ours and installed plugins').
+
+    Example: agentrl envs list --json
+    """
     from agentrl.env.registry import registry
 
+    if as_json:
+        typer.echo(json.dumps([{"id": spec.id, "entry_point": spec.entry_point, "kwargs": spec.kwargs}
+                               for spec in registry().values()], indent=1))
+        return
     table = Table("id", "entry point", "defaults")
     for spec in registry().values():
         table.add_row(spec.id, spec.entry_point, json.dumps(spec.kwargs) if spec.kwargs else "")
@@ -29,7 +40,10 @@ def envs_list() -> None:
 
 @envs_app.command("show")
 def envs_show(env_id: str, split: str = "train", kwargs: str = typer.Option("{}", help=KWARGS_HELP)) -> None:
-    """The tools and the first messages of an env's first task."""
+    """The tools and the first messages of an env's first task.
+
+    Example: agentrl envs show search/r1-v0
+    """
     env = make_or_exit(env_id, split=split, **json.loads(kwargs))
     obs, info = env.reset(seed=0)
     console.print(f"[bold]{env_id}[/] ({type(env).__name__}), {len(env.tasks)} {split} tasks")
@@ -42,7 +56,10 @@ def envs_show(env_id: str, split: str = "train", kwargs: str = typer.Option("{}"
 @envs_app.command("check")
 def envs_check(env_id: str, n_tasks: int = typer.Option(8, help="Tasks whose gold solution is validated."),
                kwargs: str = typer.Option("{}", help=KWARGS_HELP)) -> None:
-    """Gymnasium's env checker plus the env's own validate() (gold solutions must get the maximum reward)."""
+    """Gymnasium's env checker plus the env's own validate() (gold solutions must get the maximum reward).
+
+    Example: agentrl envs check math/arith-v0
+    """
     from agentrl.env.registry import check
 
     env_kwargs = json.loads(kwargs)
@@ -58,7 +75,10 @@ def envs_check(env_id: str, n_tasks: int = typer.Option(8, help="Tasks whose gol
 @sandbox_app.command("build")
 def sandbox_build(base_image: str = typer.Option("agentrl/base:bookworm", help="Image to build FROM.")) -> None:
     """Build the Python sandbox image (idempotent). The default base image is built offline from Debian
-    packages by containers/build-base.sh; any Debian/Ubuntu image with python3 works."""
+    packages by containers/build-base.sh; any Debian/Ubuntu image with python3 works.
+
+    Example: agentrl sandbox build
+    """
     from agentrl.tools.sandbox import SandboxError
     from agentrl.tools.sandbox.docker_runtime import build_image
 
@@ -71,7 +91,10 @@ def sandbox_build(base_image: str = typer.Option("agentrl/base:bookworm", help="
 
 @sandbox_app.command("clean")
 def sandbox_clean() -> None:
-    """Remove sandbox containers whose owning process is gone (normally none: they end with it)."""
+    """Remove sandbox containers whose owning process is gone (normally none: they end with it).
+
+    Example: agentrl sandbox clean
+    """
     from agentrl.tools.sandbox.docker_runtime import cleanup_stale
 
     console.print(f"removed {cleanup_stale()} stale sandbox containers")
@@ -84,7 +107,10 @@ def swe_generate(per_repo: int = typer.Option(20, help="Bugs to keep per reposit
                  force: bool = typer.Option(False, help="Generate again even if the instances and images exist.")
                  ) -> None:
     """Generate SWE tasks offline: inject bugs into real repositories (pinned sdists) with libcst and keep
-    those that make passing tests fail. Deterministic; needs Docker (`make setup-docker`)."""
+    those that make passing tests fail. Deterministic; needs Docker (`make setup-docker`).
+
+    Example: agentrl swe generate --per-repo 20
+    """
     from agentrl.envs.swe.generate import INSTANCES, generate, up_to_date
     from agentrl.tools.sandbox import SandboxError
 

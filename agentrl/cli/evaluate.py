@@ -35,7 +35,10 @@ def eval_suite(
                                                   "[default: 0]."),
 ) -> None:
     """Evaluate a model on a suite: success with 95% CIs, pass@k, maj@k, errors; a Markdown and an HTML
-    report and a trajectory viewer in the run directory. Interrupted, the same command resumes."""
+    report and a trajectory viewer in the run directory. Interrupted, the same command resumes.
+
+    Example: agentrl eval --suite recipes/search_r1_rag_suite.toml --model DIR --engine vllm
+    """
     from agentrl.cli.jobs import EvalJob
     from agentrl.config import ConfigError, load_config
     from agentrl.env.suites import get_suite
@@ -106,7 +109,10 @@ def report(run_dir: Path = typer.Argument(..., help="An eval run directory (from
            train_dir: Optional[Path] = typer.Option(None, help="A training run: adds its reward curve."),
            tokenizer: Optional[str] = typer.Option(None, help="Shows trajectories as tokens, coloured by mask.")
            ) -> None:
-    """(Re)write RUN_DIR/report.md, report.html and viewer.html."""
+    """(Re)write RUN_DIR/report.md, report.html and viewer.html.
+
+    Example: agentrl report runs/demo/eval
+    """
     from agentrl.eval.report import write_report
     from agentrl.eval.viewer import write_viewer
     from agentrl.models.tokenizer import load_tokenizer
@@ -123,7 +129,10 @@ def compare(run_dirs: list[Path] = typer.Argument(..., help="Training runs (`age
             ) -> None:
     """Held-out success before and after RL of several training runs, with 95% intervals, and the paired change
     on the same tasks: tasks gained and lost, and McNemar's exact p; the entropy law's predicted ceiling, for runs
-    evaluated during training (`[eval] every`)."""
+    evaluated during training (`[eval] every`).
+
+    Example: agentrl compare runs/math-grpo runs/math-tandem
+    """
     from agentrl.eval.entropy_law import entropy_law_panel
     from agentrl.eval.metrics import diff_interval, mcnemar_p, paired_change, wilson_interval
     from agentrl.rollout.jsonl import read_records
@@ -190,7 +199,10 @@ def baselines(rows: list[str] = typer.Argument(..., help="NAME=DIR for each row:
               out: Optional[Path] = typer.Option(None, help="Also write the table to this Markdown file.")) -> None:
     """Several evaluations of the same tasks in one table (Search-R1's baselines): per suite the success rate with
     its 95% interval, the mean over the suites, and the paired change against one row (gained / lost, McNemar's
-    exact p)."""
+    exact p).
+
+    Example: agentrl baselines RAG=runs/rag SFT=runs/run/heldout/before_RL --against SFT
+    """
     from agentrl.eval.table import results_table
 
     named = {}
@@ -233,7 +245,10 @@ def attempts(
                                                         "trajectories (RUN/trajectories.jsonl)."),
 ) -> None:
     """Success at attempt k, with and without memory across attempts (Reflexion-style notes, agentrl/env/memory.py),
-    for each model: pass@k's sequential cousin."""
+    for each model: pass@k's sequential cousin.
+
+    Example: agentrl attempts --env memory/reflexion-v0 --model DIR --k 4
+    """
     from agentrl.eval.attempts import CONDITIONS, run_attempts, write_attempts
     from agentrl.models.tokenizer import load_tokenizer
     from agentrl.policy.backends import EngineConfig, open_policy
@@ -271,10 +286,19 @@ def attempts(
     console.print(f"report: {markdown}")
 
 
-def suites_list() -> None:
-    """Registered evaluation suites and their entries."""
+def suites_list(as_json: bool = typer.Option(False, "--json", help="Plain JSON (name, version, entries) for scripts.")
+                ) -> None:
+    """Registered evaluation suites and their entries.
+
+    Example: agentrl suites --json
+    """
     from agentrl.env.suites import suites
 
+    if as_json:
+        typer.echo(json.dumps([{"name": s.name, "version": s.version, "description": s.description,
+                                "entries": [{"env": e.env, "split": e.split, "tasks": e.n_tasks, "kwargs": e.env_kwargs}
+                                            for e in s.entries]} for s in suites().values()], indent=1))
+        return
     table = Table("suite", "version", "entries (env:split × tasks)", "description")
     for s in suites().values():
         table.add_row(s.name, str(s.version), "\n".join(f"{e.name} × {e.n_tasks}" for e in s.entries),

@@ -20,7 +20,8 @@ from agentrl.cli.envs import envs_app, sandbox_app, swe_app
 from agentrl.cli.model import model_app
 from agentrl.cli.serve import serve_app
 
-app = typer.Typer(help="Train tool-using LLM agents with RL.", no_args_is_help=True)
+app = typer.Typer(help="Train tool-using LLM agents with RL.", no_args_is_help=True,
+                  rich_markup_mode=None)
 for name, group in (("envs", envs_app), ("model", model_app), ("serve", serve_app), ("sandbox", sandbox_app),
                     ("swe", swe_app)):
     app.add_typer(group, name=name)
@@ -47,7 +48,10 @@ def rollout(
     ray_address: Optional[str] = typer.Option(None, help="Run the envs on this Ray cluster ('auto' for the local "
                                                          "node's); the recipe's [ray] sets the rest."),
 ) -> None:
-    """Run episodes of an env with a model and write exact-token trajectories as JSONL."""
+    """Run episodes of an env with a model and write exact-token trajectories as JSONL.
+
+    Example: agentrl rollout --env math/arith-v0 --model ~/.cache/agentrl/models/smollm2-135m-instruct --n 8
+    """
     from agentrl.cli.jobs import RolloutJob
     from agentrl.config import ConfigError, load_config
     from agentrl.eval.metrics import summarize
@@ -118,7 +122,10 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
                                               "under torchrun) [default: torchrun's WORLD_SIZE, else 1]."),
           ) -> None:
     """SFT warm start (optional) → held-out eval → RL (GRPO, PPO, tandem, tango or DPO) → held-out eval;
-    resumes from the latest checkpoint."""
+    resumes from the latest checkpoint.
+
+    Example: agentrl train recipes/cpu_demo_train.toml --set grpo.steps=5 --out-dir runs/try
+    """
     from agentrl.config import ConfigError, load_config, merge
     from agentrl.trainers.checkpoint import CheckpointError
     from agentrl.trainers.metrics import NonFiniteLoss

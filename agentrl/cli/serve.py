@@ -11,7 +11,7 @@ import typer
 from agentrl.cli.common import console, given, parse_sets
 
 serve_app = typer.Typer(help="Run servers (the vLLM policy engine, the retriever, envs over OpenEnv, the gateway).",
-                        no_args_is_help=True)
+                        no_args_is_help=True, rich_markup_mode=None)
 
 
 @serve_app.callback()
@@ -30,7 +30,10 @@ def policy(
                                    "(docs/vllm.md): KEY=VALUE with a TOML value, e.g. --set max_model_len=4096 --set "
                                    "gpu_memory_utilization=0.5 --set weight_transfer=nccl. Repeatable."),
 ) -> None:
-    """Start a vLLM server for MODEL, wait until it answers, and keep it running until Ctrl-C."""
+    """Start a vLLM server for MODEL, wait until it answers, and keep it running until Ctrl-C.
+
+    Example: agentrl serve policy --model ~/.cache/agentrl/models/smollm2-135m-instruct --cpu
+    """
     from agentrl.config import ConfigError, load_config
     from agentrl.policy.vllm_server import ServerConfig, ServerError, VLLMServer
 
@@ -68,7 +71,10 @@ def retriever(
     topk: int = typer.Option(3, help="Documents per query when a request gives no topk."),
 ) -> None:
     """Serve search (BM25, or a dense index built with `DenseIndex`) over Search-R1's `POST /retrieve` API
-    until Ctrl-C."""
+    until Ctrl-C.
+
+    Example: agentrl serve retriever --world-seed 0 --port 8001
+    """
     import uvicorn
 
     from agentrl.envs.search.data import cached_index, load_index, read_corpus
@@ -106,7 +112,10 @@ def env(
     max_sessions: int = typer.Option(64, help="Concurrent episodes (WebSocket sessions, one env each)."),
     kwargs: str = typer.Option("{}", help='Env keyword arguments as JSON, e.g. \'{"split": "heldout"}\'.'),
 ) -> None:
-    """Serve ENV_ID over OpenEnv's protocol (WebSocket /ws, one session per episode), for other trainers."""
+    """Serve ENV_ID over OpenEnv's protocol (WebSocket /ws, one session per episode), for other trainers.
+
+    Example: agentrl serve env search/tools-v0 --port 8001
+    """
     import json
 
     import uvicorn
@@ -139,7 +148,10 @@ def gateway(
     session_timeout: float = typer.Option(900.0, help="Seconds an open session may go without a call or reward."),
 ) -> None:
     """Serve OpenAI's Chat Completions API per session in front of the policy, recording exact-token trajectories
-    (POST /sessions, then point the client's base_url at the returned one) until Ctrl-C."""
+    (POST /sessions, then point the client's base_url at the returned one) until Ctrl-C.
+
+    Example: agentrl serve gateway --model DIR --policy-url http://127.0.0.1:8000
+    """
     import uvicorn
 
     from agentrl.gateway import Gateway, GatewayConfig, create_app
