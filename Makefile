@@ -13,7 +13,7 @@ PIP   := $(VENV)/bin/pip install -q -c constraints.txt
 # folder named like the package could shadow it, which here is the package itself.
 EDITABLE := PYTHONWARNINGS='ignore:Editable installation' $(PIP) -e
 
-.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters model-smollm2 demo demo-smollm2 demo-search methods test unit fuzz mutate docs bench lock clean
+.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters model-smollm2 demo demo-smollm2 demo-search methods test unit fuzz mutate docs bench results lock clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -158,7 +158,12 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir $(CACHE)/site
 
 bench: setup setup-vllm setup-adapters setup-browser setup-swe
-	for b in bench/*.py; do $(PY) $$b --quick; done
+	for b in $$(ls bench/*.py | grep -v results.py); do $(PY) $$b --quick || exit 1; done
+	$(MAKE) results
+
+# docs/results/benchmarks.md from every bench's last recorded run (bench/results/NAME.json): run a bench, then this.
+results: setup
+	$(PY) bench/results.py
 
 # Re-resolve constraints.txt after changing a dependency: a fresh venv with everything `make test` installs,
 # resolved without the old pins, then frozen.

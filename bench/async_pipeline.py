@@ -57,6 +57,7 @@ from agentrl.policy.hf import HFPolicy
 from agentrl.policy.protocol import SamplingParams
 from agentrl.rollout.engine import RolloutConfig
 from agentrl.trainers.methods.grpo import GRPOConfig, train
+from results import record  # bench/results.py: the last line, kept in bench/results/
 
 MODEL_DIR = Path("~/.cache/agentrl/models/tiny").expanduser()
 ENVS = {  # env id, its kwargs, (tasks per step, group size, concurrency = env threads, max tokens per turn)
@@ -149,7 +150,7 @@ def main() -> None:
             figures[f"{env_name}_k{k}_ratio"] = ratio(env_name, k)
         else:
             figures[f"{env_name}_overlap_bound"] = round(1 / row["cpu_busy"], 2)
-    print(json.dumps(figures))
+    record(__file__, figures)
 
 
 if __name__ == "__main__":

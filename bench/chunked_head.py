@@ -34,6 +34,7 @@ from types import SimpleNamespace
 import torch
 
 from agentrl.policy.logprobs import HEAD_CHUNK, head_logprobs
+from results import record  # bench/results.py: the last line, kept in bench/results/
 
 V, H = 151_936, 896  # Qwen2.5-0.5B
 
@@ -137,12 +138,12 @@ def main() -> None:
         for path in saved.values():
             Path(path).unlink(missing_ok=True)
         os.rmdir(tmp)
-    print(json.dumps({"ratio": round(chunked["peak_mib"] / full_mib, 3), "goal": "<= 0.25",
+    record(__file__, {"ratio": round(chunked["peak_mib"] / full_mib, 3), "goal": "<= 0.25",
                       "peak_mib_chunked": chunked["peak_mib"], "peak_mib_full": full_mib,
                       "full_extrapolated_from_tokens": extrapolated_from, "tokens": tokens, "chunk": chunk,
                       "vocab": V, "hidden": hidden, "dtype": "float32", "device": "cpu",
                       "seconds_chunked": chunked["seconds"], "diffs_at_tokens": diffs_at,
-                      **{k: float(f"{v:.3g}") for k, v in diffs.items()}}))
+                      **{k: float(f"{v:.3g}") for k, v in diffs.items()}})
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ from agentrl.models.tokenizer import load_tokenizer
 from agentrl.types import Trajectory
 from agentrl.policy.vllm_client import VLLMPolicy
 from agentrl.policy.vllm_server import ServerConfig, VLLMServer
+from results import record  # bench/results.py: the last line, kept in bench/results/
 
 MODEL_DIR = Path.home() / ".cache" / "agentrl" / "models" / "tiny"
 TURN_END = ("k",)  # a stop string that ends a random model's turn after ~20 tokens (see above)
@@ -335,7 +336,7 @@ def main() -> None:
             for value in details.values():
                 print(json.dumps(value, indent=1))
             final.update(keys)
-    print(json.dumps({**final, "quick": args.quick, "vllm_all_cores": args.vllm_all_cores, "model": args.model}))
+    record(__file__, {**final, "quick": args.quick, "vllm_all_cores": args.vllm_all_cores, "model": args.model})
 
 
 if __name__ == "__main__":

@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import json
 import os
 import statistics
 import sys
@@ -83,6 +82,7 @@ from agentrl.policy.protocol import Policy, SamplingParams
 from agentrl.renderer import Renderer
 from agentrl.system.tcp import listening_socket
 from agentrl.types import Message
+from results import record  # bench/results.py: the last line, kept in bench/results/
 
 MODEL_DIR = Path.home() / ".cache" / "agentrl" / "models" / "tiny"
 GOAL = 1.1
@@ -424,7 +424,7 @@ def main() -> None:
     print(f"gateway p50 {figures['gateway']['p50_ms']} ms / direct p50 {figures['direct']['p50_ms']} ms = "
           f"{figures['ratio']} (goal <= {GOAL}); p99 ratio {figures['p99_ratio']}; {figures['bench_s']:.0f} s "
           f"measured" + (f", after {started:.0f} s of server start" if started else ""), file=sys.stderr)
-    print(json.dumps(figures))
+    record(__file__, figures)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.policy.scripted import ScriptedPolicy, playing
 from agentrl.models.tiny import build_tiny_model
 from agentrl.models.tokenizer import load_tokenizer
+from results import record  # bench/results.py: the last line, kept in bench/results/
 
 ENV = "search/r1-v0"
 
@@ -68,10 +68,10 @@ def main() -> None:
     ratio, overhead = rates[2] / rates[1], in_process / rates[1]
     print(f"{n} episodes of {ENV}: in-process {in_process:.1f}/s, Ray 1 worker {rates[1]:.1f}/s, "
           f"2 workers {rates[2]:.1f}/s", file=sys.stderr)
-    print(json.dumps({"ratio": round(ratio, 3), "goal": "none set (2 workers / 1, higher is better)",
+    record(__file__, {"ratio": round(ratio, 3), "goal": "none set (2 workers / 1, higher is better)",
                       "episodes_per_s": {"in_process": round(in_process, 2), "ray_1_worker": round(rates[1], 2),
                                          "ray_2_workers": round(rates[2], 2)},
-                      "ray_overhead": round(overhead, 3)}))
+                      "ray_overhead": round(overhead, 3)})
 
 
 if __name__ == "__main__":

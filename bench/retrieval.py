@@ -12,7 +12,6 @@ per query. The last line printed is one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import numpy as np
 import Stemmer
 from agentrl.envs.search.bm25 import BM25Index, Tokenizer
 from rank_bm25 import BM25Okapi
+from results import record  # bench/results.py: the last line, kept in bench/results/
 
 K = 3  # passages per query, as in Search-R1
 BATCH = 64  # queries per search call in batch mode
@@ -117,13 +117,13 @@ def main() -> None:
     print(f"ours: batch p50 {our['p50_ms']:.3f} ms, p99 {our['p99_ms']:.3f} ms per query; "
           f"single-query p50 {our['single_p50_ms']:.3f} ms; build {our['build_s']:.1f} s "
           f"(rank-bm25 {rank_build_s:.1f} s); index {our['index_mb']:.1f} MB on disk")
-    print(json.dumps({
+    record(__file__, {
         "ratio_vs_rank_bm25": round(our["qps"] / rank_qps, 1), "goal": ">= 100 and p50 < 2 ms",
         "p50_ms": round(our["p50_ms"], 3), "p99_ms": round(our["p99_ms"], 3),
         "single_query_p50_ms": round(our["single_p50_ms"], 3), "qps": round(our["qps"], 1),
         "rank_bm25_qps": round(rank_qps, 2), "bm25s_default_ratio": round(default_qps / rank_qps, 1),
         "build_s": round(our["build_s"], 2), "index_mb": round(our["index_mb"], 1), "n_docs": n_docs,
-    }))
+    })
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from agentrl.policy.protocol import SamplingParams
 from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.models.tiny import build_tiny_model
+from results import record  # bench/results.py: the last line, kept in bench/results/
 
 MODEL_DIR = Path.home() / ".cache" / "agentrl" / "models" / "tiny"
 
@@ -47,12 +47,12 @@ def main() -> None:
     episodes_per_second(policy, tasks[:2], 2, 4)  # warm-up: first forward passes are slower
     sequential, tokens_seq = episodes_per_second(policy, tasks, 1, max_tokens)
     concurrent, tokens_con = episodes_per_second(policy, tasks, 32, max_tokens)
-    print(json.dumps({
+    record(__file__, {
         "ratio": round(concurrent / sequential, 2), "goal": ">= 4",
         "concurrent_episodes_per_s": round(concurrent, 3), "sequential_episodes_per_s": round(sequential, 3),
         "episodes": n_episodes, "max_tokens_per_turn": max_tokens,
         "sampled_tokens": {"sequential": tokens_seq, "concurrent": tokens_con},
-    }))
+    })
 
 
 if __name__ == "__main__":

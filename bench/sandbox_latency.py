@@ -15,7 +15,6 @@ Needs a Docker daemon and the sandbox image (`make setup-docker`). The last line
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from agentrl.tools.sandbox import Limits
 from agentrl.tools.sandbox.docker_runtime import DockerRuntime, build_image, client
 from agentrl.tools.sandbox.pool import SandboxPool
+from results import record  # bench/results.py: the last line, kept in bench/results/
 
 GOAL = 0.05
 LIMITS = Limits(timeout=10, memory_mb=256, pids=64)
@@ -87,10 +87,10 @@ def main() -> None:
     print(f"print(1): warm pool p50 {warm['p50_ms']} ms, docker run p50 {run['p50_ms']} ms, "
           f"bare subprocess p50 {bare['p50_ms']} ms; 8 concurrent episodes: {throughput:.0f} executions/s",
           file=sys.stderr)
-    print(json.dumps({"ratio": round(ratio, 4), "goal": f"<= {GOAL}", "met": ratio <= GOAL,
+    record(__file__, {"ratio": round(ratio, 4), "goal": f"<= {GOAL}", "met": ratio <= GOAL,
                       "warm": warm, "docker_run": run, "bare_subprocess": bare,
                       "warm_over_bare": round(statistics.median(warm_s) / statistics.median(local_s), 2),
-                      "throughput_8_episodes_per_s": round(throughput, 1)}))
+                      "throughput_8_episodes_per_s": round(throughput, 1)})
 
 
 if __name__ == "__main__":

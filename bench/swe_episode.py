@@ -14,7 +14,6 @@ Needs Docker and generated tasks (`make setup-swe`). The last line is one JSON o
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import statistics
 import sys
@@ -24,6 +23,7 @@ import agentrl
 from agentrl.envs.swe.env import REPO
 from agentrl.tools.sandbox.docker_runtime import DockerRuntime
 from agentrl.types import ToolCall
+from results import record  # bench/results.py: the last line, kept in bench/results/
 
 
 def script(task) -> list[tuple[str, dict]]:
@@ -79,9 +79,9 @@ def main() -> None:
     env.close()
     w, f = statistics.median(warm), statistics.median(fresh)
     print(f"20-step episode: warm pool {w:.2f} s, fresh container per step {f:.2f} s", file=sys.stderr)
-    print(json.dumps({"ratio": round(w / f, 3), "warm_s": round(w, 2), "fresh_s": round(f, 2),
+    record(__file__, {"ratio": round(w / f, 3), "warm_s": round(w, 2), "fresh_s": round(f, 2),
                       "warm_per_step_ms": round(1000 * w / 20, 1), "fresh_per_step_ms": round(1000 * f / 20, 1),
-                      "episodes": repeats, "task": task.id}))
+                      "episodes": repeats, "task": task.id})
 
 
 if __name__ == "__main__":

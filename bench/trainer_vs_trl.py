@@ -72,7 +72,6 @@ import argparse
 import asyncio
 import contextlib
 import importlib.util
-import json
 import statistics
 import sys
 import tempfile
@@ -99,6 +98,7 @@ from agentrl.trainers.loop import update
 from agentrl.trainers.rewards import group_rewards
 from agentrl.trainers.losses import PolicyLossConfig
 from agentrl.types import Group, Message, Task, Trajectory, Turn
+from results import record  # bench/results.py: the last line, kept in bench/results/
 
 MODEL_DIR = Path.home() / ".cache" / "agentrl" / "models" / "tiny-3m"
 # hidden 256, 4 layers, head_dim 64 as the default tiny model; a smaller vocab and MLP give ~3.3 M parameters.
@@ -411,7 +411,7 @@ def main() -> None:
                      micro_batch=a.micro_batch or (SMOLLM2_MICRO_BATCH if a.minibatch == BATCH else None))
         row = compare_trainers(fetch_model(SMOLLM2, quiet=True), s, packing=False)
         final.update({f"smollm2_{k}": v for k, v in row.items()})
-    print(json.dumps({**final, "model": a.model}))
+    record(__file__, {**final, "model": a.model})
 
 
 if __name__ == "__main__":

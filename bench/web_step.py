@@ -18,7 +18,6 @@ Needs Chromium and Playwright (`make setup-browser`). The last line is one JSON 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ import agentrl
 from agentrl.envs.web.miniwob import pages_dir
 from agentrl.tools.browser import Browser
 from agentrl.types import ToolCall
+from results import record  # bench/results.py: the last line, kept in bench/results/
 
 TASK = "click-checkboxes"
 
@@ -102,10 +102,10 @@ def main() -> None:
     print(f"reset: pooled p50 {pooled['p50_ms']} ms, browser per episode p50 {launched['p50_ms']} ms; "
           f"step p50 {step['p50_ms']} ms; episodes/s: 4 concurrent {concurrent:.2f}, serial {serial:.2f} "
           f"(solved {solved_concurrent:g} and {solved_serial:g} of {len(tasks)})", file=sys.stderr)
-    print(json.dumps({"ratio": round(ratio, 3), "goal": "none set (lower is better)", "reset_pooled": pooled,
+    record(__file__, {"ratio": round(ratio, 3), "goal": "none set (lower is better)", "reset_pooled": pooled,
                       "reset_browser_per_episode": launched, "step": step,
                       "episodes_per_s_4_concurrent": round(concurrent, 2), "episodes_per_s_serial": round(serial, 2),
-                      "solved": [solved_concurrent, solved_serial, len(tasks)]}))
+                      "solved": [solved_concurrent, solved_serial, len(tasks)]})
 
 
 if __name__ == "__main__":

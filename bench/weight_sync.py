@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import time
 from contextlib import ExitStack
@@ -31,6 +30,7 @@ from transformers import AutoModelForCausalLM
 from agentrl.models.tiny import build_tiny_model
 from agentrl.policy.vllm_client import VLLMPolicy
 from agentrl.policy.vllm_server import ServerConfig, VLLMServer
+from results import record  # bench/results.py: the last line, kept in bench/results/
 
 MODELS = Path.home() / ".cache" / "agentrl" / "models"
 BIG = dict(hidden_size=768, num_layers=8, num_heads=12, num_kv_heads=4, intermediate_size=2048)
@@ -84,10 +84,10 @@ def main() -> None:
     checkpoint, gloo = statistics.median(seconds["checkpoint"]), statistics.median(seconds["gloo"])
     print(f"{params / 1e6:.1f} M parameters, {syncs} syncs each: checkpoint p50 {checkpoint * 1000:.0f} ms, "
           f"gloo broadcast p50 {gloo * 1000:.0f} ms (first, opening the group: {seconds['first_gloo'][0]:.2f} s)")
-    print(json.dumps({"ratio": round(gloo / checkpoint, 3), "goal": "none set (broadcast / checkpoint)",
+    record(__file__, {"ratio": round(gloo / checkpoint, 3), "goal": "none set (broadcast / checkpoint)",
                       "params_m": round(params / 1e6, 1), "checkpoint_p50_ms": round(checkpoint * 1000, 1),
                       "gloo_p50_ms": round(gloo * 1000, 1), "gloo_open_s": round(seconds["first_gloo"][0], 2),
-                      "syncs": syncs}))
+                      "syncs": syncs})
 
 
 if __name__ == "__main__":

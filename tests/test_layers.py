@@ -1,6 +1,6 @@
 """The layer rule of DESIGN.md ("Layers"), read from every module's imports (lazy ones inside functions too).
 
-Lower layers never import higher ones, in the order of `LAYER` (the README and DESIGN.md state it as `order()`
+Lower layers never import higher ones, in the order of `LAYER` (docs/architecture.md and DESIGN.md state it as `order()`
 writes it). The core never imports a particular environment (`agentrl.envs`) or a trainer; env families use only the
 env API, the tools and the types.
 """
@@ -93,10 +93,10 @@ def order() -> str:
 
 
 def test_the_docs_state_the_layers_in_this_order() -> None:
-    """The README and DESIGN.md (a file of the project kept beside the repository, `../shared/`, where one is) say
-    the order `LAYER` holds, in the same words; the parts of one layer may be joined by `/` or `, ` (DESIGN.md,
-    read-only here, writes `renderer, models`)."""
-    docs = [ROOT / "README.md"] + [path for path in (ROOT.parent / "shared" / "DESIGN.md",) if path.exists()]
+    """The architecture page and DESIGN.md (a file of the project kept beside the repository, `../shared/`, where one
+    is) say the order `LAYER` holds, in the same words; the parts of one layer may be joined by `/` or `, `
+    (DESIGN.md, read-only here, writes `renderer, models`)."""
+    docs = [ROOT / "docs" / "architecture.md"] + [path for path in (ROOT.parent / "shared" / "DESIGN.md",) if path.exists()]
     for doc in docs:
         text = " ".join(doc.read_text().split()).replace(", ", "/")  # line breaks as spaces, one way to join parts
         assert order() in text, f"{doc.name} does not state the layer order as `{order()}`"

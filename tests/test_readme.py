@@ -21,3 +21,14 @@ def test_readme_example_env_registers_and_checks(tmp_path, monkeypatch):
     env = agentrl.make("demo/lookup-v0")
     env.reset(seed=0)
     assert env.step("<answer>1</answer>")[1] == 1.0
+
+
+def test_the_front_page_reads_in_five_minutes():
+    """At most 120 lines, no table cell over 200 characters, no dated run history (the results pages keep it)."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert len(readme.splitlines()) <= 120
+    cells = [c.strip() for line in readme.splitlines() if line.startswith("|") for c in line.strip("|").split("|")]
+    assert cells and max(map(len, cells)) <= 200, max(cells, key=len)
+    assert not re.findall(r"\b20\d\d-\d\d-\d\d\b", readme)  # dates belong to docs/results/
+    for link in re.findall(r"\]\(((?:docs|examples)/[^)#]+)", readme):  # every page it links to exists
+        assert (Path(__file__).parents[1] / link).exists(), link
