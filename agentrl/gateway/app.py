@@ -2,6 +2,8 @@
 
     POST /sessions                                 {"task_id", "group", "info"} -> {"id", "base_url"}
     POST /sessions/{id}/v1/chat/completions        OpenAI Chat Completions (stream or not)
+    POST /sessions/{id}/v1/responses               OpenAI Responses (Codex CLI; `responses_api.py`)
+    POST /sessions/{id}/v1/messages                Anthropic Messages (Claude Code; `anthropic_api.py`)
     GET  /sessions/{id}/v1/models                  the one model served
     POST /sessions/{id}/reward                     {"reward", "components"} closes the session
     GET  /sessions/{id}                            its state; its trajectories once closed
@@ -9,8 +11,8 @@
                                                    `session_timeout`)
     GET  /health
 
-Errors come back in OpenAI's shape, `{"error": {"message", "type", "code"}}`, so that the official client raises
-them with the message: malformed or unsupported requests 400, unknown sessions 404, closed ones 409, bodies over
+Errors come back in OpenAI's shape, `{"error": {"message", "type", "code"}}` (Anthropic's on `/v1/messages`), so that
+the official clients raise them with the message: malformed or unsupported requests 400, unknown sessions 404, closed ones 409, bodies over
 `MAX_BODY_BYTES` 413, bodies not all there within 30 s 408, a failed policy 502. A streamed reply is sampled whole
 before its first chunk, so a client that disconnects mid-stream loses nothing of the session.
 """
@@ -25,7 +27,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentrl.gateway import anthropic_api, responses_api
+from agentrl.gateway.anthropic_api import MessagesRequest
 from agentrl.gateway.openai_api import ChatRequest, chunks, completion
+from agentrl.gateway.responses_api import ResponsesRequest
 from agentrl.gateway.sessions import Gateway, GatewayError
 from agentrl.system.http_limits import BodyLimit
 
@@ -50,9 +55,15 @@ class SessionReward(BaseModel):
     components: dict[str, float] = Field(default_factory=dict)
 
 
-def _error(status: int, message: str, code: str = "invalid_request_error") -> JSONResponse:
+def _error(status: int, message: str, code: str = "invalid_request_error", path: str = "") -> JSONResponse:
+    if path.endswith("/v1/messages"):
+        return JSONResponse(anthropic_api.error_body(status, message), status)
     kind = "invalid_request_error" if status < 500 else "server_error"
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status)
+
+
+def _sse(events: list[str]) -> StreamingResponse:
+    return StreamingResponse(iter(events), media_type="text/event-stream")
 
 
 def create_app(gateway: Gateway, model_name: str = "agentrl-policy") -> FastAPI:
@@ -63,12 +74,12 @@ def create_app(gateway: Gateway, model_name: str = "agentrl-policy") -> FastAPI:
 
     @app.exception_handler(GatewayError)
     async def refused(request: Request, e: GatewayError) -> JSONResponse:
-        return _error(e.status, str(e), e.code)
+        return _error(e.status, str(e), e.code, request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def malformed(request: Request, e: RequestValidationError) -> JSONResponse:
         where = "; ".join(f"{'.'.join(map(str, err['loc'][1:])) or 'body'}: {err['msg']}" for err in e.errors())
-        return _error(400, f"malformed request: {where}")
+        return _error(400, f"malformed request: {where}", path=request.url.path)
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -77,7 +88,8 @@ def create_app(gateway: Gateway, model_name: str = "agentrl-policy") -> FastAPI:
     @app.post("/sessions")
     def open_session(body: OpenSession, request: Request) -> dict[str, str]:
         session = gateway.open(body.task_id, body.group, body.info)
-        return {"id": session.id, "base_url": f"{str(request.base_url).rstrip('/')}/sessions/{session.id}/v1"}
+        root = f"{str(request.base_url).rstrip('/')}/sessions/{session.id}"
+        return {"id": session.id, "base_url": f"{root}/v1", "anthropic_base_url": root}  # Anthropic's SDK adds /v1
 
     @app.get("/sessions/{session_id}")
     def session_state(session_id: str) -> dict[str, Any]:
@@ -112,6 +124,22 @@ def create_app(gateway: Gateway, model_name: str = "agentrl-policy") -> FastAPI:
             return completion(body, replies, prompt_tokens, decode)
         events = [f"data: {json.dumps(c, ensure_ascii=False)}\n\n" for c in chunks(body, replies, prompt_tokens,
                                                                                      decode)]
-        return StreamingResponse(iter([*events, "data: [DONE]\n\n"]), media_type="text/event-stream")
+        return _sse([*events, "data: [DONE]\n\n"])
+
+    @app.post("/sessions/{session_id}/v1/responses")
+    async def responses(session_id: str, body: ResponsesRequest):
+        [reply], prompt_tokens = await gateway.complete(
+            session_id, body.chat_messages(), body.chat_tools(), body.sampling(gateway.config), body.parse_tools)
+        if body.stream:
+            return _sse(responses_api.events(body, reply, prompt_tokens))
+        return responses_api.response(body, reply, prompt_tokens)
+
+    @app.post("/sessions/{session_id}/v1/messages")
+    async def messages(session_id: str, body: MessagesRequest):
+        [reply], prompt_tokens = await gateway.complete(
+            session_id, body.chat_messages(), body.chat_tools(), body.sampling(gateway.config), body.parse_tools)
+        if body.stream:
+            return _sse(anthropic_api.events(body, reply, prompt_tokens))
+        return anthropic_api.message(body, reply, prompt_tokens)
 
     return app

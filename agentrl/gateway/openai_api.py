@@ -15,6 +15,23 @@ from agentrl.policy.protocol import MAX_SEED, SamplingParams
 from agentrl.types import Message, ToolCall
 
 
+def utf8_only(value: Any, where: str = "the request") -> Any:
+    """`value` (a request body), or a ValueError naming the first text in it that UTF-8 cannot encode (a lone
+    surrogate, which JSON's \\u escapes allow): the tokenizer would fail on it. Every wire format's requests check."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{where} holds text that is not valid UTF-8 ({e.reason} at {e.start})") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            utf8_only(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            utf8_only(v, f"{where}[{i}]")
+    return value
+
+
 class FunctionCall(BaseModel):
     """A tool call's function: its arguments a JSON string, as OpenAI sends them."""
 
@@ -84,24 +101,7 @@ class ChatRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _utf8(cls, value: Any) -> Any:
-        """Refuse text that UTF-8 cannot encode (a lone surrogate, which JSON's \\u escapes allow): the tokenizer
-        would fail on it."""
-        def check(x: Any, where: str) -> None:
-            if isinstance(x, str):
-                try:
-                    x.encode("utf-8")
-                except UnicodeEncodeError as e:
-                    raise ValueError(f"{where} holds text that is not valid UTF-8 ({e.reason} at {e.start})"
-                                     ) from None
-            elif isinstance(x, dict):
-                for k, v in x.items():
-                    check(v, f"{where}.{k}")
-            elif isinstance(x, list):
-                for i, v in enumerate(x):
-                    check(v, f"{where}[{i}]")
-
-        check(value, "the request")
-        return value
+        return utf8_only(value)
 
     @field_validator("tools")
     @classmethod
