@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from agentrl.cli.common import KWARGS_HELP, console, make_or_exit
@@ -70,6 +71,34 @@ def envs_check(env_id: str, n_tasks: int = typer.Option(8, help="Tasks whose gol
     if problems:
         raise typer.Exit(1)
     console.print(f"[green]✓[/] {env_id}: check_env passed; gold solutions of {n_tasks} tasks get the maximum reward")
+
+
+@envs_app.command("attack")
+def envs_attack(env_id: str, n_tasks: int = typer.Option(2, help="Tasks each attack plays."),
+                kwargs: str = typer.Option("{}", help=KWARGS_HELP),
+                as_json: bool = typer.Option(False, "--json", help="Plain JSON (attack, held, detail) for scripts.")
+                ) -> None:
+    """Run the project's adversarial policies against an env's grader and reset: forged reports of success,
+    outputs that would turn a failure into an error, state left for the next episode. Exit 1 when one got through.
+
+    Example: agentrl envs attack search/tools-v0
+    """
+    from dataclasses import asdict
+
+    from agentrl.env.attack import attack
+    from agentrl.env.registry import make
+
+    env_kwargs = json.loads(kwargs)
+    make_or_exit(env_id, **env_kwargs).close()
+    findings = attack(lambda: make(env_id, **env_kwargs), n_tasks)
+    if as_json:
+        typer.echo(json.dumps([asdict(f) for f in findings], indent=1))
+    else:
+        for f in findings:
+            console.print(f"[green]held[/] {f.attack}: {escape(f.detail)}" if f.held else
+                          f"[red]hole[/] {f.attack}: {escape(f.detail)}")
+    if not all(f.held for f in findings):
+        raise typer.Exit(1)
 
 
 @sandbox_app.command("build")
