@@ -139,10 +139,15 @@ class DistillStage(RLStage):
     def check(job: TrainJob) -> None:
         teacher = job.distill.teacher
         try:
-            tokenizers = load_tokenizer(job.model), load_tokenizer(teacher)
+            teacher_tokenizer = load_tokenizer(teacher)
+        except FileNotFoundError:
+            raise ValueError(f"[distill] no teacher at {teacher!r} (no tokenizer there): train or fetch it first (for "
+                             "recipes/cpu_smollm2_math_distill_train.toml: make demo-smollm2)") from None
+        try:
+            student_tokenizer = load_tokenizer(job.model)
         except FileNotFoundError as e:
-            raise ValueError(f"[distill] teacher: {e}") from e
-        if not same_vocabulary(*tokenizers):
+            raise ValueError(str(e)) from None
+        if not same_vocabulary(student_tokenizer, teacher_tokenizer):
             raise ValueError(f"[distill] teacher {teacher!r} has another tokenizer than the student {job.model!r}: "
                              "the teacher scores the student's token ids, which must mean the same text to both; "
                              "distill from a model of the student's family (the same vocabulary)")
