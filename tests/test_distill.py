@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from agentrl.config import ConfigError, load_config
+from agentrl.config import load_config
 from agentrl.env.registry import make
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.renderer import Renderer
@@ -16,7 +16,7 @@ from agentrl.trainers.checkpoint import latest_checkpoint, save_model
 from agentrl.trainers.job.dry_run import Hardware, plan
 from agentrl.trainers.job.pipeline import run
 from agentrl.trainers.job.recipe import TrainJob
-from agentrl.trainers.methods.distill import DistillConfig
+from agentrl.trainers.methods.distill import DistillConfig, DistillStage
 
 ENV = {"parser": "react", "max_turns": 1}  # one sampled token per episode (below): the first of the answer
 
@@ -42,13 +42,14 @@ def test_settings_that_cannot_work_are_refused(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="set group_size >= 2"):
         DistillConfig(teacher="t", reward_coef=0.5)
     DistillConfig(teacher="t", reward_coef=0.5, group_size=2)
-    with pytest.raises(ConfigError, match="no teacher at .*missing.*train or fetch it first"):
-        job(tiny_model_dir, tmp_path, teacher=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="no teacher at .*missing.*train or fetch it first"):
+        DistillStage.preflight(job(tiny_model_dir, tmp_path, teacher=str(tmp_path / "missing")))
     other = load_tokenizer(tiny_model_dir)  # one more token: the ids no longer mean the same text to both
     other.add_tokens(["<teacher-only>"])
     other.save_pretrained(tmp_path / "other")
-    with pytest.raises(ConfigError, match="has another tokenizer than the student"):
-        job(tiny_model_dir, tmp_path, teacher=str(tmp_path / "other"))
+    with pytest.raises(ValueError, match="has another tokenizer than the student"):
+        run(job(tiny_model_dir, tmp_path / "run", teacher=str(tmp_path / "other")), log=lambda _: None)
+    assert not (tmp_path / "run" / "checkpoints").exists()  # refused before any model loaded
 
 
 @pytest.mark.slow

@@ -63,6 +63,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     if ranks.main:
         record_job(job, out)
+    METHODS[job.method].stage.preflight(job)
     summary_path = out / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     save = lambda: summary_path.write_text(json.dumps(summary, indent=2))  # noqa: E731

@@ -10,7 +10,7 @@ weight sync. Unlike SFT on the teacher's episodes, the student learns on the sta
 token gets a signal, not one reward per episode.
 
 The teacher is a model folder with the student's tokenizer (a token id must mean the same text to both: checked
-when the recipe loads), frozen, beside the trainer in the trainer's compute dtype.
+when the job starts), frozen, beside the trainer in the trainer's compute dtype.
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ class DistillStage(RLStage):
     """`[distill]`: the RL loop with the teacher's per-token reverse KL as the advantage."""
 
     @staticmethod
-    def check(job: TrainJob) -> None:
+    def preflight(job: TrainJob) -> None:
         teacher = job.distill.teacher
         try:
             teacher_tokenizer = load_tokenizer(teacher)

@@ -64,6 +64,11 @@ class RLStage:
     def check(job: TrainJob) -> None:
         """Settings of the rest of the job this method cannot run with: a `ValueError` that says the fix."""
 
+    @staticmethod
+    def preflight(job: TrainJob) -> None:
+        """What the method needs on disk, checked when the job starts, before any model loads or server starts (not
+        when the recipe loads: a recipe may name the output of a run not made yet). A `ValueError` with the fix."""
+
     def trains(self) -> bool:
         """Whether there is anything to run (an RL loop of 0 steps has not)."""
         return self.setup.job.rl.steps > 0
