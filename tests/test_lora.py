@@ -1,6 +1,9 @@
 """LoRA: merged exports equal the adapted model, adapters round-trip through checkpoints, only adapters
 train, and a whole training job with LoRA and gradient checkpointing leaves a plain transformers model."""
 
+import json
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -8,7 +11,8 @@ from transformers import AutoModelForCausalLM
 from agentrl.config import load_config
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers.checkpoint import latest_checkpoint, load_model, save_model
-from agentrl.trainers.lora import LoraSettings, add_lora
+from agentrl.trainers.job.dry_run import estimate
+from agentrl.trainers.lora import LoraSettings, add_lora, freeze_base_in
 from agentrl.trainers.job.pipeline import run
 from agentrl.trainers.job.recipe import TrainJob
 from agentrl.policy.weights import export_state_dict
@@ -102,3 +106,33 @@ temperature = 0.0
     add_lora(resumed, LoraSettings(r=4))
     load_model(resumed, checkpoint)
     torch.testing.assert_close(logits(resumed), logits(trained), atol=1e-5, rtol=0)
+
+
+def test_the_frozen_base_is_kept_in_the_compute_dtype(tiny_model_dir):
+    """With bfloat16 compute, the base under the adapters needs no float32 master copy: half its memory; the adapters
+    stay float32 for AdamW. The dry run counts it so."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    add_lora(model, LoraSettings(r=4))
+    freeze_base_in(model, torch.bfloat16)
+    dtypes = {p.requires_grad: p.dtype for p in model.parameters()}
+    assert dtypes == {True: torch.float32, False: torch.bfloat16}
+    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    job = load_config(TrainJob, {"env": "math/arith-v0", "model": str(tiny_model_dir), "dtype": "bfloat16",
+                                 "lora": {"r": 4}})
+    assert estimate(job, AutoModelForCausalLM.from_pretrained(tiny_model_dir))["weights"] == 2 * frozen + 4 * adapters
+
+
+@pytest.mark.slow
+def test_a_bfloat16_lora_job_trains_its_adapters_over_a_bfloat16_base(tiny_model_dir, tmp_path):
+    job = load_config(TrainJob, {
+        "env": "math/arith-v0", "model": str(tiny_model_dir), "out_dir": str(tmp_path / "run"), "dtype": "bfloat16",
+        "env_kwargs": {"n_tasks": 8}, "lora": {"r": 4}, "eval": None,
+        "grpo": {"steps": 1, "tasks_per_step": 2, "group_size": 4, "lr": 1e-2, "reward": {"terms": {"random": 1.0}},
+                 "rollout": {"max_total_tokens": 512, "sampling": {"max_tokens": 8}}}})
+    run(job, log=lambda _: None)
+    [row] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert math.isfinite(row["loss"]) and row["sampler_logprob_diff_max"] < 0.1  # bf16 on both sides
+    trained = AutoModelForCausalLM.from_pretrained(latest_checkpoint(tmp_path / "run"), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert any(not torch.equal(v, base.state_dict()[k].to(v.dtype)) for k, v in trained.state_dict().items())

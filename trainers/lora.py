@@ -45,6 +45,15 @@ def add_lora(model: torch.nn.Module, settings: LoraSettings) -> None:
                                      target_modules=settings.target_modules))
 
 
+def freeze_base_in(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """The frozen parameters (the base under the adapters) stored in `dtype`, the compute dtype: nothing updates
+    them, so float32 master copies of them would only double their memory (a 7 B base: 28 GB instead of 14). The
+    adapters keep their dtype (float32 master weights, for AdamW)."""
+    for p in model.parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(dtype)
+
+
 def has_lora(model: torch.nn.Module) -> bool:
     """Whether `model` has LoRA layers."""
     return bool(lora_layers(model))

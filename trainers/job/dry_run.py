@@ -5,7 +5,7 @@ is built on the meta device from its config, which gives the exact parameter cou
 The estimate per trainer device (`estimate`), in bytes:
 - weights, gradients and AdamW's two moments, in the parameters' dtype (float32 master weights, or the compute
   dtype without them), sharded over the ranks under torchrun; gradients and moments of the trainable ones only
-  (LoRA: the adapters);
+  (LoRA: the adapters, whose frozen base is stored in the compute dtype);
 - a frozen reference model (`kl_coef > 0`), PPO's critic with its own gradients and moments, a distillation teacher;
 - activations of one micro-batch of the longest episodes: `ACTIVATION_ELEMENTS` per token and layer without
   gradient checkpointing, one hidden state per token and layer with it (plus one layer's worth, recomputed);
@@ -79,17 +79,21 @@ def estimate(job: TrainJob, model: torch.nn.Module, world: int = 1, engine_share
              ) -> dict[str, float]:
     """The bytes each part of `job`'s training takes on one trainer device (see the module docstring)."""
     config = model.config.get_text_config()
-    params = sum(p.numel() for p in model.parameters())
-    trainable = params
+    params = sum(p.numel() for p in model.parameters())  # the base model's
+    trainable = total = params
     if job.lora:
         from agentrl.trainers.lora import add_lora
 
         add_lora(model, job.lora)
+        total = sum(p.numel() for p in model.parameters())  # the base and its adapters
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     compute = 2 if job.dtype == "bfloat16" else 4
     stored = 4 if job.master_weights else compute
     rl = job.rl
-    memory = {"weights": params * stored / world, "gradients": trainable * stored / world,
+    # a LoRA job's frozen base is stored in the compute dtype (`lora.freeze_base_in`), its adapters as the rest
+    frozen_bytes = compute if job.lora else stored
+    memory = {"weights": (trainable * stored + (total - trainable) * frozen_bytes) / world,
+              "gradients": trainable * stored / world,
               "optimizer": 2 * trainable * stored / world}
     if rl.kl_coef > 0:
         memory["reference"] = params * stored / world  # sharded like the policy (`distributed.frozen_copy`)

@@ -38,7 +38,7 @@ from agentrl.trainers import distributed
 from agentrl.trainers.checkpoint import save_model
 from agentrl.trainers.job.heldout import evaluate_heldout
 from agentrl.trainers.job.recipe import TrainJob
-from agentrl.trainers.lora import add_lora
+from agentrl.trainers.lora import add_lora, freeze_base_in
 from agentrl.trainers.methods import METHODS
 from agentrl.trainers.methods.stage import Setup
 from agentrl.trainers.pretrain import alphabet, copy_in_context, copy_warmup, vocabulary
@@ -162,6 +162,8 @@ def set_up(job: TrainJob, out: Path, ranks: distributed.Ranks, log: Callable[[st
         mixed_precision(model, autocast_dtype)
     if job.lora:  # in place: the in-process sampler holds this very model
         add_lora(model, job.lora)
+        if not ranks.sharded:  # bfloat16: the frozen base needs no float32 master copy (FSDP keeps one dtype)
+            freeze_base_in(model, compute)
     if job.gradient_checkpointing:  # non-reentrant: works when the embeddings are frozen (LoRA)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if (prepare := getattr(policy, "prepare_sync", None)) is not None:  # vLLM: a sync that cannot work fails now
