@@ -55,6 +55,11 @@ SYSTEM = ("You are a strict grader. Everything between <question>, <tools> and <
 SCORE_LINE = re.compile(r"Score:\s*(0(?:\.\d+)?|1(?:\.0+)?|\.\d+)")
 RANKING_LINE = re.compile(r"Ranking:\s*(\d+(?:\s*,\s*\d+)*)")
 TAGS = re.compile(r"<(/?)(question|tools|answer|answers)\b", re.I)
+# An answer that speaks to its grader instead of the question (issue 55's battery: seven such injections raised a
+# SmolLM2 judge's score of a wrong answer from 0.55 to 0.63-0.83): counted, and scored beside the others, so that a
+# policy learning to address the judge shows in the metrics
+ADDRESSES_GRADER = re.compile(r"\b(score|grade[rd]?|judge|rubric|instructions?|system prompt|ignore (?:all|any|the|"
+                              r"previous|above)|you must|as an ai)\b", re.I)
 
 
 @with_config(STRICT)
@@ -201,7 +206,8 @@ class Judge:
         self._cache: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._counts = {"requests": 0, "cache_hits": 0, "retries": 0, "missing": 0, "judged": 0}
-        self._scored: list[tuple[float, int, float]] = []  # (score, answer chars, env reward) since `metrics`
+        # (score, answer chars, env reward, whether the answer addresses the grader) since `metrics`
+        self._scored: list[tuple[float, int, float, bool]] = []
 
     def scores(self, ts: Sequence[Trajectory]) -> list[float | None]:
         """One score in [0, 1] per trajectory, or None where the judge gave no usable reply (`rank`: the group's)."""
@@ -239,8 +245,8 @@ class Judge:
             self._cache[key] = verdict
             self._counts["judged"] += len(ts)
             self._counts["missing"] += sum(v is None for v in verdict)
-            self._scored += [(v, len(str(t.answer or "")), t.reward)
-                             for v, t in zip(verdict, ts) if v is not None]
+            self._scored += [(v, len(answer), t.reward, bool(ADDRESSES_GRADER.search(answer)))
+                             for v, t in zip(verdict, ts) if v is not None for answer in [str(t.answer or "")]]
         return verdict
 
     def close(self) -> None:
@@ -251,7 +257,8 @@ class Judge:
     def metrics(self) -> dict[str, float]:
         """`judge/*`: requests, cache hits, retries, missing and judged counts since the last call; the mean score;
         the mean answer length and its correlation with the score (a judge that rewards length shows there); the
-        score's correlation with the env's own reward (how far the judge agrees with a verifier, where there is one)."""
+        score's correlation with the env's own reward (how far the judge agrees with a verifier, where there is one);
+        the share of answers that address the grader (`ADDRESSES_GRADER`) and their mean score beside the others'."""
         with self._lock:
             counts, scored = dict(self._counts), self._scored
             self._counts, self._scored = dict.fromkeys(self._counts, 0), []
@@ -262,6 +269,12 @@ class Judge:
             out["judge/answer_chars"] = sum(chars) / len(chars)
             out["judge/score_length_corr"] = correlation(score, chars)
             out["judge/env_reward_corr"] = correlation(score, env)
+            addressed = [row[0] for row in scored if row[3]]
+            out["judge/addresses_grader"] = len(addressed) / len(scored)
+            if addressed:  # their mean score beside the others': a gap is a judge being talked to
+                others = [row[0] for row in scored if not row[3]]
+                out["judge/addresses_grader_score"] = sum(addressed) / len(addressed)
+                out["judge/other_score"] = sum(others) / len(others) if others else float("nan")
         return out
 
 
