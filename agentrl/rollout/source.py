@@ -151,7 +151,11 @@ class RolloutSource:
     def run(self, coroutine: Coroutine) -> Any:
         """Runs `coroutine` on the source's event loop, beside its episodes, and returns its result (blocks until then).
         Raises the source's failure if it has stopped."""
-        self.buffer.check()
+        try:
+            self.buffer.check()
+        except BaseException:
+            coroutine.close()  # never scheduled: closed here, not left for the garbage collector to warn about
+            raise
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def close(self) -> None:
