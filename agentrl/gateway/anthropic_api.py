@@ -10,9 +10,9 @@ import json
 import uuid
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
-from agentrl.gateway.openai_api import utf8_only
+from agentrl.gateway.openai_api import WireRequest, text_of
 from agentrl.gateway.sessions import GatewayConfig, GatewayError, Reply
 from agentrl.policy.protocol import SamplingParams
 from agentrl.types import Message, ToolCall
@@ -22,10 +22,9 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 408: "timeo
                409: "invalid_request_error", 413: "request_too_large", 502: "api_error"}
 
 
-class MessagesRequest(BaseModel):
+class MessagesRequest(WireRequest):
     """The body of `POST .../v1/messages`. Fields the gateway cannot honour are refused (400), not ignored."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str = ""
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
@@ -40,11 +39,6 @@ class MessagesRequest(BaseModel):
     thinking: dict[str, Any] | None = None  # the policy reasons as it was trained to: the budget is not enforced
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _utf8(cls, value: Any) -> Any:
-        return utf8_only(value)
 
     @field_validator("tools")
     @classmethod
@@ -95,7 +89,8 @@ class MessagesRequest(BaseModel):
                     out.append(Message("tool", _text(block.get("content"), where),
                                        tool_call_id=str(block.get("tool_use_id", ""))))
                 elif kind == "tool_use" and role == "assistant":
-                    calls.append(ToolCall(str(block.get("name", "")), block.get("input") or {}, str(block.get("id", ""))))
+                    calls.append(ToolCall(str(block.get("name", "")), block.get("input") or {},
+                                          str(block.get("id", ""))))
                 elif kind == "thinking" and role == "assistant":
                     thinking.append(block.get("thinking", ""))
                 else:
@@ -118,11 +113,7 @@ def _text(content: Any, where: str) -> str:
     """A system prompt's or a tool result's content: a string, or its text blocks joined."""
     if content is None or isinstance(content, str):
         return content or ""
-    kinds = {block.get("type") for block in content} - {"text"}
-    if kinds:
-        raise GatewayError(400, f"{where}: blocks of type {sorted(map(str, kinds))} are not supported; the gateway "
-                                "serves text models (send text blocks only)")
-    return "".join(block.get("text", "") for block in content)
+    return text_of(content, {"text"}, where, "blocks")
 
 
 def _content(reply: Reply) -> list[dict[str, Any]]:
@@ -137,7 +128,7 @@ def _content(reply: Reply) -> list[dict[str, Any]]:
     return blocks
 
 
-def message(request: MessagesRequest, reply: Reply, prompt_tokens: int) -> dict[str, Any]:
+def whole(request: MessagesRequest, reply: Reply, prompt_tokens: int) -> dict[str, Any]:
     """The `message` object of the reply."""
     stop = "stop_sequence" if reply.cut else STOP_REASONS[reply.finish_reason]
     return {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": request.model,
@@ -148,13 +139,14 @@ def message(request: MessagesRequest, reply: Reply, prompt_tokens: int) -> dict[
 def events(request: MessagesRequest, reply: Reply, prompt_tokens: int) -> list[str]:
     """The server-sent events of a streamed message (the whole reply is sampled before the first): message_start,
     each block's start, one delta and stop, message_delta with the stop reason, message_stop."""
-    final = message(request, reply, prompt_tokens)
+    final = whole(request, reply, prompt_tokens)
     started = {**final, "content": [], "stop_reason": None, "stop_sequence": None,
                "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}}
     out: list[dict[str, Any]] = [{"type": "message_start", "message": started}]
     for index, block in enumerate(final["content"]):
         kind = block["type"]
-        empty = {"text": {"type": "text", "text": ""}, "thinking": {"type": "thinking", "thinking": "", "signature": ""},
+        empty = {"text": {"type": "text", "text": ""},
+                 "thinking": {"type": "thinking", "thinking": "", "signature": ""},
                  "tool_use": {**block, "input": {}}}[kind]
         delta = {"text": {"type": "text_delta", "text": block.get("text")},
                  "thinking": {"type": "thinking_delta", "thinking": block.get("thinking")},

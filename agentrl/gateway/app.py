@@ -12,8 +12,8 @@
     GET  /health
 
 Errors come back in OpenAI's shape, `{"error": {"message", "type", "code"}}` (Anthropic's on `/v1/messages`), so that
-the official clients raise them with the message: malformed or unsupported requests 400, unknown sessions 404, closed ones 409, bodies over
-`MAX_BODY_BYTES` 413, bodies not all there within 30 s 408, a failed policy 502. A streamed reply is sampled whole
+the official clients raise them with the message: malformed or unsupported requests 400, unknown sessions 404, closed
+ones 409, bodies over `MAX_BODY_BYTES` 413, bodies not all there within 30 s 408, a failed policy 502. A streamed reply is sampled whole
 before its first chunk, so a client that disconnects mid-stream loses nothing of the session.
 """
 
@@ -126,20 +126,18 @@ def create_app(gateway: Gateway, model_name: str = "agentrl-policy") -> FastAPI:
                                                                                      decode)]
         return _sse([*events, "data: [DONE]\n\n"])
 
-    @app.post("/sessions/{session_id}/v1/responses")
-    async def responses(session_id: str, body: ResponsesRequest):
+    async def answer(session_id: str, body: ResponsesRequest | MessagesRequest, api: Any):
+        """One reply in the wire format of `api` (responses_api or anthropic_api): whole, or as its events."""
         [reply], prompt_tokens = await gateway.complete(
             session_id, body.chat_messages(), body.chat_tools(), body.sampling(gateway.config), body.parse_tools)
-        if body.stream:
-            return _sse(responses_api.events(body, reply, prompt_tokens))
-        return responses_api.response(body, reply, prompt_tokens)
+        return _sse(api.events(body, reply, prompt_tokens)) if body.stream else api.whole(body, reply, prompt_tokens)
+
+    @app.post("/sessions/{session_id}/v1/responses")
+    async def responses(session_id: str, body: ResponsesRequest):
+        return await answer(session_id, body, responses_api)
 
     @app.post("/sessions/{session_id}/v1/messages")
     async def messages(session_id: str, body: MessagesRequest):
-        [reply], prompt_tokens = await gateway.complete(
-            session_id, body.chat_messages(), body.chat_tools(), body.sampling(gateway.config), body.parse_tools)
-        if body.stream:
-            return _sse(anthropic_api.events(body, reply, prompt_tokens))
-        return anthropic_api.message(body, reply, prompt_tokens)
+        return await answer(session_id, body, anthropic_api)
 
     return app

@@ -32,6 +32,26 @@ def utf8_only(value: Any, where: str = "the request") -> Any:
     return value
 
 
+class WireRequest(BaseModel):
+    """A request body of any wire format: unknown fields refused, text that UTF-8 cannot encode refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _utf8(cls, value: Any) -> Any:
+        return utf8_only(value)
+
+
+def text_of(parts: list[dict[str, Any]], kinds: set[str], where: str, noun: str = "content parts") -> str:
+    """The text of a message's parts (or blocks) of `kinds`, joined; a GatewayError naming any other kind."""
+    other = {part.get("type") for part in parts} - kinds
+    if other:
+        raise GatewayError(400, f"{where}: {noun} of type {sorted(map(str, other))} are not supported; the gateway "
+                                f"serves text models (send text {noun.split()[-1]} only)")
+    return "".join(part.get("text", "") for part in parts)
+
+
 class FunctionCall(BaseModel):
     """A tool call's function: its arguments a JSON string, as OpenAI sends them."""
 
@@ -67,11 +87,10 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(WireRequest):
     """The body of `POST .../chat/completions`. Fields the gateway cannot honour are refused (400), not ignored;
     unknown fields too."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str = ""
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
@@ -97,11 +116,6 @@ class ChatRequest(BaseModel):
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _utf8(cls, value: Any) -> Any:
-        return utf8_only(value)
 
     @field_validator("tools")
     @classmethod
@@ -152,11 +166,7 @@ class ChatRequest(BaseModel):
 def _message(m: ChatMessage, i: int) -> Message:
     content = m.content
     if isinstance(content, list):
-        kinds = {part.get("type") for part in content} - {"text"}
-        if kinds:
-            raise GatewayError(400, f"messages[{i}]: content parts of type {sorted(map(str, kinds))} are not "
-                                    "supported; the gateway serves text models (send text parts only)")
-        content = "".join(part.get("text", "") for part in content)
+        content = text_of(content, {"text"}, f"messages[{i}]")
     calls = []
     for c in m.tool_calls or ():
         try:

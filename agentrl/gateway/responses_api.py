@@ -13,18 +13,17 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator
 
-from agentrl.gateway.openai_api import utf8_only
+from agentrl.gateway.openai_api import WireRequest, text_of
 from agentrl.gateway.sessions import GatewayConfig, GatewayError, Reply
 from agentrl.policy.protocol import SamplingParams
 from agentrl.types import Message, ToolCall
 
 
-class ResponsesRequest(BaseModel):
+class ResponsesRequest(WireRequest):
     """The body of `POST .../responses`. Fields the gateway cannot honour are refused (400), not ignored."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str = ""
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -46,11 +45,6 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _utf8(cls, value: Any) -> Any:
-        return utf8_only(value)
 
     @field_validator("previous_response_id")
     @classmethod
@@ -153,11 +147,7 @@ def _text(content: Any, i: int) -> str:
     """A message's content: a string, or its text parts joined (input_text, output_text)."""
     if content is None or isinstance(content, str):
         return content or ""
-    kinds = {part.get("type") for part in content} - {"input_text", "output_text", "text"}
-    if kinds:
-        raise GatewayError(400, f"input[{i}]: content parts of type {sorted(map(str, kinds))} are not supported; the "
-                                "gateway serves text models (send text parts only)")
-    return "".join(part.get("text", "") for part in content)
+    return text_of(content, {"input_text", "output_text", "text"}, f"input[{i}]")
 
 
 def _output(reply: Reply) -> list[dict[str, Any]]:
@@ -176,7 +166,7 @@ def _output(reply: Reply) -> list[dict[str, Any]]:
     return items
 
 
-def response(request: ResponsesRequest, reply: Reply, prompt_tokens: int) -> dict[str, Any]:
+def whole(request: ResponsesRequest, reply: Reply, prompt_tokens: int) -> dict[str, Any]:
     """The `response` object (status `incomplete` with reason `max_output_tokens` when the reply was cut)."""
     incomplete = reply.finish_reason == "length"
     output_tokens = len(reply.sample.token_ids)
@@ -196,7 +186,7 @@ def response(request: ResponsesRequest, reply: Reply, prompt_tokens: int) -> dic
 def events(request: ResponsesRequest, reply: Reply, prompt_tokens: int) -> list[str]:
     """The server-sent events of a streamed response (the whole reply is sampled before the first): created, each
     output item added, its text or arguments as one delta and done, then completed."""
-    final = response(request, reply, prompt_tokens)
+    final = whole(request, reply, prompt_tokens)
     started = {**final, "status": "in_progress", "output": [], "incomplete_details": None, "usage": None}
     out: list[dict[str, Any]] = [{"type": "response.created", "response": started},
                                  {"type": "response.in_progress", "response": started}]
