@@ -13,8 +13,8 @@
 
 Errors come back in OpenAI's shape, `{"error": {"message", "type", "code"}}` (Anthropic's on `/v1/messages`), so that
 the official clients raise them with the message: malformed or unsupported requests 400, unknown sessions 404, closed
-ones 409, bodies over `MAX_BODY_BYTES` 413, bodies not all there within 30 s 408, a failed policy 502. A streamed reply is sampled whole
-before its first chunk, so a client that disconnects mid-stream loses nothing of the session.
+ones 409, bodies over `MAX_BODY_BYTES` 413, bodies not all there within 30 s 408, a failed policy 502. A streamed
+reply is sampled whole before its first chunk, so a client that disconnects mid-stream loses nothing of the session.
 """
 
 from __future__ import annotations
