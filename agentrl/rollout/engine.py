@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable, ClassVar, Protocol, Self, Sequence, TypeVar
@@ -25,6 +24,8 @@ from agentrl.env.api import TextEnv
 from agentrl.policy.protocol import Policy, PolicyError, Sample, SamplingParams, current_episode
 from agentrl.renderer import Renderer, RendererError
 from agentrl.rollout import seeds
+from agentrl.rollout.context import ContextConfig, latest_turns, resumed, with_request
+from agentrl.rollout.episode import Episode
 from agentrl.rollout.timeline import Timeline
 from agentrl.types import Group, Message, StopReason, Task, Trajectory, Turn
 
@@ -50,6 +51,7 @@ class RolloutConfig:
     # by one, so GPU training runs set false (the batch is sampled at once; resets stay seeded)
     seeded_sampling: bool = True
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    context: ContextConfig = field(default_factory=ContextConfig)  # when the conversation outgrows its window
 
     def __post_init__(self) -> None:
         for name in ("group_size", "concurrency", "max_turns", "env_workers", "max_observation_chars"):
@@ -66,6 +68,12 @@ class RolloutConfig:
         if self.sampling.max_tokens >= self.max_total_tokens:
             raise ValueError(f"sampling.max_tokens ({self.sampling.max_tokens}) must be below max_total_tokens "
                              f"({self.max_total_tokens}), which also holds the prompt")
+        self.context.check(self.max_total_tokens, self.sampling.max_tokens)
+
+    @property
+    def window(self) -> int:
+        """The most tokens one trajectory holds: a segment's window, or the whole episode's budget."""
+        return self.context.window or self.max_total_tokens
 
     def at_temperature(self, temperature: float) -> RolloutConfig:
         """This rollout, sampling at `temperature`."""
@@ -192,64 +200,6 @@ def _capped(observation: Sequence[Message], limit: int) -> tuple[Message, ...]:
     return tuple(m if len(m.content) <= limit else replace(m, content=cut(m.content)) for m in observation)
 
 
-@dataclass
-class _Episode:
-    """Mutable builder of one trajectory; `freeze` makes the `Trajectory`."""
-
-    task: Task
-    group: int
-    env_seed: int
-    weight_version: int
-    ids: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    prompt_len: int = 0
-    turns: list[Turn] = field(default_factory=list)
-    messages: list[Message] = field(default_factory=list)
-    reward: float = 0.0
-    components: dict[str, float] = field(default_factory=dict)
-    tool_calls: int = 0
-    invalid_actions: int = 0  # turns the env answered with a correction (malformed, unknown tool, ...)
-    answer: str | None = None  # the final answer, when the env reports one (ToolEnv does)
-    # What the env reports for the trajectory turn by turn (`info["per_turn"]`), as (turn, value) pairs by key:
-    # the web envs' page screenshots.
-    per_turn: dict[str, list[tuple[int, Any]]] = field(default_factory=dict)
-    started: float = field(default_factory=time.perf_counter)
-    env: TextEnv | None = None  # once `make_env` gave it; `_run_once` closes it
-    tools: list[dict[str, Any]] | None = None  # the tool schemas the env's reset gave, rendered into every turn
-    close_error: str | None = None  # a failed or timed-out `env.close()`: noted, not the episode's outcome
-
-    def extend(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None = None,
-               trainable: Sequence[int] = ()) -> None:
-        self.ids += ids
-        self.mask += list(trainable) if sampled and trainable else [int(sampled)] * len(ids)
-        self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
-
-    def record(self, turn: int, reward: float, info: dict[str, Any]) -> None:
-        """Take in what one env step reported."""
-        self.reward += reward
-        self.components.update(info.get("reward_components", {}))
-        self.tool_calls += info.get("tool_calls", 0)
-        self.invalid_actions += "invalid" in info
-        self.answer = info.get("answer", self.answer)
-        for key, value in info.get("per_turn", {}).items():
-            self.per_turn.setdefault(key, []).append((turn, value))
-
-    def freeze(self, stop: StopReason, reason: str) -> Trajectory:
-        # sampled tokens a frozen partner wrote (tandem rollouts) keep loss mask 0
-        untrained = sum(t.end - t.start - sum(self.mask[t.start:t.end]) for t in self.turns)
-        info = {"tool_calls": self.tool_calls, "invalid_actions": self.invalid_actions,
-                "seconds": round(time.perf_counter() - self.started, 3),
-                **({"untrained_tokens": untrained} if untrained else {}),
-                **({"close_error": self.close_error} if self.close_error else {}), **self.per_turn}
-        return Trajectory(
-            task_id=self.task.id, token_ids=tuple(self.ids), loss_mask=tuple(self.mask),
-            logprobs=tuple(self.logprobs), prompt_len=self.prompt_len, turns=tuple(self.turns), reward=self.reward,
-            reward_components=self.components, stop=stop, reason=reason, messages=tuple(self.messages),
-            group=self.group, seed=self.env_seed, answer=self.answer, info=info,
-            weight_version=min((t.weight_version for t in self.turns), default=self.weight_version))
-
-
 class RolloutEngine:
     """Plays episodes of envs from `make_env` (a fresh env per episode) with `policy`, rendered by `renderer`;
     `timeline`, when given, records when the policy and the envs were busy. `with RolloutEngine(...) as engine:`
@@ -288,17 +238,26 @@ class RolloutEngine:
             f"{name} took more than {timeout}s (rollout.step_timeout)")))
 
     async def run_episode(self, task: Task, env_seed: int, sample_seed: int, group: int = 0) -> Trajectory:
-        """One episode. One that failed in a retryable way (an exception with `retryable = True`, such as a
-        lost Ray env worker) is played again from the start, and the replay replaces it."""
+        """One episode, as its last segment (which holds its end; the episode's totals are in its info)."""
+        return (await self.run_segments(task, env_seed, sample_seed, group))[-1]
+
+    async def run_segments(self, task: Task, env_seed: int, sample_seed: int, group: int = 0
+                           ) -> tuple[Trajectory, ...]:
+        """One episode: its trajectories, one per segment (a single one unless a context policy started new
+        segments). One that failed in a retryable way (an exception with `retryable = True`, such as a lost Ray env
+        worker) is played again from the start, and the replay replaces it."""
         for attempt in range(1, self.config.retries + 2):
-            trajectory, retryable = await self._run_once(task, env_seed, sample_seed, group)
+            segments, retryable = await self._run_once(task, env_seed, sample_seed, group)
             if not retryable:
                 break
-        return replace(trajectory, info={**trajectory.info, "attempts": attempt}) if attempt > 1 else trajectory
+        return tuple(replace(t, info={**t.info, "attempts": attempt}) for t in segments) if attempt > 1 else \
+            tuple(segments)
 
-    async def _run_once(self, task: Task, env_seed: int, sample_seed: int, group: int) -> tuple[Trajectory, bool]:
-        ep = _Episode(task, group, env_seed, self.policy.weight_version)
-        current_episode.set(f"{task.id}@{env_seed}/{sample_seed}/{next(_plays)}")
+    async def _run_once(self, task: Task, env_seed: int, sample_seed: int, group: int
+                        ) -> tuple[list[Trajectory], bool]:
+        ep = Episode(task, group, env_seed, self.policy.weight_version,
+                      key=f"{task.id}@{env_seed}/{sample_seed}/{next(_plays)}")
+        current_episode.set(ep.key)
         try:
             outcome, error = await captured(self._play(sample_seed, ep))
         finally:  # on cancellation too: the env's sandbox or browser goes back
@@ -310,41 +269,44 @@ class RolloutEngine:
             outcome = stop, describe(error)
         return ep.freeze(*outcome), getattr(error, "retryable", False)
 
-    async def _play(self, sample_seed: int, ep: _Episode) -> tuple[StopReason, str]:
+    async def _play(self, sample_seed: int, ep: Episode) -> tuple[StopReason, str]:
         """Makes the episode's env and plays turns until it ends the episode or a budget runs out; returns why it
         stopped."""
         cfg = self.config
         await self._reset(ep)
         for turn in range(cfg.max_turns):
-            if len(ep.ids) >= cfg.max_total_tokens:
-                return StopReason.MAX_TOTAL_TOKENS, f"max_total_tokens={cfg.max_total_tokens}"
+            if self._room(ep) <= 0:
+                return self._budget_spent()
+            budget_cut = self._room(ep) < cfg.sampling.max_tokens
             start, sample = len(ep.ids), await self._sample_turn(ep, seeds.turn_seed(sample_seed, turn))
             if sample.finish_reason == "length":
                 end = len(ep.ids)
                 ep.turns.append(Turn(start, end, end, 0.0, "length", sample.weight_version))
-                budget_cut = cfg.max_total_tokens - start < cfg.sampling.max_tokens
                 cut = StopReason.MAX_TOTAL_TOKENS if budget_cut else StopReason.MAX_TOKENS
                 return cut, f"{cut.value} reached mid-turn"
-            terminated, truncated, info = await self._step(ep, turn, start, sample)
-            if terminated or truncated:
-                return ((StopReason.TERMINATED, info.get("reason", "")) if terminated else
-                        (StopReason.ENV_TRUNCATED, info.get("reason", "the env truncated the episode")))
+            stop = await self._step(ep, turn, start, sample, sample_seed)
+            if stop is not None:
+                return stop
         return StopReason.MAX_TURNS, f"max_turns={cfg.max_turns}"
 
-    async def _reset(self, ep: _Episode) -> None:
+    def _room(self, ep: Episode) -> int:
+        """The tokens the next sample may take: what is left of the segment's window and of the episode's budget."""
+        return min(self.config.window - len(ep.ids), self.config.max_total_tokens - ep.total)
+
+    async def _reset(self, ep: Episode) -> None:
         """Makes the episode's env and resets it to the episode's task; its first messages become the prompt."""
         env = ep.env = await self._call(self.make_env)
         obs, info = await self._call(env.reset, seed=ep.env_seed, options={"task": ep.task})
         ep.tools = info.get("tools")
         ep.messages += _capped(obs, self.config.max_observation_chars)
         ep.extend(await asyncio.to_thread(self.renderer.prompt_ids, ep.messages, ep.tools), sampled=False)
-        ep.prompt_len = len(ep.ids)
+        ep.prompt_len, ep.task_len = len(ep.ids), len(ep.messages)
 
-    async def _sample_turn(self, ep: _Episode, seed: int) -> Sample:
-        """The policy's next turn, within what is left of the episode's token budget, appended to `ep`, with the
-        weight version that sampled it."""
-        budget = self.config.max_total_tokens - len(ep.ids)
-        sampling = replace(self.config.sampling, max_tokens=min(self.config.sampling.max_tokens, budget),
+    async def _sample_turn(self, ep: Episode, seed: int, max_tokens: int | None = None) -> Sample:
+        """The policy's next turn (at most `max_tokens`, by default the sampling's), within what is left of the
+        segment's window and the episode's budget, appended to `ep`, with the weight version that sampled it."""
+        most = self.config.sampling.max_tokens if max_tokens is None else max_tokens
+        sampling = replace(self.config.sampling, max_tokens=min(most, self._room(ep)),
                            seed=seed if self.config.seeded_sampling else None, stop_token_ids=self._stop_ids)
         timeout = self.config.generate_timeout
         try:
@@ -360,9 +322,11 @@ class RolloutEngine:
         ep.extend(sample.token_ids, sampled=True, logprobs=sample.logprobs, trainable=sample.trainable)
         return sample
 
-    async def _step(self, ep: _Episode, turn: int, start: int, sample: Sample) -> tuple[bool, bool, dict[str, Any]]:
+    async def _step(self, ep: Episode, turn: int, start: int, sample: Sample, sample_seed: int
+                    ) -> tuple[StopReason, str] | None:
         """The sampled turn (`ep.ids[start:]`) through `env.step`: its reward recorded and, unless the episode ends
-        here, the observation's tokens appended for the next turn. Returns step's terminated, truncated and info."""
+        here, the observation's tokens appended for the next turn (in a new segment when the window is full).
+        Returns why the episode stops here, if it does."""
         cfg, r, end, ids = self.config, self.renderer, len(ep.ids), sample.token_ids
         text = r.decode(ids[:-1] if ids and ids[-1] in r.stop_token_ids else ids)  # without the turn end
         obs, reward, terminated, truncated, info = await self._call(ep.env.step, text)
@@ -373,13 +337,85 @@ class RolloutEngine:
         # the turn as the env parsed it (once, in `step`), for the template; an env whose own `step` does not hand
         # it back is asked for it apart
         assistant = info["assistant"] if "assistant" in info else await self._call(ep.env.assistant_message, text)
-        if not (terminated or truncated or turn + 1 == cfg.max_turns):  # the next turn starts after the obs
-            # rendered in a thread: a long conversation takes a while to template and tokenize
-            ep.extend(await asyncio.to_thread(r.observation_ids, ep.messages, assistant, obs, ids, ep.tools),
-                      sampled=False)
-        ep.messages += [assistant, *obs]
-        ep.turns.append(Turn(start, end, len(ep.ids), reward, weight_version=sample.weight_version))
-        return terminated, truncated, info
+        if terminated or truncated or turn + 1 == cfg.max_turns:
+            ep.messages += [assistant, *obs]
+            ep.turns.append(Turn(start, end, end, reward, weight_version=sample.weight_version))
+            return ((StopReason.TERMINATED, info.get("reason", "")) if terminated else
+                    (StopReason.ENV_TRUNCATED, info.get("reason", "the env truncated the episode")) if truncated else
+                    (StopReason.MAX_TURNS, f"max_turns={cfg.max_turns}"))
+        # rendered in a thread: a long conversation takes a while to template and tokenize
+        delta = await asyncio.to_thread(r.observation_ids, ep.messages, assistant, obs, ids, ep.tools)
+        room = cfg.window - len(ep.ids) - len(delta) - cfg.sampling.max_tokens  # after the next turn
+        if cfg.context.policy == "compact":  # and after a summary there, should its observation be as long
+            request = with_request(obs, cfg.context.summary_prompt)
+            asking = await asyncio.to_thread(r.observation_ids, ep.messages, assistant, request, ids, ep.tools)
+            room -= len(asking) + cfg.context.summary_tokens
+        if cfg.context.policy == "truncate" or room >= 0:
+            if len(delta) >= self._room(ep):  # no token would be left to sample after the observation
+                ep.turns.append(Turn(start, end, end, reward, weight_version=sample.weight_version))
+                return self._budget_spent()
+            ep.extend(delta, sampled=False)  # the next turn starts after the observation
+            ep.exchanges.append(len(ep.messages))
+            ep.messages += [assistant, *obs]
+            ep.turns.append(Turn(start, end, len(ep.ids), reward, weight_version=sample.weight_version))
+            return None
+        if cfg.context.policy == "sliding_window":
+            ep.turns.append(Turn(start, end, end, reward, weight_version=sample.weight_version))
+            return await self._slide(ep, assistant, obs)
+        return await self._compact(ep, Turn(start, end, end, reward, weight_version=sample.weight_version),
+                                   [assistant, *request], asking, seeds.turn_seed(sample_seed,
+                                                                                  cfg.max_turns + len(ep.closed)))
+
+    def _window_full(self, what: str) -> tuple[StopReason, str]:
+        return StopReason.MAX_TOTAL_TOKENS, f"the context window ({self.config.window} tokens) cannot hold {what}"
+
+    def _budget_spent(self) -> tuple[StopReason, str]:
+        return StopReason.MAX_TOTAL_TOKENS, f"max_total_tokens={self.config.max_total_tokens}"
+
+    async def _slide(self, ep: Episode, assistant: Message, obs: Sequence[Message]) -> tuple[StopReason, str] | None:
+        """sliding_window: the next segment holds the task and the latest turns that fit, the observation included."""
+        turns = [ep.messages[a:b] for a, b in zip(ep.exchanges, [*ep.exchanges[1:], len(ep.messages)])]
+        ep.messages.append(assistant)  # the segment's conversation ends with its last sampled turn
+
+        def fits(messages: list[Message]) -> list[int] | None:
+            ids = self.renderer.prompt_ids(messages, ep.tools)
+            return ids if len(ids) + self.config.sampling.max_tokens <= self.config.window else None
+
+        found = await asyncio.to_thread(latest_turns, ep.messages[:ep.task_len], [*turns, [assistant, *obs]], fits)
+        if found is None:
+            return self._window_full("the task and the latest turn")
+        messages, ids, kept = found
+        if ep.total + len(ids) >= self.config.max_total_tokens:
+            return self._budget_spent()
+        ep.new_segment(messages, ids, list(itertools.accumulate((len(t) for t in kept[:-1]), initial=ep.task_len)))
+        return None
+
+    async def _compact(self, ep: Episode, turn: Turn, exchange: Sequence[Message], asking: Sequence[int],
+                       seed: int) -> tuple[StopReason, str] | None:
+        """compact: the turn's observation comes with the request for a summary (`exchange`, rendered: `asking`),
+        which the policy writes as one more turn (sampled, trained); the next segment starts from the task and the
+        summary."""
+        ctx, r = self.config.context, self.renderer
+        if self._room(ep) - len(asking) < 1:
+            ep.turns.append(turn)
+            return self._window_full("the summary request")
+        ep.extend(asking, sampled=False)
+        ep.messages += exchange
+        ep.turns.append(replace(turn, obs_end=len(ep.ids)))
+        start, sample = len(ep.ids), await self._sample_turn(ep, seed, ctx.summary_tokens)
+        ep.turns.append(Turn(start, len(ep.ids), len(ep.ids), 0.0, sample.finish_reason, sample.weight_version))
+        ep.summary_tokens.append(len(ep.ids) - start)
+        ids = sample.token_ids
+        summary = r.decode(ids[:-1] if ids and ids[-1] in r.stop_token_ids else ids)
+        ep.messages.append(Message("assistant", summary))
+        messages = resumed(ep.messages[:ep.task_len], summary, ctx.resume_prompt)
+        prompt = await asyncio.to_thread(r.prompt_ids, messages, ep.tools)
+        if len(prompt) + self.config.sampling.max_tokens > self.config.window:
+            return self._window_full("the task and the summary")
+        if ep.total + len(prompt) >= self.config.max_total_tokens:
+            return self._budget_spent()
+        ep.new_segment(messages, prompt, [])
+        return None
 
     async def run(self, tasks: Sequence[Task], on_episode: Callable[[Trajectory], None] | None = None,
                   positions: Sequence[int] | None = None) -> list[Group]:
@@ -395,17 +431,18 @@ class RolloutEngine:
     async def run_group(self, task: Task, env_seed: int, group: int, gate: asyncio.Semaphore,
                         on_episode: Callable[[Trajectory], None] | None = None) -> Group:
         """`group_size` episodes of `task` from `env_seed`, each holding `gate` while it plays; `group` is the
-        trajectories' group index (the task's position in the stream); `on_episode` gets each trajectory as it
-        ends."""
-        async def one(k: int) -> Trajectory:
+        trajectories' group index (the task's position in the stream); `on_episode` gets each trajectory (every
+        segment of an episode) as its episode ends."""
+        async def one(k: int) -> tuple[Trajectory, ...]:
             async with gate:
                 sample_seed = seeds.sample_seed(env_seed, self.config.group_size, k)
-                trajectory = await self.run_episode(task, env_seed, sample_seed, group)
-            if on_episode:
+                segments = await self.run_segments(task, env_seed, sample_seed, group)
+            for trajectory in segments if on_episode else ():
                 on_episode(trajectory)
-            return trajectory
+            return segments
 
-        return Group(task, tuple(await asyncio.gather(*(one(k) for k in range(self.config.group_size)))))
+        episodes = await asyncio.gather(*(one(k) for k in range(self.config.group_size)))
+        return Group(task, tuple(t for segments in episodes for t in segments))
 
     def close(self) -> None:
         """Shut the env thread pool down, cancelling env calls not yet started; closing again does nothing more."""

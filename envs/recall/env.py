@@ -1,0 +1,91 @@
+"""`recall/ledger-v0`: follow a chain of ledger pages and add the first page's code to the last one's.
+
+Every page is a screenful of ledger entries (filler that fills the context) with one note: the first page holds a
+code and the next page to read; each page after it only the next page; the last page a second code. The answer is
+the sum of the two codes, so the first code must be kept across every page read in between: with a context window
+that holds two or three pages, `truncate` runs out of tokens, `sliding_window` forgets the first code, and
+`compact` keeps it only if the policy's summary writes it down (docs/concepts/trajectories.md).
+
+Splits: `train` and `heldout` (3 to 5 pages, disjoint seeds), `heldout_long` (7 to 9 pages: longer chains than
+any training task).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+from agentrl.env.api import Score, ToolEnv
+from agentrl.tools import PARSERS, ParsedAction, ToolSet, tool
+from agentrl.types import Message, Task, ToolCall
+
+SYSTEM_PROMPT = ("You read a ledger with the read tool, one page at a time. Follow the notes from page to page, and "
+                 "answer with the sum of the two codes you find, as a plain integer: {example}\n{fmt}")
+GOODS = ["lamp oil", "rope", "salt", "nails", "canvas", "tea", "flour", "wax", "tin", "wool", "soap", "coal"]
+PLACES = ["dock 3", "the north gate", "the mill", "warehouse B", "the quay", "the east yard", "pier 7"]
+SPLITS = {"train": (0, (3, 5)), "heldout": (1, (3, 5)), "heldout_long": (2, (7, 9))}
+
+
+def make_task(split: str, index: int, page_lines: int) -> Task:
+    """Task `index` of `split`: a chain of pages over a ledger of twice as many, its codes and filler drawn from a
+    generator seeded by both (so that splits never share a task)."""
+    offset, (low, high) = SPLITS[split]
+    rng = random.Random(f"ledger/{offset}/{index}")
+    length = rng.randint(low, high)
+    numbers = rng.sample(range(1, 2 * high + 1), 2 * high)
+    chain = numbers[:length]
+    first, last = rng.randint(10, 99), rng.randint(10, 99)
+    pages = {}
+    for k, page in enumerate(numbers):
+        lines = [f"Entry {rng.randint(100, 999)}: {rng.randint(2, 40)} crates of {rng.choice(GOODS)} received at "
+                 f"{rng.choice(PLACES)}." for _ in range(page_lines)]
+        if page in chain:
+            at = chain.index(page)
+            note = (f"code {last}. This is the last page." if at == length - 1 else
+                    (f"code {first}. " if at == 0 else "") + f"Next page: {chain[at + 1]}.")
+            lines.insert(rng.randrange(len(lines) + 1), f"NOTE: {note}")
+        pages[str(page)] = "\n".join(lines)
+    question = f"Start at page {chain[0]} of the ledger. What is the sum of the two codes?"
+    return Task(f"ledger-{split}-{index}", {"question": question, "pages": pages, "chain": chain,
+                                            "answer": str(first + last)}, split=split)
+
+
+class LedgerEnv(ToolEnv):
+    """Ledger chains with a `read(page)` tool (`recall/ledger-v0`); reward 1 for the exact sum of the two codes."""
+
+    def __init__(self, split: str = "train", n_tasks: int | None = None, page_lines: int = 8,
+                 parser: str = "hermes", max_turns: int = 14, max_invalid: int = 3):
+        if split not in SPLITS:
+            raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
+        self.n_tasks, self.page_lines = n_tasks or (1000 if split == "train" else 100), page_lines
+        super().__init__(ToolSet([self._read_tool()]), PARSERS[parser](), split=split, max_turns=max_turns,
+                         max_invalid=max_invalid)
+
+    def _read_tool(self):
+        @tool(timeout=5.0)
+        def read(page: int) -> str:
+            """Read one page of the ledger.
+
+            Args:
+                page: The page number.
+            """
+            pages = self.task.data["pages"]
+            return pages.get(str(page)) or f"There is no page {page}: pages are 1 to {len(pages)}."
+        return read
+
+    def load_tasks(self, split: str) -> Sequence[Task]:
+        return [make_task(split, i, self.page_lines) for i in range(self.n_tasks)]
+
+    def first_messages(self, task: Task) -> Sequence[Message]:
+        prompt = SYSTEM_PROMPT.format(example=self.parser.format_answer("57"), fmt=self.parser.instructions)
+        return Message("system", prompt), Message("user", task.data["question"])
+
+    def score(self, task: Task, answer: str, transcript: Sequence[ParsedAction]) -> Score:
+        return Score({"outcome": float(answer.strip() == task.data["answer"])}, detail=f"gold={task.data['answer']}")
+
+    def difficulty(self, task: Task) -> dict[str, object]:
+        return {"pages": len(task.data["chain"])}
+
+    def gold_actions(self, task: Task) -> list[str]:
+        reads = [self.parser.format_call(ToolCall("read", {"page": page})) for page in task.data["chain"]]
+        return [*reads, self.parser.format_answer(task.data["answer"])]

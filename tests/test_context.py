@@ -1,0 +1,163 @@
+"""Context policies (agentrl/rollout/context.py): segments of one episode, exact tokens in each, budgets across them,
+and the ledger env that needs them, played by a scripted reader that remembers only what its context shows."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import replace
+
+import pytest
+import torch
+
+from agentrl.envs.recall import LedgerEnv
+from agentrl.policy import scripted
+from agentrl.policy.protocol import Sample, SamplingParams
+from agentrl.rollout.context import SUMMARY_PROMPT, ContextConfig, resumed
+from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.trainers.advantages import ADVANTAGES
+from agentrl.trainers.methods.grpo import to_batch
+from agentrl.types import Group, Message, StopReason, Task, ToolCall
+
+
+def reader(env: LedgerEnv, prompt: str, turn: int) -> str:
+    """What a careful reader with no memory but its context does: writes down every code it sees when asked for a
+    summary; answers once it has read the last page (the sum of the codes it can see); else reads the next page."""
+    codes = re.findall(r"code (\d+)", prompt)
+    pages = re.findall(r"Next page: (\d+)", prompt)
+    if prompt.rstrip().endswith(SUMMARY_PROMPT) or SUMMARY_PROMPT in prompt[-len(SUMMARY_PROMPT) - 80:]:
+        return " ".join(f"code {c}." for c in codes) + (
+            " This is the last page." if "last page" in prompt else f" Next page: {pages[-1]}." if pages else "")
+    if "This is the last page" in prompt:
+        return env.parser.format_answer(str(sum(int(c) for c in codes)))
+    page = int(pages[-1]) if pages else int(re.search(r"Start at page (\d+)", prompt)[1])
+    return env.parser.format_call(ToolCall("read", {"page": page}))
+
+
+class Reader(scripted.ScriptedPolicy):
+    """The reader as a policy, recording each call's (prompt ids, sampled ids), with logprobs -0.5."""
+
+    def __init__(self, renderer, env: LedgerEnv):
+        super().__init__(renderer, lambda prompt, turn: reader(env, prompt, turn), renderer.generation_prompt)
+        self.calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    async def generate(self, prompt_ids, sampling: SamplingParams) -> list[Sample]:
+        sample = (await super().generate(prompt_ids, sampling))[0]
+        self.calls.append((tuple(prompt_ids), sample.token_ids))
+        return [Sample(sample.token_ids, (-0.5,) * len(sample.token_ids), sample.finish_reason)]
+
+
+def play(renderer, policy: str, window: int | None, max_total_tokens: int = 6000, n: int = 4, **context):
+    env = LedgerEnv(split="heldout", n_tasks=n)
+    config = RolloutConfig(max_total_tokens=max_total_tokens, max_turns=14, sampling=SamplingParams(max_tokens=64),
+                           context=ContextConfig(policy=policy, window=window, **context))
+    policy_ = Reader(renderer, env)
+    with RolloutEngine(lambda: LedgerEnv(split="heldout", n_tasks=n), policy_, renderer, config) as engine:
+        groups = asyncio.run(engine.run(env.tasks))
+    return [t for g in groups for t in g.trajectories], policy_, env
+
+
+def episodes(trajectories):
+    """The last segment of each episode (the whole trajectory of an unsegmented one)."""
+    return [t for t in trajectories if t.info.get("segment", 0) + 1 == t.info.get("segments", 1)]
+
+
+def test_the_ledger_needs_compaction_when_the_window_holds_two_pages(renderer):
+    """The same reader, the same window: compact solves every task, sliding_window forgets the first code, and
+    truncate runs out of tokens; with room for the whole episode, truncate solves them all (the reader is right)."""
+    whole, _, _ = play(renderer, "truncate", None)
+    assert [t.reward for t in whole] == [1.0] * 4 and all(t.session is None for t in whole)
+    truncated, _, _ = play(renderer, "truncate", None, max_total_tokens=900)
+    assert {t.stop for t in truncated} == {StopReason.MAX_TOTAL_TOKENS} and sum(t.reward for t in truncated) == 0
+    sliding, _, _ = play(renderer, "sliding_window", 900)
+    compact, _, _ = play(renderer, "compact", 900, summary_tokens=48)
+    assert sum(t.reward for t in episodes(sliding)) == 0 and all(t.stop is StopReason.TERMINATED
+                                                                  for t in episodes(sliding))
+    assert [t.reward for t in episodes(compact)] == [1.0] * 4
+    assert all(t.info["segments"] > 1 for t in episodes(compact) + episodes(sliding))
+
+
+def test_each_segment_holds_exactly_the_sampled_tokens_and_the_summary_is_trained(renderer):
+    trajectories, policy, env = play(renderer, "compact", 900, summary_tokens=48)
+    sampled = {ids for _, ids in policy.calls}
+    for t in trajectories:
+        ids, mask = t.token_ids, t.loss_mask
+        for turn in t.turns:  # every turn: the sampled ids verbatim, mask 1 exactly there, logprobs with them
+            assert tuple(ids[turn.start:turn.end]) in sampled
+            assert set(mask[turn.start:turn.end]) == {1} and set(t.logprobs[turn.start:turn.end]) == {-0.5}
+            assert set(mask[turn.end:turn.obs_end]) <= {0}
+        assert sum(mask) == sum(turn.end - turn.start for turn in t.turns) and set(mask[:t.prompt_len]) == {0}
+        assert tuple(ids) == policy.calls[[c[0] for c in policy.calls].index(tuple(ids[:t.turns[-1].start]))][0] \
+            + tuple(ids[t.turns[-1].start:])  # the last call saw exactly the segment's ids before its turn
+    first = [t for t in trajectories if t.info.get("segment") == 0][0]
+    second = next(t for t in trajectories if t.session == first.session and t.info["segment"] == 1)
+    summary = first.turns[-1]  # a segment that hands over ends with the summary, sampled after the request
+    summary_text = renderer.decode(first.token_ids[summary.start:summary.end - 1])
+    assert SUMMARY_PROMPT in renderer.decode(first.token_ids[first.turns[-2].end:summary.start])
+    assert first.info["summary_tokens"][0] == summary.end - summary.start
+    # the next segment is the task and that summary, rendered afresh (mask 0), then its own sampled turns
+    task = list(env.first_messages(env.tasks[int(first.task_id.rsplit("-", 1)[1])]))
+    expected = renderer.prompt_ids(resumed(task, summary_text, ContextConfig().resume_prompt), env.tool_schemas)
+    assert list(second.token_ids[:second.prompt_len]) == expected and set(second.loss_mask[:second.prompt_len]) == {0}
+    # one episode, one sample: the segments share the reward and the advantage
+    assert first.reward == second.reward == 1.0 and first.stop is second.stop is StopReason.TERMINATED
+
+
+def test_sliding_window_keeps_the_task_and_the_latest_turns(renderer):
+    trajectories, _, env = play(renderer, "sliding_window", 900)
+    for t in trajectories:
+        assert len(t.token_ids) <= 900 and t.messages[:2] == tuple(env.first_messages(
+            env.tasks[int(t.task_id.rsplit("-", 1)[1])]))
+        if t.info["segment"] > 0:  # it starts with a kept turn: the assistant's call and the page it read
+            assert t.messages[2].role == "assistant" and t.messages[3].role == "tool"
+
+
+def test_budgets_hold_across_segments(renderer):
+    """max_total_tokens bounds the whole episode (every segment, re-rendered prompts included), the window each
+    segment; the episode that runs out stops as max_total_tokens in every segment."""
+    trajectories, _, _ = play(renderer, "compact", 900, max_total_tokens=2500, summary_tokens=48)
+    by_episode = {}
+    for t in trajectories:
+        by_episode.setdefault(t.session, []).append(t)
+    assert any(len(segments) > 1 for segments in by_episode.values())
+    for segments in by_episode.values():
+        assert all(len(t.token_ids) <= 900 for t in segments) and sum(len(t.token_ids) for t in segments) <= 2500
+        assert {t.stop for t in segments} == {StopReason.MAX_TOTAL_TOKENS}
+
+
+def test_the_segments_of_an_episode_are_one_sample_of_the_group(renderer):
+    """Session-level GRPO: beside a failed episode, the segments of a solved one share one advantage, and the
+    baseline counts that episode once (as two samples: rewards 1 and 0), not once per segment."""
+    segments, _, _ = play(renderer, "compact", 900, n=1, summary_tokens=48)
+    failed = replace(segments[-1], session=None, reward=0.0, info={})
+    batch = to_batch([Group(Task("t"), (*segments, failed))], "grpo", [[1.0] * len(segments) + [0.0]])
+    advantage = [batch.adv_BT[b][batch.mask_BT[b].bool()].unique().tolist() for b in range(len(batch))]
+    expected = ADVANTAGES["grpo"](torch.tensor([1.0, 0.0]), None, torch.tensor([0, 0])).tolist()
+    assert len(segments) > 1 and advantage == [[pytest.approx(expected[0])]] * len(segments) + [
+        [pytest.approx(expected[1])]]
+
+
+@pytest.mark.parametrize("table, problem", [
+    ({"policy": "keep"}, "must be one of truncate, sliding_window, compact"),
+    ({"policy": "compact"}, "needs context.window"),
+    ({"window": 512}, "with truncate the episode is one segment"),
+])
+def test_context_settings_that_cannot_work_are_refused(table, problem):
+    with pytest.raises(ValueError, match=problem):
+        ContextConfig(**table)
+
+
+@pytest.mark.parametrize("window, problem", [(2048, "must be below max_total_tokens"),
+                                             (300, r"must exceed sampling.max_tokens \(256\) \+ summary_tokens")])
+def test_a_window_that_never_applies_or_cannot_hold_a_turn_is_refused(window, problem):
+    with pytest.raises(ValueError, match=problem):
+        RolloutConfig(max_total_tokens=2048, context=ContextConfig(policy="compact", window=window))
+
+
+def test_the_summary_request_joins_a_user_observation():
+    """Templates that want roles to alternate accept the request: it is added to a user observation."""
+    from agentrl.rollout.context import with_request
+
+    assert with_request([Message("user", "Invalid action")], "Summarize.") == (
+        Message("user", "Invalid action\n\nSummarize."),)
+    assert with_request([Message("tool", "page")], "Summarize.")[-1] == Message("user", "Summarize.")
