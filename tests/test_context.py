@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from agentrl.envs.recall import LedgerEnv
+from agentrl.eval.metrics import summarize
 from agentrl.policy import scripted
 from agentrl.policy.protocol import Sample, SamplingParams
 from agentrl.rollout.context import SUMMARY_PROMPT, ContextConfig, resumed
@@ -130,11 +131,24 @@ def test_the_segments_of_an_episode_are_one_sample_of_the_group(renderer):
     baseline counts that episode once (as two samples: rewards 1 and 0), not once per segment."""
     segments, _, _ = play(renderer, "compact", 900, n=1, summary_tokens=48)
     failed = replace(segments[-1], session=None, reward=0.0, info={})
-    batch = to_batch([Group(Task("t"), (*segments, failed))], "grpo", [[1.0] * len(segments) + [0.0]])
+    batch = to_batch([Group(Task("t"), (*segments, failed))], "grpo", [[t.reward for t in (*segments, failed)]])
     advantage = [batch.adv_BT[b][batch.mask_BT[b].bool()].unique().tolist() for b in range(len(batch))]
     expected = ADVANTAGES["grpo"](torch.tensor([1.0, 0.0]), None, torch.tensor([0, 0])).tolist()
     assert len(segments) > 1 and advantage == [[pytest.approx(expected[0])]] * len(segments) + [
         [pytest.approx(expected[1])]]
+
+
+def test_rollout_metrics_count_episodes_once_and_every_segments_tokens(renderer):
+    trajectories, _, _ = play(renderer, "compact", 900, summary_tokens=48)
+    summary = summarize(trajectories, max_reward=1.0)
+    summaries = [k for t in episodes(trajectories) for k in t.info["summary_tokens"]]
+    assert summary["episodes"] == 4 and summary["success"] == 1.0 and len(trajectories) > 4
+    assert summary["sampled_tokens"] == sum(t.num_sampled for t in trajectories)
+    assert summary["mean_turns"] == sum(len(t.turns) for t in trajectories) / 4
+    assert summary["segments_per_episode"] == len(trajectories) / 4
+    assert summary["mean_summary_tokens"] == sum(summaries) / len(summaries) > 0
+    assert summary["success_by_segments"] == {str(k): 1.0 for k in sorted({t.info["segments"]
+                                                                         for t in trajectories})}
 
 
 @pytest.mark.parametrize("table, problem", [

@@ -186,6 +186,31 @@ def test_a_diverging_history_starts_a_new_segment(renderer):
     assert {t.info["segment"] for t in trajectories} == {0, 1, 2}
 
 
+def test_an_agent_that_compacts_its_own_history_trains_its_summary_and_goes_on_in_a_new_segment(renderer):
+    """As Claude Code and Codex compact: the program asks for a summary (sampled in the first segment, trained
+    there), then goes on from [system, task, summary]: a new segment whose summary is context (mask 0), its later
+    replies sampled and trained. Both carry the session's reward; GRPO counts them as one sample."""
+    summary = "Found: the flight is AF12 at 9:40. Left: book the hotel."
+    server, policy = serve(renderer, ["searching flights", summary, "booking the hotel"])
+    try:
+        sid, client = server.session()
+        task = [{"role": "system", "content": "You plan trips."}, {"role": "user", "content": "Plan the trip."}]
+        first = client.chat.completions.create(model="m", messages=task).choices[0].message.content
+        history = [*task, {"role": "assistant", "content": first}, {"role": "user", "content": "Summarize."}]
+        written = client.chat.completions.create(model="m", messages=history).choices[0].message.content
+        compacted = [*task, {"role": "assistant", "content": written}, {"role": "user", "content": "Go on."}]
+        client.chat.completions.create(model="m", messages=compacted)
+        trajectories = server.reward(sid, 1.0)
+    finally:
+        server.stop()
+    before, after = trajectories
+    assert written == summary and [len(t.turns) for t in trajectories] == [2, 1]
+    assert_exact(before, policy.calls[:2])  # the summary: exactly the sampled ids, mask 1, in the first segment
+    assert_exact(after, policy.calls[2:])  # the new segment: its prompt (the summary in it) mask 0
+    assert summary in renderer.decode(after.token_ids[:after.prompt_len])
+    assert before.session == after.session and before.reward == after.reward == 1.0
+
+
 def test_several_choices_fork_and_each_continues_its_own(renderer):
     server, policy = serve(renderer, ["A", "B", "after B"])
     try:

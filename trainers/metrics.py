@@ -64,10 +64,9 @@ def correlation(x: Sequence[float], y: Sequence[float]) -> float:
 
 def rollout_metrics(groups: Sequence[Group], max_reward: float) -> dict[str, Any]:
     """`summarize` of every episode collected, plus the fraction of groups whose rewards do not vary
-    (no learning signal) and the error and truncation fractions."""
-    trajectories = [t for g in groups for t in g.trajectories]
-    out = summarize(trajectories, max_reward)
-    n = max(len(trajectories), 1)
+    (no learning signal) and the error and truncation fractions (of episodes)."""
+    out = summarize([t for g in groups for t in g.trajectories], max_reward)
+    n = max(out["episodes"], 1)
     out["zero_variance_groups"] = sum(len(g.valid) > 1 and len({t.reward for t in g.valid}) == 1
                                       for g in groups) / max(len(groups), 1)
     out["error_frac"] = out["status"].get("error", 0) / n

@@ -84,8 +84,8 @@ def rollout(
         progress = bar.add_task("episodes", total=len(tasks) * job.rollout.group_size)
 
         def done(trajectory):
-            writer.write(trajectory)
-            bar.advance(progress)
+            writer.write(trajectory)  # every segment of an episode; the bar counts episodes
+            bar.advance(progress, int(trajectory.info.get("segment", 0) == 0))
 
         start = time.perf_counter()
         groups = asyncio.run(runner.run(tasks, on_episode=done))

@@ -194,7 +194,7 @@ def summarize_episodes(episodes: Sequence[Episode], ks: Sequence[int],
     for t, _ in valid:
         for name, value in t.reward_components.items():
             components[name].append(value)
-    tokens = sum(t.num_sampled for t, _ in episodes)
+    tokens = sum(t.info.get("episode_sampled_tokens", t.num_sampled) for t, _ in episodes)  # every segment's
     seconds = [i.seconds for _, i in episodes if i.seconds is not None]
     out: dict[str, Any] = {
         "episodes": n,
@@ -206,7 +206,7 @@ def summarize_episodes(episodes: Sequence[Episode], ks: Sequence[int],
         "reward_components": {k: sum(v) / len(v) for k, v in sorted(components.items())},
         "pass_at_k": {},
         "maj_at_k": {},
-        "mean_turns": _mean([len(t.turns) for t, _ in valid]),
+        "mean_turns": _mean([t.info.get("episode_turns", len(t.turns)) for t, _ in valid]),
         "mean_tool_calls": _mean([i.tool_calls for _, i in valid]),
         "sampled_tokens": {"total": tokens, "per_episode": tokens / n if n else None},
         "seconds": {"total": sum(seconds) if seconds else None, "per_episode": _mean(seconds),
@@ -214,6 +214,7 @@ def summarize_episodes(episodes: Sequence[Episode], ks: Sequence[int],
         "errors": _status_count(episodes, Status.ERROR),
         "truncated": _status_count(episodes, Status.TRUNCATED),
         "by_difficulty": by_difficulty(valid),
+        **({"by_segments": by_segments(valid)} if any("segments" in t.info for t, _ in valid) else {}),
     }
     per_task = [sorted((ep for ep in eps if ep[0].status is not Status.ERROR), key=lambda ep: ep[1].sample)
                 for eps in tasks.values()]
@@ -254,6 +255,23 @@ def by_difficulty(valid: Sequence[Episode]) -> dict[str, dict[str, dict[str, Any
             for key, values in sorted(groups.items())}
 
 
+def by_segments(valid: Sequence[Episode]) -> dict[str, dict[str, Any]]:
+    """Success by the number of segments an episode took (1: it fit its context window; a context policy's)."""
+    groups = _by(valid, lambda episode: episode[0].info.get("segments", 1))
+    return {str(n): proportion(sum(i.success for _, i in eps), len(eps)) for n, eps in sorted(groups.items())}
+
+
+def episodes_of(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
+    """One trajectory per episode: of the segments of one (`Trajectory.session`), the last, whose info holds the
+    episode's totals; every other trajectory as it is."""
+    last: dict[str, Trajectory] = {}
+    for t in trajectories:
+        if t.session is not None and (t.session not in last or
+                                      t.info.get("segment", 0) > last[t.session].info.get("segment", 0)):
+            last[t.session] = t
+    return [t for t in trajectories if t.session is None or last[t.session] is t]
+
+
 def _order(item: tuple[Any, Any]) -> tuple[int, float, str]:
     value = item[0]
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -281,10 +299,12 @@ def is_success(t: Trajectory, max_reward: float) -> bool:
 
 def summarize(trajectories: Sequence[Trajectory], max_reward: float | None = None,
               seconds: float | None = None) -> dict[str, Any]:
-    """Counts and means for a batch. Rewards and success are over non-error episodes only; errors and
-    truncations are counted with their most common reasons."""
+    """Counts and means for a batch, per episode (the segments of one counted once, `episodes_of`; their tokens and
+    turns all counted). Rewards and success are over non-error episodes only; errors and truncations are counted
+    with their most common reasons."""
+    segments, trajectories = trajectories, episodes_of(trajectories)
     valid = [t for t in trajectories if t.status is not Status.ERROR]
-    n, n_valid = len(trajectories), max(len(valid), 1)
+    n, n_valid, turns = len(trajectories), max(len(valid), 1), sum(len(t.turns) for t in segments)
     components: Counter[str] = Counter()
     for t in valid:
         components.update(t.reward_components)
@@ -294,19 +314,32 @@ def summarize(trajectories: Sequence[Trajectory], max_reward: float | None = Non
         "stops": dict(Counter(t.stop.value for t in trajectories if t.stop)),
         "mean_reward": sum(t.reward for t in valid) / n_valid if valid else float("nan"),
         "reward_components": {k: v / n_valid for k, v in components.items()},
-        "mean_turns": sum(len(t.turns) for t in trajectories) / n if n else 0.0,
-        "sampled_tokens": sum(t.num_sampled for t in trajectories),
+        "mean_turns": turns / n if n else 0.0,
+        "sampled_tokens": sum(t.num_sampled for t in segments),
         # the learning dynamics Search-R1 draws: tool calls (searches) and response length per episode, and the
         # share of turns whose action the env took (not answered with a correction)
         "mean_tool_calls": sum(t.info.get("tool_calls", 0) for t in trajectories) / n if n else 0.0,
-        "mean_sampled_tokens": sum(t.num_sampled for t in trajectories) / n if n else 0.0,
-        "valid_action_rate": (1 - sum(t.info.get("invalid_actions", 0) for t in trajectories) /
-                              max(sum(len(t.turns) for t in trajectories), 1)),
+        "mean_sampled_tokens": sum(t.num_sampled for t in segments) / n if n else 0.0,
+        "valid_action_rate": 1 - sum(t.info.get("invalid_actions", 0) for t in trajectories) / max(turns, 1),
         "reasons": dict(Counter(t.reason for t in trajectories if t.reason).most_common(5)),
     }
     if max_reward is not None:
         out["success"] = sum(is_success(t, max_reward) for t in valid) / n_valid if valid else float("nan")
+    if len(segments) > n:  # a context policy's (or agent sessions'): how often, how long the summaries, what came of it
+        summaries = [k for t in trajectories for k in t.info.get("summary_tokens", ())]
+        out["segments_per_episode"] = len(segments) / n
+        out["mean_summary_tokens"] = sum(summaries) / len(summaries) if summaries else 0.0
+        if max_reward is not None:
+            out["success_by_segments"] = {str(k): sum(is_success(t, max_reward) for t in ts) / len(ts) for k, ts in
+                                          sorted(_by(valid, lambda t: t.info.get("segments", 1)).items())}
     if seconds:
         out["seconds"] = round(seconds, 2)
         out["episodes_per_s"] = round(n / seconds, 3)
     return out
+
+
+def _by(items: Sequence[Any], key: Callable[[Any], Any]) -> dict[Any, list[Any]]:
+    groups: dict[Any, list[Any]] = defaultdict(list)
+    for item in items:
+        groups[key(item)].append(item)
+    return groups

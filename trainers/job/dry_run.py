@@ -113,7 +113,7 @@ def estimate(job: TrainJob, model: torch.nn.Module, world: int = 1, engine_share
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or hidden // heads
         kv = 2 * layers * getattr(config, "num_key_value_heads", heads) * head_dim * compute
-        memory["sampler KV cache"] = rl.rollout.concurrency * rl.rollout.max_total_tokens * kv
+        memory["sampler KV cache"] = rl.rollout.concurrency * rl.rollout.window * kv
     elif engine_share_bytes:
         memory["vLLM (its share)"] = engine_share_bytes
     return memory
@@ -221,8 +221,9 @@ def _engine_problems(job: TrainJob, model: torch.nn.Module, hardware: Hardware, 
 
 def pass_tokens(job: TrainJob) -> dict[str, int]:
     """The padded tokens of one forward/backward pass, by the table that sets it: the RL loop's micro-batch, and each
-    SFT stage's (its `micro_batch_tokens`, else its whole batch), every episode at the rollout's max_total_tokens."""
-    rl, most = job.rl, job.rl.rollout.max_total_tokens
+    SFT stage's (its `micro_batch_tokens`, else its whole batch), every trajectory at the rollout's longest (its
+    max_total_tokens, or a segment's window)."""
+    rl, most = job.rl, job.rl.rollout.window
     passes = {METHODS[job.method].settings: rl.micro_batch_tokens or (rl.micro_batch_size or rl.minibatch_size) * most}
     sft = [stage.config.micro_batch_tokens or stage.config.batch_size * most for stage in job.sft_stages]
     return {**passes, "sft.config": max(sft)} if sft else passes

@@ -20,6 +20,7 @@ import torch
 from pydantic import TypeAdapter
 from transformers import AutoModelForCausalLM
 
+from agentrl.config import ConfigError, load_config
 from agentrl.env.registry import make
 from agentrl.eval.report import plot_reward_curve, plot_timeline
 from agentrl.gateway.agents import AgentEngines
@@ -105,13 +106,18 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
 def record_job(job: TrainJob, out: Path) -> None:
     """OUT/job.json: the resolved job (the recipe after overrides, derived tables and defaults). A run folder that
     holds another job is refused, the keys that differ named; the RL loop's `steps` may change (a finished run is
-    extended), and so may `out_dir` (a run folder moved or copied resumes where it is)."""
+    extended), and so may `out_dir` (a run folder moved or copied resumes where it is). A key that a newer agentrl
+    added reads, in a job.json written before it, as its default."""
     path, record = out / "job.json", job_record(job)
     if path.exists():
         try:
             previous = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise JobMismatch(f"{path} does not read back ({e}): delete it to resume with this job") from None
+        try:
+            previous = job_record(load_config(TrainJob, previous))  # the keys it lacks, at their defaults
+        except (ConfigError, ValueError):
+            pass  # a key this agentrl no longer has, or a value it refuses: compared as written, and named
         before, now = leaves(previous), leaves(record)
         free = {f"{METHODS[job.method].settings}.steps", "out_dir"}
         changed = [key for key in sorted(before.keys() | now.keys())

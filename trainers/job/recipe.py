@@ -110,8 +110,9 @@ class TrainJob:
         if self.rl.max_staleness or (self.ray and self.ray.sources):
             self._check_asynchronous()
         if engine.kind == "vllm" and not engine.url and engine.max_model_len < self.context:
-            raise ValueError(f"engine.max_model_len ({engine.max_model_len}) is below the rollouts' max_total_tokens "
-                             f"({self.context}): episodes would fail at the server's context; raise it")
+            raise ValueError(f"engine.max_model_len ({engine.max_model_len}) is below the rollouts' longest "
+                             f"trajectory ({self.context} tokens: max_total_tokens, or a context.window): episodes "
+                             "would fail at the server's context; raise it")
         if (engine.kind == "vllm" and engine.device == "gpu" and not engine.url and engine.gpus is None
                 and engine.gpu_memory_utilization is None and self.device.startswith("cuda")):
             raise ValueError("the vLLM server would share the trainer's GPU and take 90% of its memory: set "
@@ -162,9 +163,10 @@ class TrainJob:
 
     @property
     def context(self) -> int:
-        """The longest episode, prompt included, of any rollout of the job: what the engine's context must hold."""
+        """The longest trajectory, prompt included, of any rollout of the job (an episode, or a segment's window):
+        what the engine's context must hold."""
         rollouts = [self.rl.rollout, self.settings.rollout] + ([self.eval.rollout] if self.eval else [])
-        return max(r.max_total_tokens for r in rollouts)
+        return max(r.window for r in rollouts)
 
     @property
     def settings(self) -> GRPOConfig | PPOConfig | DistillConfig | DPOConfig:
