@@ -64,6 +64,8 @@ class Episode:
 
     def extend(self, ids: Sequence[int], sampled: bool, logprobs: Sequence[float] | None = None,
                trainable: Sequence[int] = ()) -> None:
+        """Append `ids` to the segment: sampled ones with mask 1 (or the policy's `trainable` mask) and their
+        logprobs, the rest with mask 0 and logprob 0."""
         self.ids += ids
         self.mask += list(trainable) if sampled and trainable else [int(sampled)] * len(ids)
         self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(ids)
