@@ -22,15 +22,15 @@ from agentrl.types import Group, Message, StopReason, Task, ToolCall
 
 
 def reader(env: LedgerEnv, prompt: str, turn: int) -> str:
-    """What a careful reader with no memory but its context does: writes down every code it sees when asked for a
-    summary; answers once it has read the last page (the sum of the codes it can see); else reads the next page."""
+    """What a careful reader with no memory but its context does: writes down the code it sees when asked for a
+    summary; answers once it has read the last page (the code it can see, or 0); else reads the next page."""
     codes = re.findall(r"code (\d+)", prompt)
     pages = re.findall(r"Next page: (\d+)", prompt)
     if prompt.rstrip().endswith(SUMMARY_PROMPT) or SUMMARY_PROMPT in prompt[-len(SUMMARY_PROMPT) - 80:]:
         return " ".join(f"code {c}." for c in codes) + (
-            " This is the last page." if "last page" in prompt else f" Next page: {pages[-1]}." if pages else "")
+            " This is the last page." if "This is the last page" in prompt else f" Next page: {pages[-1]}." if pages else "")
     if "This is the last page" in prompt:
-        return env.parser.format_answer(str(sum(int(c) for c in codes)))
+        return env.parser.format_answer(codes[0] if codes else "0")
     page = int(pages[-1]) if pages else int(re.search(r"Start at page (\d+)", prompt)[1])
     return env.parser.format_call(ToolCall("read", {"page": page}))
 
@@ -64,8 +64,8 @@ def episodes(trajectories):
 
 
 def test_the_ledger_needs_compaction_when_the_window_holds_two_pages(renderer):
-    """The same reader, the same window: compact solves every task, sliding_window forgets the first code, and
-    truncate runs out of tokens; with room for the whole episode, truncate solves them all (the reader is right)."""
+    """The same reader, the same window: compact solves every task, sliding_window forgets the code, and truncate
+    runs out of tokens; with room for the whole episode, truncate solves them all (the reader is right)."""
     whole, _, _ = play(renderer, "truncate", None)
     assert [t.reward for t in whole] == [1.0] * 4 and all(t.session is None for t in whole)
     truncated, _, _ = play(renderer, "truncate", None, max_total_tokens=900)
@@ -175,3 +175,12 @@ def test_the_summary_request_joins_a_user_observation():
     assert with_request([Message("user", "Invalid action")], "Summarize.") == (
         Message("user", "Invalid action\n\nSummarize."),)
     assert with_request([Message("tool", "page")], "Summarize.")[-1] == Message("user", "Summarize.")
+
+
+def test_a_ledger_answer_scores_only_after_the_last_page():
+    env = LedgerEnv(split="heldout", n_tasks=1)
+    task = env.tasks[0]
+    env.reset(options={"task": task})
+    *_, info = env.step(env.parser.format_answer(task.data["answer"]))
+    assert info["reward_components"] == {"outcome": 0.0} and "before reading the last page" in info["detail"]
+    assert env.validate(tasks=[task]) == []  # the gold path (every page, then the code) scores 1

@@ -1,10 +1,11 @@
-"""`recall/ledger-v0`: follow a chain of ledger pages and add the first page's code to the last one's.
+"""`recall/ledger-v0`: follow a chain of ledger pages to its end, then report the code on its first page.
 
-Every page is a screenful of ledger entries (filler that fills the context) with one note: the first page holds a
-code and the next page to read; each page after it only the next page; the last page a second code. The answer is
-the sum of the two codes, so the first code must be kept across every page read in between: with a context window
-that holds two or three pages, `truncate` runs out of tokens, `sliding_window` forgets the first code, and
-`compact` keeps it only if the policy's summary writes it down (docs/concepts/trajectories.md).
+Every page is a screenful of ledger entries (filler that fills the context) with one note: the first page holds the
+code and the next page to read, each page after it the next page, the last page says it is the last. An answer
+scores only once the last page was read, so the code must be kept across every page read in between: with a context
+window that holds two or three pages, `truncate` runs out of tokens, `sliding_window` forgets the code (unless the
+policy learns to repeat it), and `compact` keeps it only if the policy's summary writes it down
+(docs/concepts/trajectories.md).
 
 Splits: `train` and `heldout` (3 to 5 pages, disjoint seeds), `heldout_long` (7 to 9 pages: longer chains than
 any training task).
@@ -19,8 +20,8 @@ from agentrl.env.api import Score, ToolEnv
 from agentrl.tools import PARSERS, ParsedAction, ToolSet, tool
 from agentrl.types import Message, Task, ToolCall
 
-SYSTEM_PROMPT = ("You read a ledger with the read tool, one page at a time. Follow the notes from page to page, and "
-                 "answer with the sum of the two codes you find, as a plain integer: {example}\n{fmt}")
+SYSTEM_PROMPT = ("You read a ledger with the read tool, one page at a time. Follow the notes from page to page to the "
+                 "last page, then answer with the code from the first page, as a plain integer: {example}\n{fmt}")
 GOODS = ["lamp oil", "rope", "salt", "nails", "canvas", "tea", "flour", "wax", "tin", "wool", "soap", "coal"]
 PLACES = ["dock 3", "the north gate", "the mill", "warehouse B", "the quay", "the east yard", "pier 7"]
 SPLITS = {"train": (0, (3, 5)), "heldout": (1, (3, 5)), "heldout_long": (2, (7, 9))}
@@ -34,24 +35,25 @@ def make_task(split: str, index: int, page_lines: int) -> Task:
     length = rng.randint(low, high)
     numbers = rng.sample(range(1, 2 * high + 1), 2 * high)
     chain = numbers[:length]
-    first, last = rng.randint(10, 99), rng.randint(10, 99)
+    code = rng.randint(10, 99)
     pages = {}
     for k, page in enumerate(numbers):
         lines = [f"Entry {rng.randint(100, 999)}: {rng.randint(2, 40)} crates of {rng.choice(GOODS)} received at "
                  f"{rng.choice(PLACES)}." for _ in range(page_lines)]
         if page in chain:
             at = chain.index(page)
-            note = (f"code {last}. This is the last page." if at == length - 1 else
-                    (f"code {first}. " if at == 0 else "") + f"Next page: {chain[at + 1]}.")
+            note = ("This is the last page." if at == length - 1 else
+                    (f"code {code}. " if at == 0 else "") + f"Next page: {chain[at + 1]}.")
             lines.insert(rng.randrange(len(lines) + 1), f"NOTE: {note}")
         pages[str(page)] = "\n".join(lines)
-    question = f"Start at page {chain[0]} of the ledger. What is the sum of the two codes?"
+    question = f"Start at page {chain[0]} of the ledger and read to its last page. What is the code on page {chain[0]}?"
     return Task(f"ledger-{split}-{index}", {"question": question, "pages": pages, "chain": chain,
-                                            "answer": str(first + last)}, split=split)
+                                            "answer": str(code)}, split=split)
 
 
 class LedgerEnv(ToolEnv):
-    """Ledger chains with a `read(page)` tool (`recall/ledger-v0`); reward 1 for the exact sum of the two codes."""
+    """Ledger chains with a `read(page)` tool (`recall/ledger-v0`); reward 1 for the first page's code, given after
+    the last page was read."""
 
     def __init__(self, split: str = "train", n_tasks: int | None = None, page_lines: int = 8,
                  parser: str = "hermes", max_turns: int = 14, max_invalid: int = 3):
@@ -81,6 +83,9 @@ class LedgerEnv(ToolEnv):
         return Message("system", prompt), Message("user", task.data["question"])
 
     def score(self, task: Task, answer: str, transcript: Sequence[ParsedAction]) -> Score:
+        last = str(task.data["chain"][-1])
+        if not any(str(call.arguments.get("page")) == last for action in transcript for call in action.tool_calls):
+            return Score({"outcome": 0.0}, detail=f"answered before reading the last page ({last})")
         return Score({"outcome": float(answer.strip() == task.data["answer"])}, detail=f"gold={task.data['answer']}")
 
     def difficulty(self, task: Task) -> dict[str, object]:

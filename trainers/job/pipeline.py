@@ -31,6 +31,7 @@ from agentrl.policy.parity import PROBE_TEXT
 from agentrl.policy.precision import mixed_precision
 from agentrl.policy.scripted import ScriptedPolicy, playing
 from agentrl.renderer import Renderer
+from agentrl.rollout.context import ContextConfig
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.rollout.jsonl import JsonlWriter, read_records
 from agentrl.rollout.ray_pool import env_factory
@@ -260,13 +261,14 @@ def warm_start(setup: Setup, summary: dict[str, Any], save: Callable[[], None]) 
 def demonstrations(make_env, tasks: list, renderer: Renderer, rollout: RolloutConfig, error_rate: float, seed: int,
                    path: Path) -> list:
     """Expert episodes (one per task) played through the real env and renderer, so SFT sees exact tokens
-    and masks."""
+    and masks; whole, in one segment up to `max_total_tokens` (a script writes no summaries: the rollout's context
+    policy is the RL stage's to learn)."""
     rng, env = random.Random(seed), make_env()
     # Each script is found by its task's own text in the prompt: the last user message the env opens with.
     scripts = {[m for m in env.first_messages(t) if m.role == "user"][-1].content: env.demonstration(t, rng, error_rate)
                for t in tasks}
     policy = ScriptedPolicy(renderer, playing(scripts), renderer.generation_prompt)
-    one_each = replace(rollout, group_size=1)
+    one_each = replace(rollout, group_size=1, context=ContextConfig())
     with RolloutEngine(make_env, policy, renderer, one_each) as engine, JsonlWriter(path) as writer:
         groups = asyncio.run(engine.run(tasks, on_episode=writer.write))
     return [t for g in groups for t in g.trajectories]
