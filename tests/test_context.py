@@ -4,6 +4,7 @@ and the ledger env that needs them, played by a scripted reader that remembers o
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from dataclasses import replace
 
@@ -16,6 +17,7 @@ from agentrl.policy import scripted
 from agentrl.policy.protocol import Sample, SamplingParams
 from agentrl.rollout.context import SUMMARY_PROMPT, ContextConfig, resumed
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
+from agentrl.rollout.jsonl import read_jsonl
 from agentrl.trainers.advantages import ADVANTAGES
 from agentrl.trainers.methods.grpo import to_batch
 from agentrl.types import Group, Message, StopReason, Task, ToolCall
@@ -31,7 +33,7 @@ def reader(env: LedgerEnv, prompt: str, turn: int) -> str:
             " This is the last page." if "This is the last page" in prompt else f" Next page: {pages[-1]}." if pages else "")
     if "This is the last page" in prompt:
         return env.parser.format_answer(codes[0] if codes else "0")
-    page = int(pages[-1]) if pages else int(re.search(r"Start at page (\d+)", prompt)[1])
+    page = int(pages[-1]) if pages else int(re.search(r"start at page (\d+)", prompt)[1])
     return env.parser.format_call(ToolCall("read", {"page": page}))
 
 
@@ -184,3 +186,36 @@ def test_a_ledger_answer_scores_only_after_the_last_page():
     *_, info = env.step(env.parser.format_answer(task.data["answer"]))
     assert info["reward_components"] == {"outcome": 0.0} and "before reading the last page" in info["detail"]
     assert env.validate(tasks=[task]) == []  # the gold path (every page, then the code) scores 1
+
+
+@pytest.mark.slow
+def test_a_compacting_run_trains_and_resumes_with_the_same_segments(tiny_model_dir, tmp_path):
+    """`agentrl train` on the ledger with compact, the tiny model sampling: its episodes compact, the step trains on
+    their segments, and a run stopped after step 1 resumes to the uninterrupted run's step 2, segment for segment."""
+    from agentrl.config import load_config
+    from agentrl.trainers.job.pipeline import run
+    from agentrl.trainers.job.recipe import TrainJob
+
+    rollout = {"max_total_tokens": 2400, "max_turns": 6, "sampling": {"max_tokens": 32},
+               "context": {"policy": "compact", "window": 640, "summary_tokens": 16}}
+
+    def job(out, steps):
+        return load_config(TrainJob, {
+            "env": "recall/ledger-v0", "model": str(tiny_model_dir), "out_dir": str(out), "train_tasks": 8,
+            "env_kwargs": {"page_lines": 3, "max_invalid": 6}, "eval": None,
+            "sft": {"episodes": 32, "config": {"epochs": 4, "batch_size": 8, "lr": 3e-3}},  # to end its turns
+            "grpo": {"steps": steps, "tasks_per_step": 2, "group_size": 2, "minibatch_size": 4, "lr": 1e-3,
+                     "checkpoint_every": 1, "rollout": rollout, "reward": {"terms": {"env": 1.0, "random": 0.5}}}})
+
+    quiet = lambda _: None  # noqa: E731
+    run(job(tmp_path / "straight", 2), log=quiet)
+    run(job(tmp_path / "resumed", 1), log=quiet)  # "killed" after step 1
+    run(job(tmp_path / "resumed", 2), log=quiet)
+    demos = read_jsonl(tmp_path / "straight" / "sft_demos.jsonl")
+    assert all(t.session is None and t.reward == 1.0 for t in demos)  # experts play whole episodes
+    straight, resumed = ([json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+                         for name in ("straight", "resumed"))
+    assert any(row.get("segments_per_episode", 1) > 1 and row["mean_summary_tokens"] > 0 for row in straight)
+    assert any("loss" in row for row in straight)  # trained on segments
+    for key in ("sampled_tokens", "segments_per_episode", "mean_summary_tokens", "mean_reward", "loss"):
+        assert straight[1].get(key) == pytest.approx(resumed[1].get(key), abs=1e-6), key

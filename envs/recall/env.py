@@ -46,7 +46,8 @@ def make_task(split: str, index: int, page_lines: int) -> Task:
                     (f"code {code}. " if at == 0 else "") + f"Next page: {chain[at + 1]}.")
             lines.insert(rng.randrange(len(lines) + 1), f"NOTE: {note}")
         pages[str(page)] = "\n".join(lines)
-    question = f"Start at page {chain[0]} of the ledger and read to its last page. What is the code on page {chain[0]}?"
+    question = (f"Ledger {offset * 10_000 + index}: start at page {chain[0]} and read to its last page. What is the "
+                f"code on page {chain[0]}?")  # the number makes each question unique (demonstrations find it)
     return Task(f"ledger-{split}-{index}", {"question": question, "pages": pages, "chain": chain,
                                             "answer": str(code)}, split=split)
 
