@@ -28,9 +28,9 @@ def reader(env: LedgerEnv, prompt: str, turn: int) -> str:
     summary; answers once it has read the last page (the code it can see, or 0); else reads the next page."""
     codes = re.findall(r"code (\d+)", prompt)
     pages = re.findall(r"Next page: (\d+)", prompt)
-    if prompt.rstrip().endswith(SUMMARY_PROMPT) or SUMMARY_PROMPT in prompt[-len(SUMMARY_PROMPT) - 80:]:
-        return " ".join(f"code {c}." for c in codes) + (
-            " This is the last page." if "This is the last page" in prompt else f" Next page: {pages[-1]}." if pages else "")
+    if SUMMARY_PROMPT in prompt[-len(SUMMARY_PROMPT) - 80:]:  # asked for a summary just now
+        end = "This is the last page." if "This is the last page" in prompt else f"Next page: {pages[-1]}."
+        return " ".join(f"code {c}." for c in codes) + " " + end
     if "This is the last page" in prompt:
         return env.parser.format_answer(codes[0] if codes else "0")
     page = int(pages[-1]) if pages else int(re.search(r"start at page (\d+)", prompt)[1])

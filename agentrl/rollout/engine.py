@@ -25,7 +25,7 @@ from agentrl.policy.protocol import Policy, PolicyError, Sample, SamplingParams,
 from agentrl.renderer import Renderer, RendererError
 from agentrl.rollout import seeds
 from agentrl.rollout.context import ContextConfig, latest_turns, resumed, with_request
-from agentrl.rollout.episode import Episode
+from agentrl.rollout.episode import EpisodeBuilder
 from agentrl.rollout.timeline import Timeline
 from agentrl.types import Group, Message, StopReason, Task, Trajectory, Turn
 
@@ -255,7 +255,7 @@ class RolloutEngine:
 
     async def _run_once(self, task: Task, env_seed: int, sample_seed: int, group: int
                         ) -> tuple[list[Trajectory], bool]:
-        ep = Episode(task, group, env_seed, self.policy.weight_version,
+        ep = EpisodeBuilder(task, group, env_seed, self.policy.weight_version,
                       key=f"{task.id}@{env_seed}/{sample_seed}/{next(_plays)}")
         current_episode.set(ep.key)
         try:
@@ -269,7 +269,7 @@ class RolloutEngine:
             outcome = stop, describe(error)
         return ep.freeze(*outcome), getattr(error, "retryable", False)
 
-    async def _play(self, sample_seed: int, ep: Episode) -> tuple[StopReason, str]:
+    async def _play(self, sample_seed: int, ep: EpisodeBuilder) -> tuple[StopReason, str]:
         """Makes the episode's env and plays turns until it ends the episode or a budget runs out; returns why it
         stopped."""
         cfg = self.config
@@ -289,11 +289,11 @@ class RolloutEngine:
                 return stop
         return StopReason.MAX_TURNS, f"max_turns={cfg.max_turns}"
 
-    def _room(self, ep: Episode) -> int:
+    def _room(self, ep: EpisodeBuilder) -> int:
         """The tokens the next sample may take: what is left of the segment's window and of the episode's budget."""
         return min(self.config.window - len(ep.ids), self.config.max_total_tokens - ep.total)
 
-    async def _reset(self, ep: Episode) -> None:
+    async def _reset(self, ep: EpisodeBuilder) -> None:
         """Makes the episode's env and resets it to the episode's task; its first messages become the prompt."""
         env = ep.env = await self._call(self.make_env)
         obs, info = await self._call(env.reset, seed=ep.env_seed, options={"task": ep.task})
@@ -302,7 +302,7 @@ class RolloutEngine:
         ep.extend(await asyncio.to_thread(self.renderer.prompt_ids, ep.messages, ep.tools), sampled=False)
         ep.prompt_len, ep.task_len = len(ep.ids), len(ep.messages)
 
-    async def _sample_turn(self, ep: Episode, seed: int, max_tokens: int | None = None) -> Sample:
+    async def _sample_turn(self, ep: EpisodeBuilder, seed: int, max_tokens: int | None = None) -> Sample:
         """The policy's next turn (at most `max_tokens`, by default the sampling's), within what is left of the
         segment's window and the episode's budget, appended to `ep`, with the weight version that sampled it."""
         most = self.config.sampling.max_tokens if max_tokens is None else max_tokens
@@ -322,7 +322,7 @@ class RolloutEngine:
         ep.extend(sample.token_ids, sampled=True, logprobs=sample.logprobs, trainable=sample.trainable)
         return sample
 
-    async def _step(self, ep: Episode, turn: int, start: int, sample: Sample, sample_seed: int
+    async def _step(self, ep: EpisodeBuilder, turn: int, start: int, sample: Sample, sample_seed: int
                     ) -> tuple[StopReason, str] | None:
         """The sampled turn (`ep.ids[start:]`) through `env.step`: its reward recorded and, unless the episode ends
         here, the observation's tokens appended for the next turn (in a new segment when the window is full).
@@ -372,7 +372,8 @@ class RolloutEngine:
     def _budget_spent(self) -> tuple[StopReason, str]:
         return StopReason.MAX_TOTAL_TOKENS, f"max_total_tokens={self.config.max_total_tokens}"
 
-    async def _slide(self, ep: Episode, assistant: Message, obs: Sequence[Message]) -> tuple[StopReason, str] | None:
+    async def _slide(self, ep: EpisodeBuilder, assistant: Message, obs: Sequence[Message]
+                     ) -> tuple[StopReason, str] | None:
         """sliding_window: the next segment holds the task and the latest turns that fit, the observation included."""
         turns = [ep.messages[a:b] for a, b in zip(ep.exchanges, [*ep.exchanges[1:], len(ep.messages)])]
         ep.messages.append(assistant)  # the segment's conversation ends with its last sampled turn
@@ -390,7 +391,7 @@ class RolloutEngine:
         ep.new_segment(messages, ids, list(itertools.accumulate((len(t) for t in kept[:-1]), initial=ep.task_len)))
         return None
 
-    async def _compact(self, ep: Episode, turn: Turn, exchange: Sequence[Message], asking: Sequence[int],
+    async def _compact(self, ep: EpisodeBuilder, turn: Turn, exchange: Sequence[Message], asking: Sequence[int],
                        seed: int) -> tuple[StopReason, str] | None:
         """compact: the turn's observation comes with the request for a summary (`exchange`, rendered: `asking`),
         which the policy writes as one more turn (sampled, trained); the next segment starts from the task and the

@@ -1,6 +1,6 @@
 """The rollout engine's record of one episode as it is played: the current segment's tokens, turns and messages, the
 segments before it (a context policy's, agentrl/rollout/context.py), and what the episode as a whole reported.
-`Episode.freeze` makes its trajectories: one per segment."""
+`EpisodeBuilder.freeze` makes its trajectories: one per segment."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class Segment:
 
 
 @dataclass
-class Episode:
+class EpisodeBuilder:
     """Mutable builder of one episode: the current segment's tokens, turns and messages, the segments before it
     (a context policy's), and what the episode as a whole reported; `freeze` makes its trajectories."""
 
