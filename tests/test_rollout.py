@@ -273,11 +273,17 @@ def test_whatever_env_code_raises_ends_its_episode_not_the_batch(renderer):
 def test_a_real_ctrl_c_still_stops_the_batch(renderer):
     env = ArithmeticEnv(n_tasks=4)
     engine = RolloutEngine(lambda: StuckEnv(n_tasks=4), ScriptedPolicy(renderer, gold_scripts(env)), renderer)
-    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # while the 5 s steps run
-    started = time.perf_counter()
-    with pytest.raises(KeyboardInterrupt):
-        run(engine, list(env.tasks))
-    assert time.perf_counter() - started < 3  # at once: the episodes were cancelled, their envs closed
+    # Python's own Ctrl-C handler, as a user's process has it: a library that an earlier test in this worker loaded
+    # may have left another one (a full run once saw this signal not interrupt)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # while the 5 s steps run
+        started = time.perf_counter()
+        with pytest.raises(KeyboardInterrupt):
+            run(engine, list(env.tasks))
+        assert time.perf_counter() - started < 3  # at once: the episodes were cancelled, their envs closed
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class ClosingEnv(ArithmeticEnv):
