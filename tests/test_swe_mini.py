@@ -14,7 +14,7 @@ from agentrl.gateway.agents import AgentConfig, AgentEngine, load_program
 from agentrl.policy import scripted
 from agentrl.policy.protocol import SamplingParams
 from agentrl.rollout.engine import RolloutConfig
-from agentrl.types import Status
+from agentrl.types import Status, StopReason
 
 PROGRAM = "examples.agents.swe_mini:solve"
 
@@ -23,7 +23,7 @@ def command(text: str) -> str:
     return f"THOUGHT: the next step.\n\n```mswea_bash_command\n{text}\n```"
 
 
-def play(renderer, task, replies: list[str]):
+def play(renderer, task, replies: list[str], max_total_tokens: int = 8192):
     """One run of mini-swe-agent on `task` with a policy that replies `replies` in turn (the last one again)."""
     policy = scripted.ScriptedPolicy(renderer, lambda prompt, turn: replies[min(turn, len(replies) - 1)],
                                      renderer.generation_prompt)
@@ -36,7 +36,7 @@ def play(renderer, task, replies: list[str]):
         return samples
 
     policy.generate = recording
-    rollout = RolloutConfig(group_size=1, max_total_tokens=8192, sampling=SamplingParams(max_tokens=1024))
+    rollout = RolloutConfig(group_size=1, max_total_tokens=max_total_tokens, sampling=SamplingParams(max_tokens=512))
     engine = AgentEngine(load_program(PROGRAM), policy, renderer, rollout, AgentConfig(PROGRAM, timeout=300))
     [group] = asyncio.run(engine.run([task]))
     return group.trajectories, prompts
@@ -69,6 +69,10 @@ def test_mini_swe_agent_that_changes_nothing_is_graded_zero_and_one_that_never_s
     assert t.status is Status.OK and t.reward == 0.0
     [t], calls = play(renderer, task, [command("ls")])  # never submits: its step limit ends it, and it is graded
     assert t.status is Status.OK and t.reward == 0.0 and len(calls) == 12
+    # a call past the context: the gateway refuses it, the run ends there, graded; truncated, as the env's would be
+    [t], calls = play(renderer, task, [command("ls")], max_total_tokens=len(calls[2][0]) + 100)
+    assert t.status is Status.TRUNCATED and t.stop is StopReason.MAX_TOTAL_TOKENS and t.reward == 0.0, t.reason
+    assert 2 <= len(calls) < 12
 
 
 @pytest.mark.docker

@@ -26,6 +26,7 @@ os.environ.setdefault("MSWEA_SILENT_STARTUP", "1")  # no banner on import
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # offline: no fetch of litellm's price list
 os.environ.setdefault("MSWEA_MODEL_RETRY_STOP_AFTER_ATTEMPT", "1")  # the gateway is local: a failed call fails the turn
 
+import litellm  # noqa: E402
 from minisweagent.agents.default import DefaultAgent  # noqa: E402
 from minisweagent.config import get_config_from_spec  # noqa: E402
 from minisweagent.exceptions import Submitted  # noqa: E402
@@ -79,8 +80,8 @@ def solve(task: Task, base_url: str) -> float:
                              **{**config["agent"], "step_limit": STEP_LIMIT, "cost_limit": 0.0})
         try:
             agent.run(task.data["problem_statement"])
-        except Exception as e:  # the gateway refused a call past the context (400), ...: the repository is graded
-            print(f"mini-swe-agent stopped: {type(e).__name__}: {e}", file=sys.stderr)
+        except litellm.exceptions.ContextWindowExceededError:  # the gateway refused a call past the context
+            pass  # the run is over and its repository graded, as at the step limit; any other failure is an error
         return env.score(task, "", []).components["outcome"]
     finally:
         env.close()
