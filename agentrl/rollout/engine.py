@@ -256,7 +256,7 @@ class RolloutEngine:
     async def _run_once(self, task: Task, env_seed: int, sample_seed: int, group: int
                         ) -> tuple[list[Trajectory], bool]:
         ep = EpisodeBuilder(task, group, env_seed, self.policy.weight_version,
-                      key=f"{task.id}@{env_seed}/{sample_seed}/{next(_plays)}")
+                            key=f"{task.id}@{env_seed}/{sample_seed}/{next(_plays)}")
         current_episode.set(ep.key)
         try:
             outcome, error = await captured(self._play(sample_seed, ep))
@@ -352,6 +352,7 @@ class RolloutEngine:
             room -= len(asking) + cfg.context.summary_tokens
         if cfg.context.policy == "truncate" or room >= 0:
             if len(delta) >= self._room(ep):  # no token would be left to sample after the observation
+                ep.messages += [assistant, *obs]
                 ep.turns.append(Turn(start, end, end, reward, weight_version=sample.weight_version))
                 return self._budget_spent()
             ep.extend(delta, sampled=False)  # the next turn starts after the observation
