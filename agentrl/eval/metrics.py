@@ -305,6 +305,7 @@ def summarize(trajectories: Sequence[Trajectory], max_reward: float | None = Non
     segments, trajectories = trajectories, episodes_of(trajectories)
     valid = [t for t in trajectories if t.status is not Status.ERROR]
     n, n_valid, turns = len(trajectories), max(len(valid), 1), sum(len(t.turns) for t in segments)
+    sampled = sum(t.num_sampled for t in segments)
     components: Counter[str] = Counter()
     for t in valid:
         components.update(t.reward_components)
@@ -315,11 +316,11 @@ def summarize(trajectories: Sequence[Trajectory], max_reward: float | None = Non
         "mean_reward": sum(t.reward for t in valid) / n_valid if valid else float("nan"),
         "reward_components": {k: v / n_valid for k, v in components.items()},
         "mean_turns": turns / n if n else 0.0,
-        "sampled_tokens": sum(t.num_sampled for t in segments),
+        "sampled_tokens": sampled,
         # the learning dynamics Search-R1 draws: tool calls (searches) and response length per episode, and the
         # share of turns whose action the env took (not answered with a correction)
         "mean_tool_calls": sum(t.info.get("tool_calls", 0) for t in trajectories) / n if n else 0.0,
-        "mean_sampled_tokens": sum(t.num_sampled for t in segments) / n if n else 0.0,
+        "mean_sampled_tokens": sampled / n if n else 0.0,
         "valid_action_rate": 1 - sum(t.info.get("invalid_actions", 0) for t in trajectories) / max(turns, 1),
         "reasons": dict(Counter(t.reason for t in trajectories if t.reason).most_common(5)),
     }
