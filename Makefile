@@ -13,7 +13,7 @@ PIP   := $(VENV)/bin/pip install -q -c constraints.txt
 # folder named like the package could shadow it, which here is the package itself.
 EDITABLE := PYTHONWARNINGS='ignore:Editable installation' $(PIP) -e
 
-.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters model-smollm2 demo demo-smollm2 demo-search methods test unit fuzz mutate docs bench results lock clean
+.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters setup-codex setup-claude model-smollm2 demo demo-smollm2 demo-search methods test unit fuzz mutate docs bench results lock clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -70,6 +70,17 @@ setup: $(VENV)/.installed
 		 || (cat $(VENV)/.checkout.log; exit 1)) && echo '$(CURDIR)' > $(VENV)/.checkout
 setup-vllm: $(VENV)/.vllm
 setup-adapters: $(VENV)/.adapters
+setup-codex: $(CACHE)/npm/node_modules/.bin/codex
+setup-claude: $(CACHE)/npm/node_modules/.bin/claude
+
+# Codex CLI and Claude Code, for the agent programs examples/agents/swe_codex.py and swe_claude.py (pinned: the flags
+# they pass are these releases').
+$(CACHE)/npm/node_modules/.bin/codex: Makefile
+	npm install --prefix $(CACHE)/npm --no-audit --no-fund '@openai/codex@0.171.0'
+	touch $@
+$(CACHE)/npm/node_modules/.bin/claude: Makefile
+	npm install --prefix $(CACHE)/npm --no-audit --no-fund '@anthropic-ai/claude-code@2.1.197'
+	touch $@
 
 # The main job: build the tiny model, check the env, SFT it on an imperfect expert, GRPO, and evaluate
 # on the held-out split before and after (runs/demo: metrics, reward_curve.png, summary.json); then
@@ -117,7 +128,7 @@ methods: setup
 # cores, which CI's 90 cannot hold beside the rest): `make fuzz` runs the full battery. Plain `pytest` (or
 # `make unit`) runs only the unit tier, in minutes.
 TEST_WORKERS ?= 2
-test: setup setup-vllm setup-browser setup-swe setup-adapters model-smollm2
+test: setup setup-vllm setup-browser setup-swe setup-adapters setup-codex setup-claude model-smollm2
 	AGENTRL_FUZZ_OUTPUTS=1000 $(PY) -m pytest -q -rs -m "" --durations=30 \
 		-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 

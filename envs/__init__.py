@@ -12,6 +12,7 @@ register("code/humaneval-v0", "agentrl.envs.code:CodeEnv", source="humaneval")
 register("code/generated-v0", "agentrl.envs.code:CodeEnv", source="generated")
 register("swe/generated-v0", "agentrl.envs.swe:SWEEnv")  # `agentrl swe generate` first
 register("swe/instances-v0", "agentrl.envs.swe:SWEEnv")  # instances=PATH: SWE-bench style JSONL with images
+register("harbor/tasks-v0", "agentrl.envs.harbor:HarborEnv")  # tasks=DIR: Harbor task folders (Docker)
 register("web/miniwob-v0", "agentrl.envs.web.miniwob:MiniWoBEnv")  # splits train / heldout_seeds / heldout_types
 for _name in (*MINIWOB_TRAIN_TYPES, *MINIWOB_HELDOUT_TYPES):  # the tasks with scripted solvers; others: tasks=[name]
     register(f"web/miniwob-{_name}-v0", "agentrl.envs.web.miniwob:MiniWoBEnv", tasks=[_name])
@@ -33,6 +34,8 @@ register("verifiers/arith-tools-v0", "agentrl.env.adapters.verifiers_env:Verifie
 register("verifiers/guess-v0", "agentrl.env.adapters.verifiers_env:VerifiersEnv",
          environment="agentrl.envs.math.adapted", env_args={"kind": "guess"})
 register("verifiers/env-v0", "agentrl.env.adapters.verifiers_env:VerifiersEnv")  # environment="NAME" required
+register("verifiers/v1-v0", "agentrl.env.adapters.verifiers_v1:VerifiersV1Env")  # taskset={"id": ...} required
+register("nemo_gym/env-v0", "agentrl.env.adapters.nemo_gym_env:NemoGymEnv")  # episodes: nemo_gym_env:solve
 register("openenv/remote-v0", "agentrl.env.adapters.openenv_env:OpenEnvEnv")  # url="http://host:port" required
 
 register_suite(Suite("math/heldout", (SuiteEntry("math/arith-v0", "heldout", 200),),

@@ -29,6 +29,8 @@ HARNESSES = {  # name: (program, env id, env kwargs, tool parser)
     "OpenAI Agents SDK": ("examples.agents.calculator_agents_sdk:solve", "math/arith-v0",
                           {"parser": "react", "kinds": ["expression"], "max_ops": 2}, "react"),
     "mini-swe-agent": ("examples.agents.swe_mini:solve", "swe/generated-v0", {}, "hermes"),
+    "Codex CLI": ("examples.agents.swe_codex:solve", "swe/generated-v0", {}, "hermes"),  # --max-total-tokens 8192
+    "Claude Code": ("examples.agents.swe_claude:solve", "swe/generated-v0", {}, "hermes"),
 }
 
 

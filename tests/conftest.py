@@ -85,13 +85,24 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return Groups(config, log)
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _shared_tiny_model(tmp_path_factory: pytest.TempPathFactory, name: str, **settings) -> Path:
+    """The tiny model built once per test session, for every xdist worker, with `settings`."""
     shared = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers' temp dirs share a parent
         shared = shared.parent
-    with FileLock(shared / "tiny_model.lock"):
-        return build_tiny_model(shared / "tiny_model", seed=0, quiet=True)
+    with FileLock(shared / f"{name}.lock"):
+        return build_tiny_model(shared / name, seed=0, quiet=True, **settings)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _shared_tiny_model(tmp_path_factory, "tiny_model")
+
+
+@pytest.fixture(scope="session")
+def long_tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with 16,384 positions, for harnesses whose prompts outgrow the usual 2,048."""
+    return _shared_tiny_model(tmp_path_factory, "long_tiny_model", max_position_embeddings=16384)
 
 
 def _train_to_answer(model, prompts, target: list[int], steps: int = 30, lr: float = 3e-3):

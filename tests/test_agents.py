@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -169,3 +170,72 @@ def test_a_program_may_post_its_reward_to_the_session(renderer):
     [group] = asyncio.run(engine(posting, policy, renderer).run([task]))
     assert [(t.status, t.reward, t.reward_components) for t in group.trajectories] == [
         (Status.OK, 0.25, {"outcome": 0.0})] * 2
+
+
+def test_calls_past_max_turns_end_the_session_as_truncated_and_the_program_with_it(renderer):
+    """A program that never stops calling (it swallows every error) is an episode out of turns: its call past
+    `max_turns` is refused, the session ends as truncated (max_turns, reward 0, its turns kept) and the program is
+    cancelled, long before `agent.timeout`."""
+    import time
+
+    import openai
+
+    async def endless(task, base_url):
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="agentrl", max_retries=0) as client:
+            messages = [{"role": "user", "content": task.data["question"]}]
+            while True:
+                try:
+                    reply = await client.chat.completions.create(model="policy", messages=messages, max_tokens=8)
+                    messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                                 {"role": "user", "content": "Go on."}]
+                except openai.APIError:
+                    await asyncio.sleep(0.01)
+
+    task = Task("t", {"question": "Compute 1 + 1.", "answer": "2"})
+    policy = scripted.ScriptedPolicy(renderer, lambda prompt, turn: "Let me see.", renderer.generation_prompt)
+    runs = AgentEngine(endless, policy, renderer, RolloutConfig(group_size=1, max_turns=3),
+                       AgentConfig("examples.agents.calculator_openai:solve", timeout=120.0))
+    start = time.monotonic()
+    [group] = asyncio.run(runs.run([task]))
+    [t] = group.trajectories
+    assert time.monotonic() - start < 30
+    assert (t.status, t.stop, t.reward) == (Status.TRUNCATED, StopReason.MAX_TURNS, 0.0), t.reason
+    assert "more than max_turns=3 model calls" in t.reason and len(t.turns) == 3 and t.info["calls"] == 4
+
+
+def test_a_program_that_floods_the_gateway_is_an_error_and_leaves_no_process(renderer, tmp_path):
+    """A harness that keeps sending calls the gateway refuses (here a CLI in a tight loop, deaf to every answer)
+    floods it: its session ends as an error after `FLOOD_REFUSALS` refusals in a row, and `run_cli`, which watches the
+    session, kills the CLI there, not at its timeout."""
+    import sys
+    import time
+
+    from agentrl.gateway.sessions import FLOOD_REFUSALS
+    from examples.agents.swe_cli import run_cli
+
+    flooder = tmp_path / "flood.py"
+    flooder.write_text(
+        "import os, sys, httpx\n"
+        f"open({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid()))\n"
+        "while True:\n"
+        "    try:\n"
+        "        httpx.post(sys.argv[1] + '/chat/completions', json={'model': 'm', 'messages': 'all of them'})\n"
+        "    except Exception:\n"
+        "        pass\n")
+
+    def program(task, base_url):
+        run_cli([sys.executable, str(flooder), base_url], {}, 120.0, tmp_path / "log", tmp_path, session=base_url)
+        return 1.0
+
+    task = Task("t", {"question": "2?", "answer": "2"})
+    policy = scripted.ScriptedPolicy(renderer, lambda prompt, turn: "2", renderer.generation_prompt)
+    runs = AgentEngine(program, policy, renderer, RolloutConfig(group_size=1),
+                       AgentConfig("examples.agents.calculator_openai:solve", timeout=120.0))
+    start = time.monotonic()
+    [group] = asyncio.run(runs.run([task]))
+    [t] = group.trajectories
+    assert time.monotonic() - start < 30
+    assert t.status is Status.ERROR and f"flooded the gateway: {FLOOD_REFUSALS} calls refused in a row" in t.reason
+    assert "malformed request" in t.reason
+    pid = int((tmp_path / "pid").read_text())
+    assert not Path(f"/proc/{pid}").exists()  # killed and reaped

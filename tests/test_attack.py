@@ -3,6 +3,7 @@ envs (a grader that trusts a printed claim, a step that raises, state kept acros
 attack meant for it."""
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -77,13 +78,16 @@ def test_the_cli_names_the_hole_and_exits_1():
     assert CliRunner().invoke(app, ["envs", "attack", "test/weak-none-v0"]).exit_code == 0
 
 
-WRAPPERS = {"memory/reflexion-v0", "mcp/tools-v0", "openenv/remote-v0", "swe/instances-v0", "verifiers/env-v0"}
+TASK_FILES = {"harbor/tasks-v0": {"tasks": str(Path(__file__).parent / "data" / "harbor_tasks")}}
+WRAPPERS = {"memory/reflexion-v0", "mcp/tools-v0", "openenv/remote-v0", "swe/instances-v0", "verifiers/env-v0",
+            "verifiers/v1-v0", "nemo_gym/env-v0"}
 
 
 def shipped(env_id: str):
     """`env_id` as a test case, with the tier its components need."""
     family = env_id.split("/")[0]
-    marks = {"code": [pytest.mark.docker], "swe": [pytest.mark.docker], "web": [pytest.mark.browser],
+    marks = {"code": [pytest.mark.docker], "swe": [pytest.mark.docker], "harbor": [pytest.mark.docker],
+             "web": [pytest.mark.browser],
              "gymnasium": [pytest.mark.slow], "textarena": [pytest.mark.slow], "skyrl": [pytest.mark.slow],
              "verifiers": [pytest.mark.slow]}.get(family, [])
     return pytest.param(env_id, marks=marks, id=env_id)
@@ -96,4 +100,5 @@ def test_every_registered_env_holds(env_id):
     """Every env that runs without arguments (the wrappers of another env or of a task file are attacked through
     what they wrap); of MiniWoB's per-task ids, the one whose grader once paid a null policy."""
     n_tasks = 1 if env_id.startswith("web/") else 2  # a browser episode of 40 hostile calls takes a minute
-    assert [f for f in attack(lambda: agentrl.make(env_id), n_tasks=n_tasks) if not f.held] == []
+    kwargs = TASK_FILES.get(env_id, {})
+    assert [f for f in attack(lambda: agentrl.make(env_id, **kwargs), n_tasks=n_tasks) if not f.held] == []

@@ -125,6 +125,39 @@ def test_eval_rollout_starts_from_the_rl_rollout_greedy_and_keeps_what_it_sets()
         load_config(TrainJob, {**TRAIN, "grpo": {"rollout": {"max_turnz": 2}}})
 
 
+def test_the_correction_is_on_by_default_with_a_vllm_engine_and_off_in_process():
+    from agentrl.trainers.job.recipe import TrainJob
+    from agentrl.trainers.losses import CorrectionConfig
+
+    vllm = {**TRAIN, "engine": {"kind": "vllm"}}
+    assert load_config(TrainJob, TRAIN).grpo.correction == CorrectionConfig()  # the sampler is the trainer's model
+    assert load_config(TrainJob, vllm).grpo.correction == CorrectionConfig(decoupled=True, tis="token")
+    assert load_config(TrainJob, {**vllm, "ppo": {}}).ppo.correction == CorrectionConfig(decoupled=True, tis="token")
+    assert load_config(TrainJob, vllm, {"grpo": {"loss": "clip_cov"}}).grpo.correction == \
+        CorrectionConfig(decoupled=True, mis="token")  # TIS is exact for the advantage-weighted losses only
+    off = load_config(TrainJob, {**vllm, "grpo": {"correction": {"decoupled": False}}})
+    assert off.grpo.correction == CorrectionConfig()  # a recipe's own table, even an empty one, is kept as written
+    assert load_config(TrainJob, {**vllm, "dpo": {}}).dpo == load_config(TrainJob, {**TRAIN, "dpo": {}}).dpo
+
+
+def test_a_lora_job_with_a_vllm_engine_serves_adapters_of_its_rank():
+    from agentrl.trainers.job.recipe import TrainJob
+
+    vllm = {**TRAIN, "engine": {"kind": "vllm"}}
+    job = load_config(TrainJob, {**vllm, "lora": {"r": 8}, "grpo": {"max_staleness": 1}})
+    assert (job.engine.lora_rank, job.engine.max_loras) == (8, 2)  # a version per weight version in flight
+    assert load_config(TrainJob, {**vllm, "lora": {}}).engine.lora_rank == 16  # [lora]'s default r
+    assert load_config(TrainJob, {**TRAIN, "lora": {}}).engine.lora_rank is None  # in process: no server
+    for data, message in [({**vllm, "engine": {"kind": "vllm", "lora_rank": 8}}, "got no \\[lora\\]"),
+                          ({**vllm, "lora": {"r": 16}, "engine": {"kind": "vllm", "lora_rank": 8}}, "got lora.r = 16"),
+                          ({**vllm, "lora": {}, "engine": {"kind": "vllm", "lora_rank": 16, "max_loras": 1},
+                            "grpo": {"max_staleness": 1}}, "cannot hold the max_staleness"),
+                          ({**vllm, "lora": {}, "grpo": {"max_staleness": 1}, "ray": {"sources": 1}},
+                           "do not follow yet")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(TrainJob, data)
+
+
 def test_strict_types_still_take_toml_arrays_for_tuples_and_integers_for_floats():
     from agentrl.cli.jobs import EvalJob
     from agentrl.trainers.job.recipe import TrainJob

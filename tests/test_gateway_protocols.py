@@ -108,6 +108,10 @@ def test_what_a_protocol_cannot_honour_is_refused_in_its_own_shape(renderer):
         with pytest.raises(anthropic.BadRequestError, match="image"):
             claude.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": [
                 {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
+        with pytest.raises(anthropic.BadRequestError, match=r"edits\[0\]: the gateway keeps no history"):
+            claude.messages.create(model="m", max_tokens=8, messages=[{"role": "user", "content": "hi"}], extra_body={
+                "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns",
+                                                                                            "value": 1}}]}})
         with pytest.raises(openai.BadRequestError, match="previous_response_id"):
             client.responses.create(model="m", input="hi", previous_response_id="resp_1")
         with pytest.raises(openai.BadRequestError, match="only function tools"):

@@ -9,6 +9,7 @@ it, and checks that all of them are gone within seconds. (The sandbox containers
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -175,6 +176,34 @@ def test_stop_ends_the_group_its_children_and_the_watchdog():
     group.stop(timeout=5)
     assert not group.alive() and not {p for p in below if live(p)} and group._watchdog.process.returncode is not None
     group.stop()  # idempotent
+
+
+def test_stop_also_ends_descendants_that_left_the_group():
+    """A child that started a session of its own (setsid, as an agent CLI's shell tool runs each command) is no
+    longer in the group: stop finds it through its parent and kills it too."""
+    group = ProcessGroup(["sh", "-c", "setsid sleep 612 & wait"])
+    time.sleep(0.3)
+    [sleep] = descendants(group.pid)
+    assert live(sleep) and os.getpgid(sleep) != group.pid
+    group.stop(timeout=5)
+    deadline = time.monotonic() + 5
+    while live(sleep) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not live(sleep)
+
+
+def test_kill_ends_the_group_and_its_escaped_descendants_at_once(tmp_path):
+    """`kill` gives no time to clean up: a leader that would start a command on SIGTERM starts none."""
+    marker = tmp_path / "started-on-sigterm"
+    group = ProcessGroup(["sh", "-c", f"trap 'touch {marker}; setsid sleep 613 &' TERM; setsid sleep 614 & wait"])
+    time.sleep(0.3)
+    [sleep] = descendants(group.pid)
+    group.kill()
+    deadline = time.monotonic() + 5
+    while live(sleep) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not live(sleep) and not group.alive() and not marker.exists()
+    group.kill()  # idempotent
 
 
 def test_the_watchdog_leaves_when_the_group_ends_on_its_own():

@@ -6,7 +6,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import agentrl.trainers.loop as loop
 from agentrl.trainers import distributed
 from agentrl.policy.logprobs import pack_plan, token_logprobs
 from agentrl.trainers.batch import Batch, make_batch, token_micro_batches

@@ -4,6 +4,7 @@ of a worker that dies are played again elsewhere, none lost or counted twice."""
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
 
@@ -53,6 +54,18 @@ def same(a, b) -> bool:
         (b.task_id, b.token_ids, b.loss_mask, b.reward, b.status, b.seed)
 
 
+def gone(pid: int, within: float = 30.0) -> None:
+    """Wait until process `pid` has ended."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"process {pid} still runs {within:g} s after it was killed")
+
+
 def test_remote_envs_give_the_in_process_trajectories(pool, renderer):
     local = play(lambda: agentrl.make(ENV, **KWARGS), renderer)
     remote = play(pool.make, renderer)
@@ -80,6 +93,7 @@ def test_a_dead_worker_loses_nothing(pool, renderer):
         if turn == 1 and not killed:  # mid-episode: episodes on worker 0 are between two env calls
             killed.append(ray.get(pool.workers[0].stats.remote())["pid"])
             ray.kill(pool.workers[0], no_restart=False)  # as if its process died; Ray restarts it
+            gone(killed[0])  # (the kill is asynchronous: a replay sent meanwhile to the dying process is lost too)
 
     remote = play(pool.make, renderer, kill_once)
     assert killed

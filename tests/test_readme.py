@@ -15,12 +15,12 @@ def test_readme_example_env_registers_and_checks(tmp_path, monkeypatch):
     spec = importlib.util.spec_from_file_location("readme_example", path)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "readme_example", module)
-    spec.loader.exec_module(module)  # registers demo/lookup-v0 and asserts its check passes
+    spec.loader.exec_module(module)  # registers demo/times-v0 and asserts its check passes
     import agentrl
 
-    env = agentrl.make("demo/lookup-v0")
-    env.reset(seed=0)
-    assert env.step("<answer>1</answer>")[1] == 1.0
+    env = agentrl.make("demo/times-v0")
+    env.reset(options={"task": env.tasks[0]})
+    assert env.step("<answer>3700</answer>")[1] == 1.0
 
 
 def test_the_front_page_reads_in_five_minutes():

@@ -52,9 +52,15 @@ def test_evaluate(tmp_path, tiny_model_dir) -> None:
         assert (tmp_path / "out" / name).exists(), name
 
 
-def test_tandem(tmp_path, tiny_model_dir) -> None:
+def test_tandem(tmp_path, tiny_model_dir, monkeypatch) -> None:
+    """Both RL runs update toward the episodes that beat their group: coin rewards (the small warm start earns none)
+    in groups of 4, and each step logs the update's direction against the raw rewards (`toward_better`)."""
+    monkeypatch.setenv("TUTORIAL_RL_SET", "grpo.group_size=4 grpo.reward.terms.random=1.0 grpo.log_direction=true")
     out = run_tutorial("tandem.sh", tmp_path, tiny_model_dir)
     assert "grpo" in out and "tandem" in out
+    for run in ("grpo", "tandem"):
+        [row] = [json.loads(line) for line in (tmp_path / "out" / run / "metrics.jsonl").read_text().splitlines()]
+        assert row["toward_better"] > 0, (run, row["toward_better"])
 
 
 @pytest.mark.docker

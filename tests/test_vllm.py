@@ -377,10 +377,14 @@ def test_cli_rollout_and_train_use_the_vllm_engine(vllm_server: VLLMServer, tiny
     assert result.exit_code == 0, result.output
     assert len(read_jsonl(out)) == 4 and all(t.status is not Status.ERROR for t in read_jsonl(out))
 
-    recipe = _train_recipe(tmp_path, tiny_model_dir, vllm_server.url, steps=1)
+    recipe = _train_recipe(tmp_path, tiny_model_dir, vllm_server.url, steps=1,  # coin rewards: groups to train
+                           grpo="[grpo.reward]\nterms = {random = 1.0}")
     trained = CliRunner().invoke(app, ["train", str(recipe)])
     assert trained.exit_code == 0, trained.output
     assert "step 1/1" in trained.output
+    assert "sampler/trainer correction: decoupled, TIS (token)" in trained.output  # on by default with vLLM
+    [row] = _jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert row["tis_weight_mean"] > 0 and 0 <= row["mismatch_kl_k3"] < 1e-3, row  # float32 on both sides
     asyncio.run(_restore(vllm_server, hf_model))  # the tests after this one expect the original weights
 
 
@@ -392,7 +396,7 @@ def test_asynchronous_training_with_the_vllm_engine(vllm_server: VLLMServer, tin
     from agentrl.cli.main import app
 
     recipe = _train_recipe(tmp_path, tiny_model_dir, vllm_server.url, steps=3, grpo="max_staleness = 1\n"
-                           "[grpo.correction]\ndecoupled = true\ntis = \"token\"", evaluate="every = 1")
+                           "[grpo.reward]\nterms = {random = 1.0}", evaluate="every = 1")  # coins: groups to train
     trained = CliRunner().invoke(app, ["train", str(recipe)])
     asyncio.run(_restore(vllm_server, hf_model))
     assert trained.exit_code == 0, trained.output

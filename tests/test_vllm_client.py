@@ -71,6 +71,24 @@ def test_sleep_mode_is_a_gpu_option():
         EngineConfig(device="gpu", sleep_mode=True)  # a GPU option, but of vLLM's
 
 
+def test_a_server_for_lora_adapters_takes_vllms_next_rank_up():
+    import pytest
+
+    from agentrl.policy.backends import EngineConfig
+    from agentrl.policy.vllm_server import ServerConfig, server_command, server_env
+
+    command = server_command(ServerConfig(model="m", lora_rank=12, max_loras=3), port=1)
+    assert command[command.index("--enable-lora"):][:5] == ["--enable-lora", "--max-lora-rank", "16", "--max-loras", "3"]
+    assert server_env(ServerConfig(model="m", lora_rank=8))["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert "--enable-lora" not in server_command(ServerConfig(model="m"), port=1)
+    with pytest.raises(ValueError, match="set lora_rank too"):
+        ServerConfig(model="m", max_loras=2)
+    with pytest.raises(ValueError, match="lora_rank must be in"):
+        ServerConfig(model="m", lora_rank=1024)
+    with pytest.raises(ValueError, match="'lora_rank'"):
+        EngineConfig(kind="vllm", url="http://x", lora_rank=8)  # set where the server is started
+
+
 def test_a_sync_sends_the_weights_in_the_engines_dtype(tiny_model_dir):
     """Cast once, on the trainer's side: float32 master weights go to a bf16 engine as bf16 (half the bytes)."""
     import torch

@@ -499,3 +499,23 @@ def test_a_miniwob_page_that_is_left_anyway_scores_zero_not_error():
     obs, reward, terminated, _, info = env.step(call(env, "done"))
     assert terminated and reward == 0.0 and "no longer the task's" in info["detail"], info
     env.close()
+
+
+@pytest.mark.browser
+def test_a_null_policy_succeeds_on_click_checkboxes_only_where_nothing_is_to_be_checked():
+    """Clicking Submit at once earns click-checkboxes' partial credit (the share of boxes left right) on many tasks;
+    success is the page's full reward, which it earns only on "Select nothing"."""
+    env = agentrl.make("web/miniwob-click-checkboxes-v0")
+    try:
+        outcomes = []
+        for task in list(env.tasks)[:12]:
+            env.reset(options={"task": task})
+            nothing = env.instruction(task).startswith("Select nothing")
+            submit = env.session.observe().find("button", "Submit")[0]["id"]
+            *_, info = env.step(call(env, "click", id=submit))
+            outcomes.append((nothing, info["reward_components"]["success"], info["reward_components"]["raw_reward"]))
+        assert all(success == float(nothing) for nothing, success, _ in outcomes), outcomes
+        assert any(not nothing and raw > 0 for nothing, _, raw in outcomes)  # partial credit, not success
+        assert any(nothing for nothing, *_ in outcomes)
+    finally:
+        env.close()

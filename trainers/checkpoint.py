@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pickle
 import random
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -18,7 +17,6 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM
 
 from agentrl.trainers.lora import ADAPTER_FILE, has_lora, load_adapter, save_adapter
 from agentrl.system.files import write_folder

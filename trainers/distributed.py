@@ -40,7 +40,7 @@ from agentrl.policy.logprobs import SHARDED_FORWARD, masked_logprobs
 from agentrl.policy.parity import end_trainer_logprobs, follow_trainer_logprobs
 from agentrl.policy.precision import compute_dtype, mixed_precision
 from agentrl.policy.protocol import Policy
-from agentrl.trainers.checkpoint import (CheckpointError, finished_checkpoints, load_model, read_weights, reading,
+from agentrl.trainers.checkpoint import (CheckpointError, finished_checkpoints, load_model, read_weights,
                                          save_checkpoint, set_rng_state, trainer_state)
 
 T = TypeVar("T")

@@ -23,20 +23,19 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Coroutine, Protocol, Sequence
+from typing import Any, Callable, ClassVar, Coroutine, Protocol
 
 import torch
 from pydantic import with_config
 
 from agentrl.config import STRICT
-from agentrl.env.api import TextEnv
 from agentrl.policy.logprobs import token_logprobs
 from agentrl.policy.precision import autocast
 from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
 from agentrl.rollout import seeds
 from agentrl.rollout.buffer import GroupBuffer, group_position, group_version
-from agentrl.rollout.engine import Engines, EnvEngines, RolloutConfig
+from agentrl.rollout.engine import Engines, RolloutConfig
 from agentrl.rollout.ray_source import RaySources
 from agentrl.rollout.source import RolloutSource
 from agentrl.rollout.timeline import Timeline, idle_fractions
@@ -65,7 +64,8 @@ class LoopConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)  # the training reward: env's, or a mix of sources
     loss: str = "ppo"  # a key of agentrl.trainers.losses.POLICY_LOSSES
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
-    # the sampler/trainer correction: decoupled PPO, TIS, MIS (off: the sampler's logprobs are PPO's old ones)
+    # the sampler/trainer correction: decoupled PPO, TIS, MIS (off: the sampler's logprobs are PPO's old ones); a
+    # recipe with a vLLM engine and no such table gets one on (`trainers/job/recipe.py`, `engine_correction`)
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     kl_coef: float = 0.0  # > 0: KL to a frozen copy of the initial policy
     kl_kind: str = "k3"  # one of KL_KINDS
@@ -108,7 +108,7 @@ class LoopConfig:
         if not self.partial_rollouts and not self.max_staleness:
             raise ValueError(f"{self.section}.partial_rollouts = false aborts the episodes in flight at a weight "
                              "update, which only asynchronous training has: set max_staleness > 0, or remove it")
-        if self.correction.tis is not None and self.loss not in ("ppo", "gspo"):
+        if self.correction.tis is not None and self.loss not in ADVANTAGE_WEIGHTED:
             raise ValueError(f"{self.section}.correction.tis folds the weight into the advantage, which is exact for "
                              f"the ppo and gspo losses only ({self.loss!r} reads the advantage itself): use "
                              "correction.mis, or loss = 'ppo'")
@@ -347,15 +347,15 @@ def update(model: torch.nn.Module, ref: torch.nn.Module | None, optimizer: torch
     """The policy update: `cfg.loss` on the sampled tokens, plus the KL to `ref` as a loss term when given.
 
     PPO's old logprobs are the sampler's; with `cfg.correction.decoupled`, the trainer's own, recomputed before
-    the epochs (decoupled PPO), and the sampler's enter only through the TIS weight and the MIS mask
-    (`rollout_correction`); the step then logs their mismatch over the whole batch. Either way it reports
+    the epochs (`decoupled`: decoupled PPO), and the sampler's enter only through the TIS weight and the MIS mask
+    (`rollout_correction`); the step then logs their mismatch over the rows it trains. Either way it reports
     `sampler_logprob_diff_max`, the largest |trainer - sampler| before any update: they must nearly agree."""
+    # Without a KL term, a row whose advantages are all 0 adds nothing to these losses' gradients (the covariance
+    # losses' statistics span the batch); when most groups' rewards do not vary, that is most rows.
+    skippable = ref is None and cfg.loss in ADVANTAGE_WEIGHTED
     loss_fn, first = POLICY_LOSSES[cfg.loss], {}
     if cfg.correction.decoupled:
-        sampler_BT, trainer_BT = batch.old_logp_BT, model_logprobs(model, batch, cfg)
-        adv_BT, mask_BT, first = rollout_correction(trainer_BT, sampler_BT, batch.adv_BT, batch.mask_BT, cfg.correction)
-        first["sampler_logprob_diff_max"] = ((trainer_BT - sampler_BT).abs() * batch.mask_BT).max().item()
-        batch = replace(batch, mask_BT=mask_BT, old_logp_BT=trainer_BT, adv_BT=adv_BT)
+        batch, first = decoupled(model, batch, cfg, inert(batch) if skippable else None)
 
     def policy_loss(mb: Batch, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
         logp_BT, entropy_BT = token_logprobs(model, mb.ids_BT, mb.attention_BT, True, mb.mask_BT)
@@ -372,11 +372,39 @@ def update(model: torch.nn.Module, ref: torch.nn.Module | None, optimizer: torch
         metrics["entropy"] = masked_mean(entropy_BT.detach(), mb.mask_BT).item()
         return loss, metrics
 
-    # Without a KL term, a row whose advantages are all 0 adds nothing to these losses' gradients (the covariance
-    # losses' statistics span the batch); when most groups' rewards do not vary, that is most rows.
-    skippable = ref is None and cfg.loss in ADVANTAGE_WEIGHTED
-    inert_B = (batch.adv_BT * batch.mask_BT == 0).all(-1) if skippable else None
+    inert_B = inert(batch) if skippable else None
     return {**optimize(model, optimizer, batch, cfg, generator, policy_loss, cfg.policy_loss.agg, inert_B), **first}
+
+
+def toward_better(model: torch.nn.Module, batch: Batch, beat_B: torch.Tensor, cfg: LoopConfig) -> float:
+    """The direction an update took, measured: Σ over rows of `beat_B` (the row's reward minus its group's mean,
+    raw rewards, not advantages) × the change of the row's summed logprob from the sampler's to `model`'s now, over
+    the rows. > 0: the policy moved toward the episodes that did better, < 0: away (a sign error anywhere between
+    the rewards and the optimizer). One forward pass over the batch."""
+    dlogp_B = ((model_logprobs(model, batch, cfg) - batch.old_logp_BT) * batch.mask_BT).sum(-1)
+    return (beat_B * dlogp_B).sum().item() / len(batch)
+
+
+def inert(batch: Batch) -> torch.Tensor:
+    """The rows whose advantages are all 0 on their sampled tokens."""
+    return (batch.adv_BT * batch.mask_BT == 0).all(-1)
+
+
+def decoupled(model: torch.nn.Module, batch: Batch, cfg: LoopConfig, skip_B: torch.Tensor | None
+              ) -> tuple[Batch, dict[str, float]]:
+    """Decoupled PPO: the trainer's own logprobs, recomputed before the epochs, become PPO's old ones, and the
+    sampler's enter only through the TIS weight and the MIS mask (`rollout_correction`), with their metrics over the
+    rows recomputed. Rows in `skip_B` (those the update skips) are not: they keep the sampler's logprobs."""
+    rows = torch.arange(len(batch)) if skip_B is None else (~skip_B).nonzero().flatten()
+    if not len(rows):
+        return batch, {}
+    sub = batch.select(rows)
+    T, trainer_RT = sub.ids_BT.shape[1], model_logprobs(model, sub, cfg)
+    adv_RT, mask_RT, metrics = rollout_correction(trainer_RT, sub.old_logp_BT, sub.adv_BT, sub.mask_BT, cfg.correction)
+    metrics["sampler_logprob_diff_max"] = ((trainer_RT - sub.old_logp_BT).abs() * sub.mask_BT).max().item()
+    old_BT, adv_BT, mask_BT = batch.old_logp_BT.clone(), batch.adv_BT.clone(), batch.mask_BT.clone()
+    old_BT[rows, :T], adv_BT[rows, :T], mask_BT[rows, :T] = trainer_RT, adv_RT, mask_RT
+    return replace(batch, old_logp_BT=old_BT, adv_BT=adv_BT, mask_BT=mask_BT), metrics
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """LoRA (Hu et al. 2021) through peft: train low-rank adapters instead of the full weights.
 
 `add_lora` wraps the model's linear layers in place, so the in-process sampler (which holds the same
-model object) samples from the adapted weights, and freezes everything else. Engines and checkpoints
-get the merged weights (`agentrl.policy.weights.export_state_dict`); checkpoints also keep the adapters alone
-(`adapter.safetensors`), which is what a resumed run loads on top of its base model.
+model object) samples from the adapted weights, and freezes everything else. A vLLM engine is sent the adapter
+alone (`agentrl.policy.weights.save_adapter_for_engine`, docs/concepts/weight-sync.md); checkpoints get the merged
+weights (`export_state_dict`) and keep the adapters alone too (`adapter.safetensors`), which is what a resumed run
+loads on top of its base model.
 """
 
 from __future__ import annotations

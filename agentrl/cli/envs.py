@@ -64,13 +64,15 @@ def envs_check(env_id: str, n_tasks: int = typer.Option(8, help="Tasks whose gol
     from agentrl.env.registry import check
 
     env_kwargs = json.loads(kwargs)
-    make_or_exit(env_id, **env_kwargs)
+    env = make_or_exit(env_id, **env_kwargs)
+    checked = min(n_tasks, len(env.tasks))
+    env.close()
     problems = check(env_id, n_tasks=n_tasks, **env_kwargs)
     for p in problems:
         console.print(f"[red]✗[/] {p}")
     if problems:
         raise typer.Exit(1)
-    console.print(f"[green]✓[/] {env_id}: check_env passed; gold solutions of {n_tasks} tasks get the maximum reward")
+    console.print(f"[green]✓[/] {env_id}: check_env passed; gold solutions of {checked} tasks get the maximum reward")
 
 
 @envs_app.command("attack")

@@ -120,6 +120,9 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
                                                      "[default: the recipe's model]; offline, a saved copy."),
           ranks: Optional[int] = typer.Option(None, min=1, help="--dry-run: plan for this many trainer ranks (FSDP "
                                               "under torchrun) [default: torchrun's WORLD_SIZE, else 1]."),
+          tokens_per_s: Optional[float] = typer.Option(None, min=0.001, help="--dry-run: a throughput (sampled "
+                                                       "tokens per second of a whole step, as a run's metrics give "
+                                                       "it) to estimate the step time from [default: measured]."),
           ) -> None:
     """SFT warm start (optional) → held-out eval → RL (GRPO, PPO, tandem, tango or DPO) → held-out eval;
     resumes from the latest checkpoint.
@@ -149,7 +152,7 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
                       "fetch NAME`; or a hub name.[/]")
         raise typer.Exit(2)
     if dry_run:
-        _dry_run(job, gpus, gpu_memory_gib, model_config, ranks)
+        _dry_run(job, gpus, gpu_memory_gib, model_config, ranks, tokens_per_s)
         return
     make_or_exit(job.env, **job.env_kwargs)
     try:
@@ -165,7 +168,8 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
 
 
 
-def _dry_run(job, gpus: int | None, gpu_memory_gib: float, model_config: str | None, ranks: int | None) -> None:
+def _dry_run(job, gpus: int | None, gpu_memory_gib: float, model_config: str | None, ranks: int | None,
+             tokens_per_s: float | None) -> None:
     """Print the resolved job (what OUT/job.json would hold), where its parts would run and their memory; exit 2,
     with each problem and its fix, if it cannot work."""
     from agentrl.env.registry import spec
@@ -179,7 +183,8 @@ def _dry_run(job, gpus: int | None, gpu_memory_gib: float, model_config: str | N
         raise typer.Exit(2)
     console.print_json(data=job_record(job))
     try:
-        the_plan = plan_for(job, Hardware(gpus, gpu_memory_gib) if gpus is not None else None, model_config, ranks)
+        the_plan = plan_for(job, Hardware(gpus, gpu_memory_gib) if gpus is not None else None, model_config, ranks,
+                            tokens_per_s)
     except ValueError as e:  # no model config to plan from
         console.print(f"[red]{e}[/]")
         raise typer.Exit(2)

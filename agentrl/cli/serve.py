@@ -146,6 +146,8 @@ def gateway(
     max_tokens: int = typer.Option(512, help="Tokens per call at most (and when a request names none)."),
     max_total_tokens: int = typer.Option(4096, help="Tokens per segment: prompt, deltas and replies."),
     session_timeout: float = typer.Option(900.0, help="Seconds an open session may go without a call or reward."),
+    max_calls: Optional[int] = typer.Option(None, min=1, help="Model calls per session; the next one ends it as "
+                                            "truncated [default: no limit]."),
 ) -> None:
     """Serve OpenAI's Chat Completions API per session in front of the policy, recording exact-token trajectories
     (POST /sessions, then point the client's base_url at the returned one) until Ctrl-C.
@@ -161,7 +163,8 @@ def gateway(
 
     try:
         config = GatewayConfig(tool_parser=tool_parser, reasoning=reasoning, max_tokens=max_tokens,
-                               max_total_tokens=max_total_tokens, session_timeout=session_timeout)
+                               max_total_tokens=max_total_tokens, session_timeout=session_timeout,
+                               max_calls=max_calls)
         renderer = Renderer(load_tokenizer(model, chat_template))
     except (ValueError, RendererError, OSError) as e:
         console.print(f"[red]{e}[/]")

@@ -162,6 +162,13 @@ class TextEnv(gym.Env[Observation, str]):
         `error_rate` a plausible mistake where the env knows how to make one."""
         return self.gold_actions(task)
 
+    def expert_turn(self, prompt: str, summary: bool = False, mistake: bool = False) -> str | None:
+        """An expert's next turn read from the conversation so far (`prompt`, as rendered), or, with `summary`, its
+        summary of it (asked for by the `compact` context policy); with `mistake`, a plausible mistake where the env
+        knows how to make one. Expert demonstrations play with the rollout's context policy where an env has this
+        expert; None (the default): the env has none, and its demonstrations play whole, from `demonstration`."""
+        return None
+
     def on_reset(self, task: Task) -> None:
         """Hook for per-episode state."""
 

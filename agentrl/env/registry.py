@@ -2,7 +2,8 @@
 
 Ids are versioned (`math/arith-v0`). Our own envs register when `agentrl.envs` is imported; third-party
 packages register through the `agentrl.envs` entry-point group, whose entry points name a function
-that calls `agentrl.register(...)` (or a module that does so when imported).
+that calls `agentrl.register(...)` (or a module that does so when imported). An env registered with
+`venv=Venv(python=..., requirements=(...))` runs in a virtualenv of its own, behind a server (`agentrl.env.remote`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Iterable
 from gymnasium.utils.env_checker import check_env
 
 from agentrl.env.api import TextEnv
+from agentrl.env.venvs import Venv
 
 ENTRY_POINT_GROUP = "agentrl.envs"
 
@@ -27,6 +29,7 @@ class EnvSpec:
     id: str
     entry_point: str  # "package.module:Class"
     kwargs: dict[str, Any] = field(default_factory=dict)
+    venv: Venv | None = None  # its own virtualenv: made in another process, behind a server
 
     def load(self) -> type[TextEnv]:
         """Import the env class that `entry_point` names."""
@@ -41,13 +44,14 @@ _plugins_loaded = False
 _plugins_lock = threading.RLock()
 
 
-def register(id: str, entry_point: str, **kwargs: Any) -> None:
-    """Register an env class under `id`; `kwargs` are its defaults, overridable in `make`."""
+def register(id: str, entry_point: str, venv: Venv | None = None, **kwargs: Any) -> None:
+    """Register an env class under `id`; `kwargs` are its defaults, overridable in `make`. With `venv`, the class is
+    imported and made only in that virtualenv (`entry_point` need not import here)."""
     if ":" not in entry_point:
         raise ValueError(f"entry_point must look like 'package.module:Class', got {entry_point!r}")
     if id in _specs and _specs[id].entry_point != entry_point:
         raise ValueError(f"Env id {id!r} is already registered to {_specs[id].entry_point}")
-    _specs[id] = EnvSpec(id, entry_point, dict(kwargs))
+    _specs[id] = EnvSpec(id, entry_point, dict(kwargs), venv)
 
 
 def registry() -> dict[str, EnvSpec]:
@@ -74,6 +78,9 @@ def did_you_mean(name: str, known: Iterable[str]) -> str:
 def make(id: str, **kwargs: Any) -> TextEnv:
     """Build a fresh env instance; `kwargs` override the registered defaults."""
     s = spec(id)
+    if s.venv is not None:
+        from agentrl.env.remote import make_remote  # the OpenEnv client: an optional dependency
+        return make_remote(id, s.entry_point, s.venv, {**s.kwargs, **kwargs})
     return s.load()(**{**s.kwargs, **kwargs})
 
 

@@ -29,7 +29,7 @@ from pydantic import with_config
 
 from agentrl.config import STRICT
 from agentrl.gateway.app import create_app
-from agentrl.gateway.sessions import Gateway, GatewayConfig
+from agentrl.gateway.sessions import Gateway, GatewayConfig, Session
 from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
 from agentrl.rollout import seeds
@@ -77,6 +77,9 @@ def load_program(spec: str) -> Program:
     return program
 
 
+ENDED_GRACE = 5.0  # seconds a coroutine program may run on after the gateway ended its session
+
+
 class ProgramError(RuntimeError):
     """The agent program raised, timed out, or gave no reward."""
 
@@ -90,6 +93,7 @@ class AgentEngine:
         sampling = config.sampling  # the rollout's, for what a request leaves out
         gateway = GatewayConfig(tool_parser=agent.tool_parser, reasoning=agent.reasoning,
                                 max_tokens=sampling.max_tokens, max_total_tokens=config.max_total_tokens,
+                                max_calls=config.max_turns,
                                 temperature=sampling.temperature, top_p=sampling.top_p,
                                 session_timeout=agent.timeout * 2)
         self.gateway = Gateway(policy, renderer, gateway, timeline)
@@ -130,7 +134,7 @@ class AgentEngine:
         session = self.gateway.open(task.id, group, {"sample": sample, "seed": env_seed},
                                     seed=seed if self.config.seeded_sampling else None)
         base_url = f"{self.url}/sessions/{session.id}/v1"
-        reward, error = await captured(within(self.agent.timeout, self._call(task, base_url), ProgramError(
+        reward, error = await captured(within(self.agent.timeout, self._run(session, task, base_url), ProgramError(
             f"the agent program took more than {self.agent.timeout:g}s (agent.timeout)")))
         if session.trajectories is None:  # not closed by a posted reward
             if error is None and reward is None:
@@ -143,16 +147,27 @@ class AgentEngine:
                 self.gateway.close(session.id, float(reward))
         trajectories = tuple(self.gateway.pop(session.id))
         if not trajectories:  # the program made no call: nothing to train, one error to count
-            reason = f"agent program: {describe(error)}" if error else "the agent program made no model call"
+            reason = session.error or "the agent program made no model call"
             trajectories = (Trajectory(task_id=task.id, token_ids=(), loss_mask=(), logprobs=(), prompt_len=0, turns=(),
                                        reward=0.0, stop=StopReason.ENV_ERROR, reason=reason, group=group,
                                        seed=env_seed, session=session.id),)
         return trajectories
 
-    async def _call(self, task: Task, base_url: str) -> Any:
-        if inspect.iscoroutinefunction(self.program):
-            return await self.program(task, base_url)
-        return await asyncio.to_thread(self.program, task, base_url)
+    async def _run(self, session: Session, task: Task, base_url: str) -> Any:
+        """The program's result. Once the gateway has ended its session (max_turns, a flood), what it returns no
+        longer counts: a coroutine program still running `ENDED_GRACE` s later is cancelled; a plain function (a
+        thread, which cannot be stopped) is waited for, as its next call is refused (409) and its client raises."""
+        if not inspect.iscoroutinefunction(self.program):
+            return await asyncio.to_thread(self.program, task, base_url)
+        run, ended = asyncio.ensure_future(self.program(task, base_url)), asyncio.ensure_future(session.closed.wait())
+        try:
+            await asyncio.wait({run, ended}, return_when=asyncio.FIRST_COMPLETED)
+            if not run.done():
+                await asyncio.wait({run}, timeout=ENDED_GRACE)
+            return await run if run.done() else None
+        finally:
+            for future in (run, ended):
+                future.cancel()
 
     async def run_group(self, task: Task, env_seed: int, group: int, gate: asyncio.Semaphore) -> Group:
         """`group_size` runs of the program on `task`, each holding `gate` while it runs."""

@@ -37,8 +37,19 @@ class MessagesRequest(WireRequest):
     stop_sequences: list[str] | None = None
     stream: bool = False
     thinking: dict[str, Any] | None = None  # the policy reasons as it was trained to: the budget is not enforced
+    output_config: dict[str, Any] | None = None  # {"effort": ...} (Claude Code): likewise, not enforced
+    context_management: dict[str, Any] | None = None  # only edits that keep every block (the client sends its history)
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+
+    @field_validator("context_management")
+    @classmethod
+    def _keeps_all(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        for i, edit in enumerate((value or {}).get("edits", [])):
+            if edit.get("keep") != "all":
+                raise ValueError(f"context_management.edits[{i}]: the gateway keeps no history to edit: only edits "
+                                 f"with keep = 'all' are accepted (Claude Code's); got {json.dumps(edit)[:200]}")
+        return value
 
     @field_validator("tools")
     @classmethod

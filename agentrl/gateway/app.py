@@ -13,7 +13,8 @@
 
 Errors come back in OpenAI's shape, `{"error": {"message", "type", "code"}}` (Anthropic's on `/v1/messages`), so that
 the official clients raise them with the message: malformed or unsupported requests 400, unknown sessions 404, closed
-ones 409, bodies over `MAX_BODY_BYTES` 413, bodies not all there within 30 s 408, a failed policy 502. A streamed
+ones 409, bodies over `MAX_BODY_BYTES` 413, bodies not all there within 30 s 408, a failed policy 502. A session's
+calls past `max_calls` end it as truncated; `FLOOD_REFUSALS` refused calls in a row end it as an error. A streamed
 reply is sampled whole before its first chunk, so a client that disconnects mid-stream loses nothing of the session.
 """
 
@@ -72,14 +73,21 @@ def create_app(gateway: Gateway, model_name: str = "agentrl-policy") -> FastAPI:
 
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES, what="send a shorter conversation", respond=_error)
 
+    def counted(request: Request, status: int, message: str, code: str = "invalid_request_error") -> JSONResponse:
+        """The error response; a refused model call also counts toward its session's flood limit."""
+        session_id = request.path_params.get("session_id")
+        if session_id and "/v1/" in request.url.path:
+            gateway.refused(session_id, message)
+        return _error(status, message, code, request.url.path)
+
     @app.exception_handler(GatewayError)
     async def refused(request: Request, e: GatewayError) -> JSONResponse:
-        return _error(e.status, str(e), e.code, request.url.path)
+        return counted(request, e.status, str(e), e.code)
 
     @app.exception_handler(RequestValidationError)
     async def malformed(request: Request, e: RequestValidationError) -> JSONResponse:
         where = "; ".join(f"{'.'.join(map(str, err['loc'][1:])) or 'body'}: {err['msg']}" for err in e.errors())
-        return _error(400, f"malformed request: {where}", path=request.url.path)
+        return counted(request, 400, f"malformed request: {where}")
 
     @app.get("/health")
     def health() -> dict[str, Any]:

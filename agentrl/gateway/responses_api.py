@@ -45,6 +45,7 @@ class ResponsesRequest(WireRequest):
     store: bool | None = None
     service_tier: str | None = None
     prompt_cache_key: str | None = None
+    client_metadata: dict[str, Any] | None = None  # Codex CLI's ids of its session, thread and turn
 
     @field_validator("previous_response_id")
     @classmethod

@@ -29,6 +29,9 @@ from agentrl.types import Message, StopReason, ToolCall, Trajectory
 # hop cost ~30 ms a call with 32 sessions and the engine's decode thread on 2 cores. Longer ones go to a thread, so
 # that rendering a long conversation whole (a new segment) does not hold the other sessions' calls.
 INLINE_PLAN_CHARS = 64_000
+# A program whose calls the gateway refuses this many times in a row floods it: it is not reading the errors, and
+# would only stop at its timeout. Its session ends there, as an error.
+FLOOD_REFUSALS = 16
 
 
 @with_config(STRICT)
@@ -43,6 +46,8 @@ class GatewayConfig:
     top_p: float = 1.0  # of a request that names none
     max_tokens: int = 512  # per call, when the request names none; a request may ask for fewer, not more
     max_total_tokens: int = 4096  # per segment: the prompt, every delta and every reply
+    max_calls: int | None = None  # model calls per session (training: the rollout's max_turns); one more is refused
+    # and ends the session as truncated (max_turns), as an env episode out of turns ends
     session_timeout: float = 900.0  # seconds without a call or a reward before an open session closes as error
     max_sessions: int = 4096  # open at once
 
@@ -52,6 +57,8 @@ class GatewayConfig:
         if not 1 <= self.max_tokens < self.max_total_tokens:
             raise ValueError(f"max_tokens ({self.max_tokens}) must be >= 1 and below max_total_tokens "
                              f"({self.max_total_tokens}), which also holds the prompt")
+        if self.max_calls is not None and self.max_calls < 1:
+            raise ValueError(f"max_calls must be >= 1 (or None: no limit), got {self.max_calls}")
         if not self.session_timeout > 0 or self.max_sessions < 1:
             raise ValueError("session_timeout must be > 0 seconds and max_sessions >= 1")
 
@@ -95,7 +102,10 @@ class Session:
     call_ids: itertools.count = field(default_factory=itertools.count)
     seed: int | None = None  # each call's sampling seed derives from it, unless the request names one
     overflow: str | None = None  # why a call was refused for the segment's max_total_tokens, if one was
+    refused_in_a_row: int = 0  # calls refused since the last one answered (FLOOD_REFUSALS ends the session)
     trajectories: list[Trajectory] | None = None  # set when closed
+    error: str | None = None  # why it closed as an error, if it did
+    closed: asyncio.Event = field(default_factory=asyncio.Event)  # set when closed, by the program or the gateway
 
 
 class Gateway:
@@ -152,7 +162,19 @@ class Gateway:
             replace(seg.to_trajectory(session.id, session.task_id, session.group, 0.0 if error else reward,
                                       error or "", stop, info), reward_components=dict(components or {}))
             for seg in session.segments if seg.turns]
+        session.error = error
+        session.closed.set()
         return session.trajectories
+
+    def refused(self, session_id: str, why: str) -> None:
+        """Count a refused call of an open session; the `FLOOD_REFUSALS`-th in a row ends it as an error."""
+        session = self.sessions.get(session_id)
+        if session is None or session.trajectories is not None:
+            return
+        session.refused_in_a_row += 1
+        if session.refused_in_a_row >= FLOOD_REFUSALS:
+            self.close(session_id, error=f"the agent program flooded the gateway: {session.refused_in_a_row} calls "
+                                         f"refused in a row, the last: {why[:300]}")
 
     def pop(self, session_id: str) -> list[Trajectory]:
         """A closed session's trajectories, forgetting the session."""
@@ -182,6 +204,10 @@ class Gateway:
         if session.trajectories is not None:
             raise GatewayError(409, f"session {session_id!r} is closed: open a new session for a new run")
         session.last_active, session.calls = time.monotonic(), session.calls + 1
+        if self.config.max_calls is not None and session.calls > self.config.max_calls:
+            reason = f"more than max_turns={self.config.max_calls} model calls in the session"
+            self.close(session_id, error=reason, stop=StopReason.MAX_TURNS)
+            raise GatewayError(400, f"{reason}: the session has ended (truncated)", "max_turns_exceeded")
         chars, most = sum(len(m.content) for m in messages), self.config.max_total_tokens
         if chars > most * self.renderer.max_token_chars:  # refused before tokenizing megabytes of text
             raise GatewayError(400, f"the conversation has {chars} characters, more than {most} tokens can hold "
@@ -223,6 +249,7 @@ class Gateway:
                                  version if r.sample.weight_version is None else r.sample.weight_version, fork=i > 0)
                     if r.parse_error:
                         session.parse_errors.append(f"segment {seg.index}: {r.parse_error}")
+                session.refused_in_a_row = 0
         finally:  # after the commit: until then the segment's last turn is not the one this call continues
             if where.segment is not None:
                 where.segment.busy = False

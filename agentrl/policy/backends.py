@@ -43,7 +43,7 @@ class EngineConfig(ServerConfig):
         if self.sleep_mode and (self.kind != "vllm" or self.device != "gpu"):
             raise ValueError("engine.sleep_mode is vLLM's on GPU (kind = 'vllm', device = 'gpu'): remove it")
         started = {"gpus": self.gpus, "tensor_parallel_size": self.tensor_parallel_size != 1,
-                   "gpu_memory_utilization": self.gpu_memory_utilization}
+                   "gpu_memory_utilization": self.gpu_memory_utilization, "lora_rank": self.lora_rank}
         if self.replicas < 1 or self.replicas > 1 and (self.kind != "vllm" or self.url):
             raise ValueError(f"engine.replicas = {self.replicas}: replicas are vLLM servers started by the job "
                              "(kind = 'vllm', no url), at least 1. To route over servers started elsewhere, build "
@@ -68,10 +68,11 @@ class EngineConfig(ServerConfig):
 
 
 def open_policy(model: str, engine: EngineConfig, parity_prompts: Sequence[Sequence[int]] = (),
-                parity_probe: Sequence[int] = ()) -> Policy:
+                parity_probe: Sequence[int] = (), adapters: int = 0) -> Policy:
     """A policy serving `model`. A vLLM server started here is stopped by the policy's `close()`; several
     (`engine.replicas`) start together and serve behind a `RoutedPolicy`. With `parity_prompts`, every weight sync
-    into vLLM is checked against the trainer's logprobs on them and on `parity_probe` (`PROBE_TEXT`'s ids)."""
+    into vLLM is checked against the trainer's logprobs on them and on `parity_probe` (`PROBE_TEXT`'s ids).
+    `adapters` > 0: a LoRA model syncs its adapter alone into vLLM, which keeps that many versions (`VLLMPolicy`)."""
     model = os.path.expanduser(model)
     if engine.kind == "transformers":
         from agentrl.policy.hf import HFPolicy
@@ -90,15 +91,15 @@ def open_policy(model: str, engine: EngineConfig, parity_prompts: Sequence[Seque
         tail_nats=engine.parity_tail_nats, tail_share=engine.parity_tail_share) if parity_prompts else None
     if engine.url:
         return VLLMPolicy.attach(engine.url, parity=parity, weight_transfer=engine.weight_transfer,
-                                 sleep_mode=engine.sleep_mode)
+                                 sleep_mode=engine.sleep_mode, adapters=adapters)
     server = ServerConfig(**{f.name: getattr(engine, f.name) for f in fields(ServerConfig)})  # its own part
     servers = [replace(server, model=model, gpus=gpus) for gpus in engine.replica_gpus()]
     if len(servers) == 1:
-        return VLLMPolicy.start(servers[0], progress=True, parity=parity)
+        return VLLMPolicy.start(servers[0], progress=True, parity=parity, adapters=adapters)
     from agentrl.policy.router import RoutedPolicy
 
     with ThreadPoolExecutor(len(servers)) as pool:  # they start together; the first one's progress is shown
-        starts = [pool.submit(VLLMPolicy.start, server, progress=i == 0, parity=parity)
+        starts = [pool.submit(VLLMPolicy.start, server, progress=i == 0, parity=parity, adapters=adapters)
                   for i, server in enumerate(servers)]
     if failed := [f.exception() for f in starts if f.exception() is not None]:
         for started in (f.result() for f in starts if f.exception() is None):

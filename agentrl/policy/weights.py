@@ -10,6 +10,9 @@ With mixed precision (`agentrl.policy.precision`) the parameters are float32 mas
 them so, and an engine that serves bf16 gets them cast once (`dtype`), the rounding its trainer's autocast
 forward sees too.
 
+A LoRA run whose engine serves adapters (vLLM's LoRA) syncs the adapter alone (`save_adapter_for_engine`), not
+the merged weights.
+
 A checkpoint for vLLM's `reload_weights` (`save_for_reload`) cannot carry tied embeddings: the reload leaves the
 output projection on the old weights, so such a sync is refused (`refuse_tied_embeddings`) in favour of a transfer.
 """
@@ -90,3 +93,17 @@ def save_for_reload(model: Any, path: Path, dtype: Any = None) -> None:
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
+
+
+def save_adapter_for_engine(model: Any, path: Path, dtype: Any = None) -> int:
+    """The model's LoRA adapter alone, as peft saves it (`adapter_model.safetensors` and `adapter_config.json`,
+    what vLLM's `/v1/load_lora_adapter` reads), cast to `dtype` (None: as held); the bytes written."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    state = {f"base_model.model.{k}": (v.to(dtype) if dtype is not None else v).detach().contiguous()
+             for k, v in get_peft_model_state_dict(model).items()}
+    save_file(state, str(path / "adapter_model.safetensors"))
+    model.peft_config["default"].save_pretrained(str(path))
+    return sum(f.stat().st_size for f in path.iterdir())

@@ -398,9 +398,10 @@ class RolloutEngine:
         which the policy writes as one more turn (sampled, trained); the next segment starts from the task and the
         summary."""
         ctx, r = self.config.context, self.renderer
-        if self._room(ep) - len(asking) < 1:
+        if self._room(ep) - len(asking) < 1:  # say which ran out: the segment's window or the episode's budget
             ep.turns.append(turn)
-            return self._window_full("the summary request")
+            window_short = self.config.window - len(ep.ids) - len(asking) < 1
+            return self._window_full("the summary request") if window_short else self._budget_spent()
         ep.extend(asking, sampled=False)
         ep.messages += exchange
         ep.turns.append(replace(turn, obs_end=len(ep.ids)))

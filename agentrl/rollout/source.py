@@ -25,6 +25,7 @@ run resumed from a checkpoint replays the positions that were in flight, with th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 from collections import deque
@@ -161,7 +162,8 @@ class RolloutSource:
     def close(self) -> None:
         """Stop: episodes in flight are cancelled (their envs closed), and the engine's threads shut down."""
         if self._loop is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._main.cancel)
+            with contextlib.suppress(RuntimeError):  # its loop closed on its own (the source failed) as it ends
+                self._loop.call_soon_threadsafe(self._main.cancel)
             self._thread.join()
 
     def _run(self) -> None:

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 # Run as `python -I -S -c`: no site, no agentrl import, so it starts in milliseconds and holds ~10 MB. It reads the
@@ -171,15 +172,36 @@ class ProcessGroup:
         return self._signal(0)
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM the group, wait up to `timeout` s for all of it to exit, SIGKILL what is left; idempotent."""
+        """SIGTERM the group, wait up to `timeout` s for all of it to exit, SIGKILL what is left; idempotent. The
+        leader's descendants that left the group for a session of their own (an agent CLI's shell tool starts each
+        command so) are found through their parents first and SIGKILLed after."""
+        escaped = self._escaped()
         self._signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
         while self.alive() and time.monotonic() < deadline:  # children release shared memory as they exit
             time.sleep(0.2)
-        self._signal(signal.SIGKILL)
+        self._kill(escaped)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=timeout)
         self._watchdog.kill()  # the group is gone: nothing left to watch
+
+    def kill(self) -> None:
+        """SIGKILL the group and every descendant of its leader at once, with no time to clean up (nor to start more:
+        the group is stopped first, SIGSTOP); idempotent."""
+        self._signal(signal.SIGSTOP)
+        self._kill(self._escaped())
+        self.process.wait()
+        self._watchdog.kill()
+
+    def _escaped(self) -> list[int]:
+        """The leader's descendants now that are not in its group."""
+        return [pid for pid in descendants(self.process.pid) if _group_of(pid) != self.process.pid]
+
+    def _kill(self, escaped: list[int]) -> None:
+        self._signal(signal.SIGKILL)
+        for pid in escaped:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
 
     def _signal(self, sig: int) -> bool:
         try:
@@ -187,3 +209,25 @@ class ProcessGroup:
         except (ProcessLookupError, PermissionError):
             return False
         return True
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes below `pid` now, through their parents (/proc; a process re-parented to init is not found)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def _group_of(pid: int) -> int | None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        return os.getpgid(pid)
+    return None

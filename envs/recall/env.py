@@ -14,6 +14,7 @@ any training task).
 from __future__ import annotations
 
 import random
+import re
 from typing import Sequence
 
 from agentrl.env.api import Score, ToolEnv
@@ -91,6 +92,21 @@ class LedgerEnv(ToolEnv):
 
     def difficulty(self, task: Task) -> dict[str, object]:
         return {"pages": len(task.data["chain"])}
+
+    def expert_turn(self, prompt: str, summary: bool = False, mistake: bool = False) -> str:
+        """A careful reader with no memory but its context: it reads the page the latest note names and answers once
+        it has read the last one; asked for a summary, it writes down every code it sees and the page to read next.
+        Its mistake: a summary of where to go next only, which loses the codes."""
+        codes, pages = re.findall(r"code (\d+)", prompt), re.findall(r"Next page: (\d+)", prompt)
+        last = "This is the last page" in prompt
+        if summary:
+            written = [] if mistake else [f"code {c}." for c in codes]
+            where = "This is the last page." if last else f"Next page: {pages[-1] if pages else '?'}."
+            return " ".join([*written, where])
+        if last:
+            return self.parser.format_answer(codes[0] if codes else "0")
+        page = int(pages[-1]) if pages else int(re.search(r"start at page (\d+)", prompt)[1])
+        return self.parser.format_call(ToolCall("read", {"page": page}))
 
     def gold_actions(self, task: Task) -> list[str]:
         reads = [self.parser.format_call(ToolCall("read", {"page": page})) for page in task.data["chain"]]

@@ -35,6 +35,7 @@ from agentrl.envs.swe.generate import CACHE, INSTANCES
 from agentrl.envs.swe.repos import REPOS, fetch, upload
 from agentrl.envs.swe.instances import InconsistentOutput, load, parse_pytest_summary
 from agentrl.tools import PARSERS, ParsedAction, ToolSet, tool
+from agentrl.tools.editing import editing_tools
 from agentrl.tools.sandbox import Limits, Runtime, SandboxError
 from agentrl.tools.sandbox.pool import shared_pool
 from agentrl.types import Message, Task, ToolCall
@@ -56,7 +57,6 @@ SYSTEM_PROMPT = (
     "code, view to read files, edit and create to change them; every bash command runs in a fresh shell. "
     "When the bug is fixed, call submit with a one-line summary.\n{fmt}"
 )
-VIEW_LINES = 200
 
 
 def spec_of(name: str):
@@ -93,63 +93,6 @@ class SWEEnv(ToolEnv):
             """
             return self.sandbox.run(argv=["bash", "-c", f"cd {REPO} && {command}"]).observation()
 
-        @tool(timeout=30.0)
-        def view(path: str, start: int = 1, end: int = 0) -> str:
-            """Show a file with line numbers.
-
-            Args:
-                path: The file, relative to the repository.
-                start: First line to show.
-                end: Last line to show (0: up to 200 lines from start).
-            """
-            try:
-                lines = self.sandbox.read(f"{REPO}/{path}").splitlines()
-            except OSError as e:
-                return f"error: cannot read {path}: {e}"
-            end = end if end > 0 else start + VIEW_LINES - 1
-            shown = [f"{i:6d}\t{line}" for i, line in enumerate(lines[start - 1:end], start)]
-            if not lines:
-                return "[empty]"
-            return "\n".join(shown) + f"\n[lines {start}-{min(end, len(lines))} of {len(lines)}]"
-
-        @tool(timeout=30.0)
-        def edit(path: str, old: str, new: str) -> str:
-            """Replace one exact occurrence of `old` in a file with `new`.
-
-            Args:
-                path: The file, relative to the repository.
-                old: Text that occurs exactly once in the file (include enough context to make it unique).
-                new: The replacement.
-            """
-            try:
-                text = self.sandbox.read(f"{REPO}/{path}")
-            except OSError as e:
-                return f"error: cannot read {path}: {e}"
-            count = text.count(old)
-            if count != 1:
-                return f"error: `old` occurs {count} times in {path}; it must occur exactly once"
-            self.sandbox.write(f"{REPO}/{path}", text.replace(old, new))
-            return f"edited {path}"
-
-        @tool(timeout=30.0)
-        def create(path: str, content: str) -> str:
-            """Create a new file.
-
-            Args:
-                path: The file, relative to the repository.
-                content: Its content.
-            """
-            try:
-                self.sandbox.read(f"{REPO}/{path}")
-                return f"error: {path} exists; change it with edit"
-            except OSError:
-                pass
-            try:
-                self.sandbox.write(f"{REPO}/{path}", content)
-            except OSError as e:
-                return f"error: cannot create {path}: {e}"
-            return f"created {path}"
-
         @tool(timeout=1.0)
         def submit(summary: str) -> str:
             """Finish: the repository as it is now is graded by hidden tests.
@@ -159,7 +102,9 @@ class SWEEnv(ToolEnv):
             """
             return summary
 
-        super().__init__(ToolSet([bash, view, edit, create, submit]), PARSERS[parser](), split=split,
+        files = editing_tools(lambda path: self.sandbox.read(f"{REPO}/{path}"),
+                              lambda path, text: self.sandbox.write(f"{REPO}/{path}", text), "the repository")
+        super().__init__(ToolSet([bash, *files, submit]), PARSERS[parser](), split=split,
                          max_turns=max_turns, max_invalid=max_invalid, reward_weights={"outcome": 1.0},
                          answer_tool="submit")
 

@@ -4,9 +4,10 @@ per task, `web/miniwob-<task>-v0`.
 The task pages come from the `miniwob` package and run offline from `file://`. Each episode opens the page in
 a fresh browser context, seeds the page's generator (`Math.seedrandom`), and starts it; the page itself
 decides the reward, and the env reads it from `WOB_RAW_REWARD_GLOBAL` once the page reports done. Reward
-components: `success` (raw reward > 0; the reward by default) and `raw_reward` (the page's own, in [-1, 1],
-partial credit included). The page's 10-second episode timer is lifted to an hour: a language model's
-thinking time is not what these tasks measure.
+components: `success` (the page's full reward, 1; the reward by default) and `raw_reward` (the page's own, in
+[-1, 1], partial credit included). Full, not any positive reward: click-checkboxes gives partial credit (the share
+of boxes left right), which a policy that clicks Submit at once earns on most of its tasks. The page's 10-second
+episode timer is lifted to an hour: a language model's thinking time is not what these tasks measure.
 
 Splits: `train` (11 task types, seeds from 0), `heldout_seeds` (the same types, seeds from 1,000,000) and
 `heldout_types` (5 task types that `train` never shows). Any other MiniWoB task runs with `tasks=[name]`
@@ -196,7 +197,7 @@ class MiniWoBEnv(WebEnv):
         result = self.result()
         raw = float(result["raw"]) if result["done"] else 0.0
         detail = f"page reward {raw:g}" + (f" ({result['reason']})" if result.get("reason") else "")
-        return Score({"success": float(raw > 0), "raw_reward": raw}, detail if result["done"] else
+        return Score({"success": float(raw >= 1.0), "raw_reward": raw}, detail if result["done"] else
                      "the episode ended before the page reported done" + (
                          f": {result['reason']}" if result.get("reason") else ""))
 

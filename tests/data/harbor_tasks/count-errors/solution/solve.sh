@@ -1,0 +1,2 @@
+#!/bin/bash
+grep -c ERROR /app/server.log > /app/answer.txt

@@ -1,0 +1,4 @@
+#!/bin/bash
+
+# Use this file to solve the task.
+echo "Hello, world!" > /app/hello.txt
