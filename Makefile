@@ -13,7 +13,7 @@ PIP   := $(VENV)/bin/pip install -q -c constraints.txt
 # folder named like the package could shadow it, which here is the package itself.
 EDITABLE := PYTHONWARNINGS='ignore:Editable installation' $(PIP) -e
 
-.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters setup-codex setup-claude model-smollm2 demo demo-smollm2 demo-search methods test unit fuzz mutate docs bench results lock clean
+.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters setup-codex setup-claude model-smollm2 demo demo-smollm2 demo-agent demo-search methods test unit fuzz mutate docs bench results lock clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -99,6 +99,12 @@ demo: setup
 demo-smollm2: setup-vllm model-smollm2
 	$(VENV)/bin/agentrl train recipes/cpu_smollm2_math_train.toml --model $(CACHE)/models/smollm2-135m-instruct
 	$(VENV)/bin/agentrl compare runs/smollm2-math
+
+# The same model trained inside an agent program (docs/results/smollm2_agent.md): examples/agents/calculator_openai.py,
+# written with the plain `openai` SDK, run unchanged through the gateway; held-out success before and after, paired.
+demo-agent: setup-vllm model-smollm2
+	$(VENV)/bin/agentrl train recipes/cpu_smollm2_agent_openai_train.toml --model $(CACHE)/models/smollm2-135m-instruct
+	$(VENV)/bin/agentrl compare runs/smollm2-agent
 
 # A real pretrained model becomes a Search-R1 agent (docs/results/search_r1_smollm2.md): SmolLM2-135M-Instruct on
 # search/r1-v0, SFT on 128 expert episodes then GRPO, held-out EM on the four search suites (800 tasks) before and
