@@ -26,7 +26,8 @@ where all of it runs on these cores, it can be at most `1 / cpu_busy` of the syn
 (`<env>_overlap_bound`): overlapping only fills cores that a synchronous step leaves idle, waiting.
 
 The model is the tiny one (5 M parameters, random weights: it writes no valid tool call, so every episode runs to
-its turn limit, and rewards are 0: the update still runs its forward and backward passes over every trained token).
+its turn limit). Its rewards are fair coins (the `random` source), so that groups vary and the update trains them:
+with the env's reward, 0 for every episode, the trainer skips every group and the bench would time rollouts alone.
 
     python bench/async_pipeline.py [--quick] [--envs web,swe,math,math+latency]
 
@@ -57,6 +58,7 @@ from agentrl.policy.hf import HFPolicy
 from agentrl.policy.protocol import SamplingParams
 from agentrl.rollout.engine import RolloutConfig
 from agentrl.trainers.methods.grpo import GRPOConfig, train
+from agentrl.trainers.rewards import RewardConfig
 from results import record  # bench/results.py: the last line, kept in bench/results/
 
 MODEL_DIR = Path("~/.cache/agentrl/models/tiny").expanduser()
@@ -102,6 +104,7 @@ def run_row(model_dir: Path, env_name: str, max_staleness: int, steps: int, out:
     slow = env_name.endswith("+latency")
     stops = tuple(range(0, len(tokenizer), 2)) if slow else ()
     cfg = GRPOConfig(steps=steps, tasks_per_step=tasks_per_step, lr=1e-4, minibatch_size=16, seed=0,
+                     reward=RewardConfig(terms={"random": 1.0}),
                      max_staleness=max_staleness,
                      group_size=group_size, rollout=RolloutConfig(concurrency=concurrency, env_workers=concurrency,
                                            max_total_tokens=2048,
