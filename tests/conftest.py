@@ -134,6 +134,20 @@ def _train_to_answer(model, prompts, target: list[int], steps: int | None = None
     return trained.eval()
 
 
+def record_calls(policy) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Wrap `policy.generate` so that each call's prompt ids and its first sample's ids are appended to the list
+    returned, in call order: what an agent program sent and got, token for token."""
+    calls, generate = [], policy.generate
+
+    async def recording(prompt_ids, sampling):
+        samples = await generate(prompt_ids, sampling)
+        calls.append((tuple(prompt_ids), samples[0].token_ids))
+        return samples
+
+    policy.generate = recording
+    return calls
+
+
 @pytest.fixture(scope="session")
 def train_to_answer():
     return _train_to_answer

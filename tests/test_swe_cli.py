@@ -24,6 +24,7 @@ from agentrl.policy import scripted
 from agentrl.policy.protocol import SamplingParams
 from agentrl.rollout.engine import RolloutConfig
 from agentrl.types import Status
+from conftest import record_calls
 
 
 @dataclass(frozen=True)
@@ -78,15 +79,7 @@ def play(cli: CLI, renderer, task, replies: list):
         return reply() if callable(reply) else reply
 
     policy = scripted.ScriptedPolicy(renderer, respond, renderer.generation_prompt)
-    calls = []
-    generate = policy.generate
-
-    async def recording(prompt_ids, sampling):
-        samples = await generate(prompt_ids, sampling)
-        calls.append((tuple(prompt_ids), samples[0].token_ids))
-        return samples
-
-    policy.generate = recording
+    calls = record_calls(policy)
     rollout = RolloutConfig(group_size=1, max_total_tokens=16384, sampling=SamplingParams(max_tokens=1024))
     engine = AgentEngine(load_program(cli.program), policy, renderer, rollout, AgentConfig(cli.program, timeout=600))
     [group] = asyncio.run(engine.run([task]))

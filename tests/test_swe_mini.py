@@ -15,6 +15,7 @@ from agentrl.policy import scripted
 from agentrl.policy.protocol import SamplingParams
 from agentrl.rollout.engine import RolloutConfig
 from agentrl.types import Status, StopReason
+from conftest import record_calls
 
 PROGRAM = "examples.agents.swe_mini:solve"
 
@@ -27,15 +28,7 @@ def play(renderer, task, replies: list[str], max_total_tokens: int = 8192):
     """One run of mini-swe-agent on `task` with a policy that replies `replies` in turn (the last one again)."""
     policy = scripted.ScriptedPolicy(renderer, lambda prompt, turn: replies[min(turn, len(replies) - 1)],
                                      renderer.generation_prompt)
-    prompts = []
-    generate = policy.generate
-
-    async def recording(prompt_ids, sampling):
-        samples = await generate(prompt_ids, sampling)
-        prompts.append((tuple(prompt_ids), samples[0].token_ids))
-        return samples
-
-    policy.generate = recording
+    prompts = record_calls(policy)
     rollout = RolloutConfig(group_size=1, max_total_tokens=max_total_tokens, sampling=SamplingParams(max_tokens=512))
     engine = AgentEngine(load_program(PROGRAM), policy, renderer, rollout, AgentConfig(PROGRAM, timeout=300))
     [group] = asyncio.run(engine.run([task]))
