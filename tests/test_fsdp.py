@@ -339,17 +339,31 @@ max_tokens = 16
 
 def train(tmp_path, model_dir, out: str, steps: int, ranks: int, loop: str) -> list[dict]:
     import json
+    import signal
     import subprocess
     import sys
+    import time
     from pathlib import Path
+
+    from agentrl.system.lifetime import descendants
 
     recipe = tmp_path / f"{out}-{steps}.toml"
     recipe.write_text(RECIPE.format(model=model_dir, out=tmp_path / out, steps=steps, loop=loop))
     cli = str(Path(sys.executable).parent / "agentrl")
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
               os.environ["TEST_FSDP_PORT"]] if ranks > 1 else [sys.executable]
-    subprocess.run([*launch, cli, "train", str(recipe)], check=True, timeout=600,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    job = subprocess.Popen([*launch, cli, "train", str(recipe)], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:  # 10-50 s on 2 cores, with the other test worker busy
+        assert job.wait(timeout=240) == 0
+    except subprocess.TimeoutExpired:  # every rank's stacks into the captured stderr (`agentrl train`'s SIGUSR1)
+        for pid in descendants(job.pid) if ranks > 1 else [job.pid]:  # the ranks, not torchrun
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(5)
+        for pid in [job.pid, *descendants(job.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        raise
     return [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
 
 

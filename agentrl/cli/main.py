@@ -4,7 +4,10 @@ imports happen inside commands so `--help` stays fast."""
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
+import signal
+import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -155,6 +158,9 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
         _dry_run(job, gpus, gpu_memory_gib, model_config, ranks, tokens_per_s)
         return
     make_or_exit(job.env, **job.env_kwargs)
+    # `kill -USR1 PID` prints every thread's stack to stderr (fd 2, whatever replaced sys.stderr) and the job goes
+    # on: where a stuck rank waits
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     try:
         summary = run(job, log=console.print)
     except (CheckpointError, NonFiniteLoss) as e:  # what the message says is all there is to know
