@@ -216,6 +216,22 @@ def test_the_watchdog_leaves_when_the_group_ends_on_its_own():
     group.stop()
 
 
+def test_a_group_once_gone_is_never_signalled_again(monkeypatch):
+    """The group's id is its leader's pid, which the kernel hands out again (pid_max is 32768 on some machines): once
+    the group is gone, stop, kill and alive signal nothing and look for no descendants of that pid."""
+    from agentrl.system import lifetime
+
+    group = ProcessGroup(["true"])
+    group.process.wait()
+    assert not group.alive()  # finds the group gone
+    sent = []
+    monkeypatch.setattr(os, "killpg", lambda pgid, sig: sent.append((pgid, sig)))  # as if the pid were reused
+    monkeypatch.setattr(lifetime, "descendants", lambda pid: pytest.fail(f"looked for descendants of pid {pid}"))
+    group.stop(timeout=1)
+    group.kill()
+    assert not group.alive() and sent == []
+
+
 def test_a_group_ends_with_its_sigkilled_owner_even_when_it_ignores_sigterm(tmp_path):
     owner, _ = start_owner(tmp_path, [sys.executable, "-c", GROUP_OWNER], timeout=60)
     below, seconds = kill_and_check(owner, within=5)

@@ -152,6 +152,7 @@ class ProcessGroup:
 
     def __init__(self, args: Sequence[str], grace: float = 10.0, **popen: Any):
         self.process = subprocess.Popen(args, start_new_session=True, **popen)
+        self._ended = False  # the group is gone for good: its id, the leader's pid, may be another's now
         try:
             self._watchdog = Watchdog(grace)
             self._watchdog.watch(self.process.pid)
@@ -194,7 +195,10 @@ class ProcessGroup:
         self._watchdog.kill()
 
     def _escaped(self) -> list[int]:
-        """The leader's descendants now that are not in its group."""
+        """The leader's descendants now that are not in its group (none once it is reaped: its children went to init,
+        and its pid may be another process's)."""
+        if self.process.poll() is not None:
+            return []
         return [pid for pid in descendants(self.process.pid) if _group_of(pid) != self.process.pid]
 
     def _kill(self, escaped: list[int]) -> None:
@@ -204,9 +208,14 @@ class ProcessGroup:
                 os.kill(pid, signal.SIGKILL)
 
     def _signal(self, sig: int) -> bool:
+        if self._ended:  # pids are reused (pid_max may be 32768): the id may name an unrelated group by now
+            return False
         try:
             os.killpg(self.process.pid, sig)
-        except (ProcessLookupError, PermissionError):
+        except ProcessLookupError:  # no member left, not even the leader's zombie: reaped, gone for good
+            self._ended = True
+            return False
+        except PermissionError:
             return False
         return True
 
