@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length"]  # why the policy stopped a turn: its stop token, or max_tokens
 
 
 class Status(str, enum.Enum):
@@ -122,7 +124,7 @@ class Turn:
     end: int
     obs_end: int
     reward: float = 0.0
-    finish_reason: str = "stop"  # the policy's: stop | length
+    finish_reason: FinishReason = "stop"
     # the policy weights that sampled [start, end): in asynchronous training an episode's turns can differ
     weight_version: int = 0
 

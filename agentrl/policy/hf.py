@@ -24,10 +24,11 @@ from typing import Sequence
 import torch
 
 from agentrl.policy.parity import Probe
-from agentrl.policy.protocol import FinishReason, PolicyError, Sample, SamplingParams
+from agentrl.policy.protocol import PolicyError, Sample, SamplingParams
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.policy.precision import autocast
 from agentrl.policy.weights import export_state_dict
+from agentrl.types import FinishReason
 
 
 GATHER_QUIET_S = 0.005  # an idle worker starts a batch once no request arrived for this long,

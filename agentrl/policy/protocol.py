@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 from pydantic import with_config
 
 from agentrl.config import STRICT
+from agentrl.types import FinishReason
 
-FinishReason = Literal["stop", "length"]
 # Seeds the engines accept: vLLM and torch take a signed 64-bit seed, and sample i of a request draws seed + i. A
 # larger one fails the engine's whole batch, the other requests in it included.
 MAX_SEED = 2**63 - 1 - 64
