@@ -363,6 +363,7 @@ def train(tmp_path, model_dir, out: str, steps: int, ranks: int, loop: str) -> l
         for pid in [job.pid, *descendants(job.pid)]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        job.wait()
         raise
     return [json.loads(line) for line in (tmp_path / out / "metrics.jsonl").read_text().splitlines()]
 
