@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from agentrl.system import lifetime
 from agentrl.system.lifetime import ProcessGroup
 
 # An owner prints "ready" once what it started is up, then waits to be killed.
@@ -219,8 +220,6 @@ def test_the_watchdog_leaves_when_the_group_ends_on_its_own():
 def test_a_group_once_gone_is_never_signalled_again(monkeypatch):
     """The group's id is its leader's pid, which the kernel hands out again (pid_max is 32768 on some machines): once
     the group is gone, stop, kill and alive signal nothing and look for no descendants of that pid."""
-    from agentrl.system import lifetime
-
     group = ProcessGroup(["true"])
     group.process.wait()
     assert not group.alive()  # finds the group gone
