@@ -4,6 +4,7 @@ of a worker that dies are played again elsewhere, none lost or counted twice."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import sys
 import time
@@ -102,6 +103,24 @@ def test_a_dead_worker_loses_nothing(pool, renderer):
     replayed = [t for t in remote if t.info.get("attempts", 1) > 1]
     assert replayed and all(t.info["attempts"] == 2 for t in replayed)
     assert ray.get(pool.workers[0].stats.remote())["pid"] != killed[0]  # restarted in a new process
+
+
+def test_a_new_env_tries_every_worker_once_while_other_threads_make_envs(monkeypatch):
+    """Worker 0 is down; between this make's two tries another thread takes the next turn of the round robin.
+    The make still reaches worker 1 (with the shared counter alone it tried worker 0 twice and failed)."""
+    pool = RayEnvPool.__new__(RayEnvPool)
+    pool.workers, pool._next = ["down", "up"], itertools.count()
+    tried = []
+
+    def remote_env(pool_, worker, episode, kwargs):
+        tried.append(worker)
+        if worker == "down":
+            next(pool._next)  # another thread's make
+            raise WorkerLost("env worker died: ActorUnavailableError: The actor is restarting")
+        return worker
+
+    monkeypatch.setattr("agentrl.rollout.ray_pool.RemoteEnv", remote_env)
+    assert pool.make() == "up" and tried == ["down", "up"]
 
 
 def test_retries_are_bounded(pool):

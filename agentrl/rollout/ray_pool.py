@@ -143,9 +143,11 @@ class RayEnvPool:
     def make(self, **kwargs: Any) -> "RemoteEnv":
         """A new env on the next worker, round robin (a restarted worker takes episodes again). A worker that is
         down is passed over: the rollout engine makes envs from several threads at once, so one of them can reach
-        a worker between its death and its restart, and an episode that has not started loses nothing by moving."""
-        for _ in range(len(self.workers)):
-            worker = self.workers[next(self._next) % len(self.workers)]
+        a worker between its death and its restart, and an episode that has not started loses nothing by moving.
+        Each worker is tried once, from this call's own start: the shared counter moves under other threads."""
+        start = next(self._next)
+        for i in range(len(self.workers)):
+            worker = self.workers[(start + i) % len(self.workers)]
             try:
                 return RemoteEnv(self, worker, uuid.uuid4().hex, kwargs)
             except WorkerLost as e:
