@@ -153,7 +153,8 @@ fuzz: setup setup-browser setup-swe
 # that was not killed ([tool.mutmut] in pyproject.toml; `mutmut show NAME` in build/mutate prints one).
 MUTATE  := build/mutate
 MUTANTS := 'agentrl.trainers.losses.*' 'agentrl.trainers.advantages.*' 'agentrl.renderer.*' \
-	'agentrl.rollout.engine.x?_Episode?extend*' 'agentrl.rollout.engine.x?_Episode?freeze*' \
+	'agentrl.rollout.episode.x?EpisodeBuilder?extend*' 'agentrl.rollout.episode.x?EpisodeBuilder?new_segment*' \
+	'agentrl.rollout.episode.x?EpisodeBuilder?freeze*' 'agentrl.rollout.episode.x?EpisodeBuilder?_trajectory*' \
 	'agentrl.envs.code.harness.*' 'agentrl.envs.code.env.x?CodeEnv?score*' \
 	'agentrl.envs.swe.instances.x_parse_pytest_summary*' 'agentrl.envs.swe.env.x?SWEEnv?score*' \
 	'agentrl.envs.swe.env.x_patch_paths*' 'agentrl.envs.swe.env.x_split_patch*'
