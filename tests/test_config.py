@@ -1,5 +1,7 @@
 """Typed configs from TOML: recipes load; unknown keys, bad types and impossible combinations are errors."""
 
+import dataclasses
+import typing
 from pathlib import Path
 
 import pytest
@@ -186,3 +188,26 @@ def test_eval_job_is_typed_and_refuses_what_cannot_work(tmp_path):
                           ({"rollout": {"sampling": {"temperature": 0.7}}}, "set temperature instead")]:
         with pytest.raises(ConfigError, match=message):
             load_config(EvalJob, {"suite": "s", "model": "m", **data})
+
+
+def keys(cls, skip=()) -> list[str]:
+    """The dotted leaf keys a recipe can set in a config class (its nested tables expanded), less `skip`'s tables."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        table = [t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if dataclasses.is_dataclass(t)]
+        out += [f"{f.name}.{key}" for key in keys(table[0])] if table else [f.name]
+    return out
+
+
+def test_a_job_holds_fewer_than_250_keys_whatever_its_method():
+    """A recipe holds one RL method's table (a second is refused), so a job's keys are the shared tables' and that
+    method's: fewer than 250 for each (issue 53), the method tables' union aside."""
+    from agentrl.trainers.job.recipe import TrainJob
+    from agentrl.trainers.methods import METHODS
+
+    per_method = {name: len(keys(TrainJob, skip=[m for m in METHODS if m not in (name, METHODS[name].settings)]))
+                  for name in METHODS}
+    assert max(per_method.values()) < 250 and min(per_method.values()) > 150, per_method
