@@ -107,6 +107,13 @@ class Message:
         return cls(d["role"], d["content"], calls, d.get("tool_call_id"), d.get("name"))
 
 
+# the numbers an episode reports (`Trajectory.metrics`): counted by the rollout engine, the gateway (`calls`,
+# `failed_calls`, `parse_errors`), the eval runner (`success`) and the confidence rewards (`entropy`, ...)
+EPISODE_METRICS = frozenset({
+    "tool_calls", "invalid_actions", "seconds", "attempts", "untrained_tokens", "segments", "episode_turns",
+    "episode_sampled_tokens", "summaries", "summary_tokens", "calls", "failed_calls", "parse_errors", "success",
+    "entropy", "self_certainty"})
+
 # the usual stop reason of each status: what a trajectory read from a file without stop reasons gets
 TYPICAL_STOP = {"ok": StopReason.TERMINATED, "truncated": StopReason.MAX_TURNS, "error": StopReason.ENV_ERROR}
 
@@ -149,8 +156,11 @@ class Trajectory:
     weight_version: int = 0  # the oldest policy weights that sampled it (each turn's: `Turn.weight_version`)
     answer: str | None = None  # the final answer the episode gave, if it gave one
     session: str | None = None  # the agent session (gateway) it is a segment of
-    # what else the env and the runners report: counts (tool_calls, seconds, ...) and per-turn values
-    info: dict[str, Any] = field(default_factory=dict)
+    # numbers that are summed or averaged over trajectories: tool_calls, invalid_actions, seconds, attempts, ...
+    # (`EPISODE_METRICS`); an episode of several segments has its totals on each of them
+    metrics: dict[str, float] = field(default_factory=dict)
+    # what is only shown or looked up: per-turn values, the segment's index, an evaluation's entry and sample
+    logs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         T = len(self.token_ids)
@@ -184,6 +194,11 @@ class Trajectory:
             d[key] = tuple(d[key])
         d["turns"] = tuple(Turn(**t) for t in d["turns"])
         status = d.pop("status")  # written for readers of the file; the stop reason says it
+        if "info" in d:  # written before metrics and logs were apart
+            info = d.pop("info")
+            numbers = {k for k, v in info.items() if k in EPISODE_METRICS and isinstance(v, (int, float))}
+            d["metrics"] = {k: info[k] for k in numbers}
+            d["logs"] = {k: v for k, v in info.items() if k not in numbers}
         d["stop"] = StopReason(d["stop"]) if d.get("stop") else TYPICAL_STOP[status]
         d["messages"] = tuple(Message.from_dict(m) for m in d["messages"])
         return cls(**d)

@@ -52,7 +52,7 @@ def test_the_example_program_sees_the_envs_prompts_and_earns_its_rewards(rendere
             assert t.token_ids[:t.prompt_len] == env_prompt  # the example's prompt is the env's, token for token
             assert tuple(t.token_ids[:t.turns[1].start]) in prompts  # the second call saw exactly this context
             assert sum(t.loss_mask) == sum(t.end - t.start for t in t.turns)
-            assert "= 10" in renderer.decode(t.token_ids) or t.info["calls"] == 2
+            assert "= 10" in renderer.decode(t.token_ids) or t.metrics["calls"] == 2
     assert len({t.session for g in groups for t in g.trajectories}) == 8
 
 
@@ -200,7 +200,7 @@ def test_calls_past_max_turns_end_the_session_as_truncated_and_the_program_with_
     [t] = group.trajectories
     assert time.monotonic() - start < 30
     assert (t.status, t.stop, t.reward) == (Status.TRUNCATED, StopReason.MAX_TURNS, 0.0), t.reason
-    assert "more than max_turns=3 model calls" in t.reason and len(t.turns) == 3 and t.info["calls"] == 4
+    assert "more than max_turns=3 model calls" in t.reason and len(t.turns) == 3 and t.metrics["calls"] == 4
 
 
 def test_a_program_that_floods_the_gateway_is_an_error_and_leaves_no_process(renderer, tmp_path):

@@ -59,8 +59,8 @@ def test_an_agents_sdk_program_with_a_sub_agent_records_exact_segments(renderer,
             assert list(t.loss_mask) == mask and t.prompt_len == t.turns[0].start and t.turns[-1].end == len(ids)
         assert len(sessions) == 2
         for segments in sessions.values():
-            main, check = sorted(segments, key=lambda t: t.info["segment"])
-            assert [main.info["segment"], check.info["segment"]] == [0, 1] and "forked_from" not in check.info
+            main, check = sorted(segments, key=lambda t: t.logs["segment"])
+            assert [main.logs["segment"], check.logs["segment"]] == [0, 1] and "forked_from" not in check.logs
             # the solver: the env's messages under the SDK's tool schema, a calculator call, its result, the answer
             assert tuple(main.messages[:2]) == env.first_messages(task) and main.messages[0].content == SYSTEM
             assert main.token_ids[:main.prompt_len] == tuple(renderer.prompt_ids(env.first_messages(task),

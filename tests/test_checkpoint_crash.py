@@ -80,10 +80,10 @@ def test_report_names_file_and_line_of_a_damaged_metrics_jsonl(tmp_path):
         load_training(tmp_path)
 
 
-def trajectory(task_id="t", **info) -> Trajectory:
+def trajectory(task_id="t", **logs) -> Trajectory:
     ids = (1, 2, 3, 4)
     return Trajectory(task_id, ids, (0, 0, 1, 1), (0.0,) * 4, prompt_len=2, turns=(Turn(2, 4, 4),), reward=1.0,
-                      info=info)
+                      logs=logs)
 
 
 def test_eval_resume_survives_a_line_cut_inside_a_utf8_character(tmp_path):
@@ -97,6 +97,17 @@ def test_eval_resume_survives_a_line_cut_inside_a_utf8_character(tmp_path):
         finished = _read_finished(path)
     assert list(finished) == [("e", "t0", 0)]
     assert path.read_bytes() == whole  # ready to append
+
+
+def test_an_eval_file_written_before_metrics_and_logs_were_apart_still_resumes(tmp_path):
+    """Trajectories of an older version kept one `info`: its numbers read back as metrics, the rest as logs."""
+    path = tmp_path / "trajectories.jsonl"
+    old = {k: v for k, v in trajectory("t0").to_dict().items() if k not in ("metrics", "logs")}
+    old["info"] = {"entry": "e", "sample": 0, "success": True, "tool_calls": 2, "summary_tokens": [7, 9]}
+    path.write_text(json.dumps(old) + "\n")
+    (t,) = _read_finished(path).values()
+    assert t.metrics == {"success": True, "tool_calls": 2}
+    assert t.logs == {"entry": "e", "sample": 0, "summary_tokens": [7, 9]}  # a list is no metric
 
 
 def test_metrics_of_a_resumed_run_keep_the_steps_up_to_its_checkpoint_and_drop_a_cut_line(tmp_path):

@@ -86,7 +86,7 @@ def test_compare_pools_held_out_suites_and_pairs_their_tasks(tmp_path, monkeypat
     solved = {"before_RL": {"x": {0, 1, 2}, "y": {0}}, "after_RL": {"x": {0, 3, 4, 5, 6}, "y": {0, 1}}}
     for label, splits in solved.items():
         write_jsonl([Trajectory(f"t{i}", (1,), (0,), (0.0,), 1, (), float(i in ids),
-                                info={"split": split, "success": i in ids})
+                                metrics={"success": i in ids}, logs={"split": split})
                      for split, ids in splits.items() for i in range(10)],
                     run / "heldout" / label / "trajectories.jsonl")
 
@@ -116,7 +116,7 @@ def test_baselines_table_pairs_every_row_with_one_and_gives_each_suite(tmp_path)
         write_jsonl([Trajectory(f"t{i}", (1,), (0,), (0.0,), 1, (), float(i in ids),
                                 stop=StopReason.ENV_ERROR if (name, split, i) == ("GRPO", "y", 9)
                                 else StopReason.TERMINATED,
-                                info={"split": split, "success": i in ids})
+                                metrics={"success": i in ids}, logs={"split": split})
                      for split, ids in splits.items() for i in range(10)], tmp_path / name / "trajectories.jsonl")
     table_md = tmp_path / "table.md"
     result = runner.invoke(app, ["baselines", *(f"{n}={tmp_path / n}" for n in solved), "--against", "SFT",

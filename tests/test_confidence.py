@@ -61,11 +61,11 @@ def test_sources_read_the_scores_and_need_them(tiny_model_dir):
         group_rewards(group, cfg)
     assert group_rewards(group, cfg, skip=("rent", "self_certainty")) == [0.0, 1.0, 0.0, 1.0]
     score_confidence(model, [group])
-    assert "confidence" not in group.trajectories[-1].info  # an error is neither scored nor rewarded
-    expected = [-t.info["confidence"]["entropy"] + 0.5 * t.info["confidence"]["self_certainty"] + t.reward for t in ts]
+    assert "entropy" not in group.trajectories[-1].metrics  # an error is neither scored nor rewarded
+    expected = [-t.metrics["entropy"] + 0.5 * t.metrics["self_certainty"] + t.reward for t in ts]
     assert group_rewards(group, cfg) == pytest.approx(expected)
     metrics = confidence_metrics([group])
-    assert metrics["confidence/entropy"] == pytest.approx(sum(t.info["confidence"]["entropy"] for t in ts) / 4)
+    assert metrics["confidence/entropy"] == pytest.approx(sum(t.metrics["entropy"] for t in ts) / 4)
     assert -1 <= metrics["confidence/rent_env_reward_corr"] <= 1
 
 
@@ -105,9 +105,9 @@ def test_dpo_pairs_by_confidence_need_the_model(tiny_model_dir):
     with pytest.raises(ValueError, match="needs the policy's model"):
         preference_pairs([group], cfg)
     [(chosen, rejected)] = preference_pairs([group], cfg, model=model)
-    entropy = [t.info["confidence"]["entropy"] for t in ts]
-    assert chosen.info["confidence"]["entropy"] == min(entropy)
-    assert rejected.info["confidence"]["entropy"] == max(entropy)
+    entropy = [t.metrics["entropy"] for t in ts]
+    assert chosen.metrics["entropy"] == min(entropy)
+    assert rejected.metrics["entropy"] == max(entropy)
 
 
 def test_a_ppo_step_scores_the_confidence_it_trains_on(tiny_model_dir):
@@ -122,6 +122,6 @@ def test_a_ppo_step_scores_the_confidence_it_trains_on(tiny_model_dir):
     ppo = PPO(cfg, model, torch.optim.AdamW(model.parameters(), lr=cfg.lr))
     assert ppo.keep(group)  # nothing scored yet: keep does not need the confidence
     metrics = ppo.train_step([group], [group], 0)
-    entropy = group.trajectories[0].info["confidence"]["entropy"]
+    entropy = group.trajectories[0].metrics["entropy"]
     assert metrics["train_reward"] == pytest.approx(-entropy)
     assert metrics["confidence/entropy"] == pytest.approx(entropy)

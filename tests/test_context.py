@@ -54,7 +54,7 @@ def play(renderer, policy: str, window: int | None, max_total_tokens: int = 6000
 
 def episodes(trajectories):
     """The last segment of each episode (the whole trajectory of an unsegmented one)."""
-    return [t for t in trajectories if t.info.get("segment", 0) + 1 == t.info.get("segments", 1)]
+    return [t for t in trajectories if t.logs.get("segment", 0) + 1 == t.metrics.get("segments", 1)]
 
 
 def test_the_ledger_needs_compaction_when_the_window_holds_two_pages(renderer):
@@ -69,7 +69,7 @@ def test_the_ledger_needs_compaction_when_the_window_holds_two_pages(renderer):
     assert sum(t.reward for t in episodes(sliding)) == 0 and all(t.stop is StopReason.TERMINATED
                                                                   for t in episodes(sliding))
     assert [t.reward for t in episodes(compact)] == [1.0] * 4
-    assert all(t.info["segments"] > 1 for t in episodes(compact) + episodes(sliding))
+    assert all(t.metrics["segments"] > 1 for t in episodes(compact) + episodes(sliding))
 
 
 def test_each_segment_holds_exactly_the_sampled_tokens_and_the_summary_is_trained(renderer):
@@ -84,12 +84,14 @@ def test_each_segment_holds_exactly_the_sampled_tokens_and_the_summary_is_traine
         assert sum(mask) == sum(turn.end - turn.start for turn in t.turns) and set(mask[:t.prompt_len]) == {0}
         assert tuple(ids) == policy.calls[[c[0] for c in policy.calls].index(tuple(ids[:t.turns[-1].start]))][0] \
             + tuple(ids[t.turns[-1].start:])  # the last call saw exactly the segment's ids before its turn
-    first = [t for t in trajectories if t.info.get("segment") == 0][0]
-    second = next(t for t in trajectories if t.session == first.session and t.info["segment"] == 1)
+    first = [t for t in trajectories if t.logs.get("segment") == 0][0]
+    second = next(t for t in trajectories if t.session == first.session and t.logs["segment"] == 1)
     summary = first.turns[-1]  # a segment that hands over ends with the summary, sampled after the request
     summary_text = renderer.decode(first.token_ids[summary.start:summary.end - 1])
     assert SUMMARY_PROMPT in renderer.decode(first.token_ids[first.turns[-2].end:summary.start])
-    assert first.info["summary_tokens"][0] == summary.end - summary.start
+    handing_over = [t for t in trajectories if t.session == first.session and t.logs["segment"] + 1 < t.metrics["segments"]]
+    assert first.metrics["summaries"] == len(handing_over) == first.metrics["segments"] - 1  # each ends with its summary
+    assert first.metrics["summary_tokens"] == sum(t.turns[-1].end - t.turns[-1].start for t in handing_over)
     # the next segment is the task and that summary, rendered afresh (mask 0), then its own sampled turns
     task = list(env.first_messages(env.tasks[int(first.task_id.rsplit("-", 1)[1])]))
     expected = renderer.prompt_ids(resumed(task, summary_text, ContextConfig().resume_prompt), env.tool_schemas)
@@ -103,7 +105,7 @@ def test_sliding_window_keeps_the_task_and_the_latest_turns(renderer):
     for t in trajectories:
         assert len(t.token_ids) <= 900 and t.messages[:2] == tuple(env.first_messages(
             env.tasks[int(t.task_id.rsplit("-", 1)[1])]))
-        if t.info["segment"] > 0:  # it starts with a kept turn: the assistant's call and the page it read
+        if t.logs["segment"] > 0:  # it starts with a kept turn: the assistant's call and the page it read
             assert t.messages[2].role == "assistant" and t.messages[3].role == "tool"
 
 
@@ -128,7 +130,7 @@ def test_the_segments_of_an_episode_are_one_sample_of_the_group(renderer):
     """Session-level GRPO: beside a failed episode, the segments of a solved one share one advantage, and the
     baseline counts that episode once (as two samples: rewards 1 and 0), not once per segment."""
     segments, _, _ = play(renderer, "compact", 900, n=1, summary_tokens=48)
-    failed = replace(segments[-1], session=None, reward=0.0, info={})
+    failed = replace(segments[-1], session=None, reward=0.0, metrics={}, logs={})
     batch = to_batch([Group(Task("t"), (*segments, failed))], "grpo", [[t.reward for t in (*segments, failed)]])
     advantage = [batch.adv_BT[b][batch.mask_BT[b].bool()].unique().tolist() for b in range(len(batch))]
     expected = ADVANTAGES["grpo"](torch.tensor([1.0, 0.0]), None, torch.tensor([0, 0])).tolist()
@@ -139,13 +141,14 @@ def test_the_segments_of_an_episode_are_one_sample_of_the_group(renderer):
 def test_rollout_metrics_count_episodes_once_and_every_segments_tokens(renderer):
     trajectories, _, _ = play(renderer, "compact", 900, summary_tokens=48)
     summary = summarize(trajectories, max_reward=1.0)
-    summaries = [k for t in episodes(trajectories) for k in t.info["summary_tokens"]]
+    summaries = [t.turns[-1].end - t.turns[-1].start for t in trajectories  # a segment that hands over ends with one
+                 if t.logs.get("segment", 0) + 1 < t.metrics.get("segments", 1)]
     assert summary["episodes"] == 4 and summary["success"] == 1.0 and len(trajectories) > 4
     assert summary["sampled_tokens"] == sum(t.num_sampled for t in trajectories)
     assert summary["mean_turns"] == sum(len(t.turns) for t in trajectories) / 4
     assert summary["segments_per_episode"] == len(trajectories) / 4
     assert summary["mean_summary_tokens"] == sum(summaries) / len(summaries) > 0
-    assert summary["success_by_segments"] == {str(k): 1.0 for k in sorted({t.info["segments"]
+    assert summary["success_by_segments"] == {str(k): 1.0 for k in sorted({t.metrics["segments"]
                                                                          for t in trajectories})}
 
 
@@ -175,9 +178,9 @@ def test_expert_demonstrations_play_with_the_context_policy_and_write_the_summar
     demos = demonstrations(lambda split="train": LedgerEnv(split=split, n_tasks=4), list(env.tasks), renderer,
                            rollout, 0.0, 0, tmp_path / "demos.jsonl")
     assert [t.reward for t in episodes(demos)] == [1.0] * 4 and all(len(t.token_ids) <= 900 for t in demos)
-    assert any(t.info["segments"] > 1 for t in episodes(demos))
+    assert any(t.metrics["segments"] > 1 for t in episodes(demos))
     for t in demos:
-        if t.info["segment"] + 1 < t.info["segments"]:  # it hands over: its last turn is the expert's summary
+        if t.logs["segment"] + 1 < t.metrics["segments"]:  # it hands over: its last turn is the expert's summary
             summary = renderer.decode(t.token_ids[t.turns[-1].start:t.turns[-1].end])
             assert f"code {env.tasks[int(t.task_id.rsplit('-', 1)[1])].data['answer']}." in summary
     assert len(list(read_jsonl(tmp_path / "demos.jsonl"))) == len(demos)
@@ -193,7 +196,7 @@ def test_the_experts_mistakes_are_summaries_that_lose_the_code(renderer, tmp_pat
 
     def rewards(error_rate, name):
         demos = demonstrations(make_env, tasks, renderer, rollout, error_rate, 0, tmp_path / name)
-        return [t.reward for t in episodes(demos) if t.info["segments"] > 1]
+        return [t.reward for t in episodes(demos) if t.metrics["segments"] > 1]
 
     assert rewards(1.0, "all.jsonl") == [0.0] * 8
     some = rewards(0.2, "some.jsonl")

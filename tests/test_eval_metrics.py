@@ -161,11 +161,12 @@ def episode(task: str, entry: str, sample: int, success: bool = False, status: S
         mask += [1, 1, 0]
         turn_list.append(Turn(start, start + 2, start + 3))
     reward = 1.0 if success else 0.0
-    info = {"entry": entry, "env": "env/x", "split": entry.split(":")[1], "sample": sample, "success": success,
-            "tool_calls": max(turns - 1, 0), "seconds": 1.0 + turns,
+    metrics = {"success": success, "tool_calls": max(turns - 1, 0), "seconds": 1.0 + turns}
+    logs = {"entry": entry, "env": "env/x", "split": entry.split(":")[1], "sample": sample,
             "difficulty": {"hops": hops} if hops is not None else {}}
     return Trajectory(task, tuple(ids), tuple(mask), tuple(0.0 for _ in ids), 2, tuple(turn_list), reward,
-                      {"outcome": reward, "format": 1.0}, TYPICAL_STOP[status], reason, answer=answer, info=info)
+                      {"outcome": reward, "format": 1.0}, TYPICAL_STOP[status], reason, answer=answer, metrics=metrics,
+                      logs=logs)
 
 
 S1, S2 = "env/x:s1", "env/x:s2"
@@ -264,9 +265,9 @@ def test_summarize_run_without_answers_or_valid_episodes():
 def test_episode_info_requires_eval_fields_and_counts_tool_calls():
     t = episode("t", S1, 0)
     with pytest.raises(ValueError, match="sample"):
-        EpisodeInfo.of(Trajectory("t", (), (), (), 0, (), 0.0, info={"entry": S1, "success": True}))
+        EpisodeInfo.of(Trajectory("t", (), (), (), 0, (), 0.0, metrics={"success": True}, logs={"entry": S1}))
     call = ToolCall("search", {"query": "x"})
     messages = (Message("user", "q"), Message("assistant", "", (call, call)), Message("tool", "obs", name="search"))
-    info = {k: v for k, v in t.info.items() if k != "tool_calls"}
-    bare = Trajectory("t", (), (), (), 0, (), 0.0, messages=messages, info=info)
+    metrics = {k: v for k, v in t.metrics.items() if k != "tool_calls"}
+    bare = Trajectory("t", (), (), (), 0, (), 0.0, messages=messages, metrics=metrics, logs=t.logs)
     assert EpisodeInfo.of(bare).tool_calls == 2

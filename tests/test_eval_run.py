@@ -36,7 +36,7 @@ def without_wall_time(value):
 
 
 def episodes(run_dir):
-    return {(t.info["entry"], t.task_id, t.info["sample"]): t.token_ids for t in read_jsonl(run_dir / "trajectories.jsonl")}
+    return {(t.logs["entry"], t.task_id, t.logs["sample"]): t.token_ids for t in read_jsonl(run_dir / "trajectories.jsonl")}
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def test_evaluation_killed_at_random_points_resumes_to_the_uninterrupted_run(tmp
 
     def keyed(run_dir):
         records = read_records(run_dir / "trajectories.jsonl")
-        keys = [(r["info"]["entry"], r["task_id"], r["info"]["sample"]) for r in records]
+        keys = [(r["logs"]["entry"], r["task_id"], r["logs"]["sample"]) for r in records]
         assert len(keys) == len(set(keys)) == 24, run_dir  # every episode, once
         return {k: r["token_ids"] for k, r in zip(keys, records)}
 

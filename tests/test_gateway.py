@@ -183,7 +183,7 @@ def test_a_diverging_history_starts_a_new_segment(renderer):
     assert_exact(trajectories[2], [policy.calls[2]])
     # the edited message is context the program wrote: rendered from its text, never trained
     assert "EDITED" in renderer.decode(trajectories[2].token_ids[:trajectories[2].prompt_len])
-    assert {t.info["segment"] for t in trajectories} == {0, 1, 2}
+    assert {t.logs["segment"] for t in trajectories} == {0, 1, 2}
 
 
 def test_an_agent_that_compacts_its_own_history_trains_its_summary_and_goes_on_in_a_new_segment(renderer):
@@ -241,7 +241,7 @@ def test_retrying_an_earlier_turn_forks_without_training_the_copy_twice(renderer
         server.stop()
     assert_exact(first, policy.calls[:2])
     # the copy of "one" is the retry's prompt, mask 0: it is trained once, in the segment that sampled it
-    assert retry.prompt_len == len(policy.calls[2][0]) and retry.info["forked_from"] == 0
+    assert retry.prompt_len == len(policy.calls[2][0]) and retry.logs["forked_from"] == 0
     assert retry.token_ids[:retry.prompt_len] == policy.calls[2][0] and retry.num_sampled == len(policy.calls[2][1])
 
 
@@ -274,7 +274,7 @@ def test_a_malformed_tool_call_is_plain_content_with_the_error_recorded(renderer
         server.stop()
     assert reply.choices[0].message.content == broken and not reply.choices[0].message.tool_calls
     assert reply.choices[0].finish_reason == "stop"
-    assert "Invalid JSON" in trajectory.info["parse_errors"][0]
+    assert "Invalid JSON" in trajectory.logs["parse_errors"][0]
 
 
 def test_qwen3_template_that_strips_reasoning_keeps_every_sampled_token(renderer):

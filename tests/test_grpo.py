@@ -105,7 +105,7 @@ def test_train_pipeline_evaluates_periodically_and_per_split(tiny_model_dir, tmp
         assert pooled["valid"] == suites["heldout"]["valid"] + suites["train"]["valid"] == 6
         assert pooled["success"] == pooled["successes"] / pooled["valid"]
     saved = read_jsonl(tmp_path / "heldout" / "before_RL" / "trajectories.jsonl")  # the suite run's own files
-    assert sorted(t.info["split"] for t in saved) == ["heldout"] * 3 + ["train"] * 3
+    assert sorted(t.logs["split"] for t in saved) == ["heldout"] * 3 + ["train"] * 3
     results = json.loads((tmp_path / "heldout" / "before_RL" / "results.json").read_text())
     assert results["all"]["success"]["successes"] == summary["before"]["successes"]
     assert any("held-out (train, 3 tasks) at step 1" in line for line in lines)

@@ -58,7 +58,7 @@ def test_a_failed_episode_writes_a_note_that_the_next_reset_shows(tiny_model_dir
     assert set(failed.loss_mask[note.start:note.end]) == {int(train_notes)}
     answer = failed.turns[0]
     assert set(failed.loss_mask[answer.start:answer.end]) == {1}  # the attempt itself is trained either way
-    assert failed.info.get("untrained_tokens", 0) == (0 if train_notes else note.end - note.start)
+    assert failed.metrics.get("untrained_tokens", 0) == (0 if train_notes else note.end - note.start)
     assert NOTES_HEADER in renderer.decode(solved.token_ids[:solved.prompt_len])
     assert solved.reward == 1.0 and len(solved.turns) == 2 and store.notes(task.id) == [NOTE]  # success: no note
 
@@ -92,7 +92,7 @@ def test_success_at_attempt_k_with_and_without_memory(tiny_model_dir, tmp_path):
     assert memory["success_at"] == [0.0, 1.0, 1.0] and memory["attempts"] == 10 and memory["notes"] == 5
     assert set(memory["solved_at"].values()) == {2}
     played = read_jsonl(tmp_path / "memory" / "trajectories.jsonl")
-    assert [t.info["attempt"] for t in played] == [1] * 5 + [2] * 5
+    assert [t.logs["attempt"] for t in played] == [1] * 5 + [2] * 5
     assert [t.reward for t in played] == [0.0] * 5 + [1.0] * 5
     md, png = write_attempts(tmp_path, runs, {"env": "math/arith-v0", "split": "heldout", "tasks": 5, "k": 3,
                                               "temperature": 1.0})

@@ -43,7 +43,7 @@ def test_tandem_reports_handoff_robustness(tiny_model_dir, tmp_path):
     sampled = [lp for t in solo for lp, m in zip(t.logprobs, t.loss_mask) if m]
     assert summary["before"]["handoff"]["junior_xent"] == pytest.approx(-sum(sampled) / len(sampled), abs=1e-4)
     # each saved held-out episode carries its success (`agentrl compare` pairs them): they make up the rate
-    assert summary["before"]["successes"] == sum(t.info["success"] for t in solo) and len(solo) == 3
+    assert summary["before"]["successes"] == sum(t.metrics["success"] for t in solo) and len(solo) == 3
     rows = metrics(tmp_path)
     assert len(rows) == 2 and rows[0]["sampler_logprob_diff_max"] < 1e-4
 

@@ -100,8 +100,8 @@ def test_a_dead_worker_loses_nothing(pool, renderer):
     assert killed
     assert len(remote) == 24 and all(t.status == Status.OK for t in remote), [t.reason for t in remote]
     assert all(same(a, b) for a, b in zip(local, remote))  # replays give the same trajectories
-    replayed = [t for t in remote if t.info.get("attempts", 1) > 1]
-    assert replayed and all(t.info["attempts"] == 2 for t in replayed)
+    replayed = [t for t in remote if t.metrics.get("attempts", 1) > 1]
+    assert replayed and all(t.metrics["attempts"] == 2 for t in replayed)
     assert ray.get(pool.workers[0].stats.remote())["pid"] != killed[0]  # restarted in a new process
 
 
@@ -140,7 +140,7 @@ def test_retries_are_bounded(pool):
     task = agentrl.make(ENV, **KWARGS).tasks[0]
     t = asyncio.run(engine.run_episode(task, 0, 0))
     engine.close()
-    assert t.status == Status.ERROR and t.reason.startswith("WorkerLost") and t.info["attempts"] == 3
+    assert t.status == Status.ERROR and t.reason.startswith("WorkerLost") and t.metrics["attempts"] == 3
     assert len(calls) == 3
 
 

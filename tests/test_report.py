@@ -57,12 +57,13 @@ def episode(encode, task: str, entry: str, sample: int, success: bool, answer: s
         turns.append(Turn(start, len(ids), len(ids), 1.0 if success else 0.0))
         messages.append(Message("assistant", f"<answer>{answer}</answer>"))
     reward = 1.0 if success else 0.0
-    info = {"entry": entry, "env": entry.split(":")[0], "split": entry.split(":")[1], "sample": sample,
-            "success": success, "tool_calls": 1, "seconds": 0.5, "difficulty": {"hops": hops}}
+    metrics = {"success": success, "tool_calls": 1, "seconds": 0.5}
+    logs = {"entry": entry, "env": entry.split(":")[0], "split": entry.split(":")[1], "sample": sample,
+            "difficulty": {"hops": hops}}
     logprobs = tuple(-0.25 if m else 0.0 for m in mask)
     return Trajectory(task, tuple(ids), tuple(mask), logprobs, prompt_len, tuple(turns), reward,
                       {"outcome": reward}, TYPICAL_STOP[status], reason, tuple(messages),
-                      answer=None if status is Status.ERROR else answer, info=info)
+                      answer=None if status is Status.ERROR else answer, metrics=metrics, logs=logs)
 
 
 def make_run(run_dir: Path, encode, model: str, wins: dict[str, set[tuple[str, int]]],
@@ -272,7 +273,7 @@ def test_viewer_escapes_and_shows_tokens(runs, tokenizer):
 
 def test_viewer_on_a_training_file_without_tokenizer(tmp_path, runs):
     _, _, _, trajectories = runs
-    bare = [Trajectory.from_dict({**t.to_dict(), "info": {}}) for t in trajectories[:3]]
+    bare = [Trajectory.from_dict({**t.to_dict(), "metrics": {}, "logs": {}}) for t in trajectories[:3]]
     path = tmp_path / "train" / "sft_demos.jsonl"
     write_jsonl(bare, path)
     out = write_viewer(path, limit=2)

@@ -145,8 +145,8 @@ def test_tool_calls_and_corrected_actions_are_counted_per_episode(renderer):
                  list(env.tasks))
     corrected, plain = (g.trajectories[0] for g in groups)
     assert [len(t.turns) for t in (corrected, plain)] == [len(scripts[first]), len(scripts[first]) - 1]
-    assert corrected.info["invalid_actions"] == 1 and plain.info["invalid_actions"] == 0
-    calls = [t.info["tool_calls"] for t in (corrected, plain)]
+    assert corrected.metrics["invalid_actions"] == 1 and plain.metrics["invalid_actions"] == 0
+    calls = [t.metrics["tool_calls"] for t in (corrected, plain)]
     assert calls[0] == calls[1] >= 1 and corrected.reward == plain.reward == 1.0
     summary = summarize([corrected, plain])
     turns = len(corrected.turns) + len(plain.turns)
@@ -313,9 +313,9 @@ def test_a_failing_or_slow_close_is_noted_and_holds_up_no_one(renderer):
                            ScriptedPolicy(renderer, gold_scripts(env)), renderer, RolloutConfig(step_timeout=1.0))
     trajectories = [g.trajectories[0] for g in run(engine, tasks)]
     assert all(t.status is Status.OK and t.reward == 1.0 for t in trajectories), [t.reason for t in trajectories]
-    assert trajectories[0].info["close_error"] == "EnvRaised: SystemExit in close: close failed"
-    assert trajectories[1].info["close_error"] == "EnvTimeout: close took more than 1.0s (rollout.step_timeout)"
-    assert all("close_error" not in t.info for t in trajectories[2:])
+    assert trajectories[0].logs["close_error"] == "EnvRaised: SystemExit in close: close failed"
+    assert trajectories[1].logs["close_error"] == "EnvTimeout: close took more than 1.0s (rollout.step_timeout)"
+    assert all("close_error" not in t.logs for t in trajectories[2:])
 
 
 class HangingPolicy(ScriptedPolicy):
@@ -540,10 +540,10 @@ def test_partner_tokens_keep_loss_mask_zero_and_are_counted(renderer):
     for turn in t.turns:
         expected[turn.start + 2:turn.end] = [1] * (turn.end - turn.start - 2)
     assert list(t.loss_mask) == expected
-    assert t.info["untrained_tokens"] == 4  # 2 per turn
+    assert t.metrics["untrained_tokens"] == 4  # 2 per turn
     assert [turn.weight_version for turn in t.turns] == [4, 3] and t.weight_version == 3  # the oldest turn's
-    assert "close_error" not in t.info and t.info["tool_calls"] == 1 and t.answer == env.tasks[0].data["answer"]
-    assert isinstance(t.info["seconds"], float) and 0.0 <= t.info["seconds"] < 600.0
+    assert "close_error" not in t.logs and t.metrics["tool_calls"] == 1 and t.answer == env.tasks[0].data["answer"]
+    assert isinstance(t.metrics["seconds"], float) and 0.0 <= t.metrics["seconds"] < 600.0
     assert (t.task_id, t.group) == (env.tasks[0].id, 0)
     # every id the trained policy wrote: no untrained_tokens at all; each trajectory has its task's group index
     env = ArithmeticEnv(n_tasks=2)
@@ -551,4 +551,4 @@ def test_partner_tokens_keep_loss_mask_zero_and_are_counted(renderer):
     trajectories = [g.trajectories[0] for g in run(engine, list(env.tasks))]
     assert [t.group for t in trajectories] == [0, 1]
     for t in trajectories:
-        assert "untrained_tokens" not in t.info and sum(t.loss_mask) == sum(turn.end - turn.start for turn in t.turns)
+        assert "untrained_tokens" not in t.metrics and sum(t.loss_mask) == sum(turn.end - turn.start for turn in t.turns)

@@ -134,7 +134,7 @@ def test_tandem_episodes_train_only_on_the_seniors_tokens(pair):
             writer = "senior" if t.loss_mask[i] else "junior"
             assert t.logprobs[i] == pytest.approx(logp[writer][b, i].item(), abs=1e-4)
             counts[writer] += 1
-        assert t.info.get("untrained_tokens", 0) == sum(1 for i in spans if not t.loss_mask[i])
+        assert t.metrics.get("untrained_tokens", 0) == sum(1 for i in spans if not t.loss_mask[i])
     assert counts["senior"] > 10 and counts["junior"] > 10
 
 

@@ -239,7 +239,7 @@ def test_shop_episode_through_the_rollout_engine(tiny_model_dir, tmp_path):
     shots = sorted((tmp_path / "shots").glob("*.png"))
     assert len(shots) == len(pages) + 1 and all(s.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for s in shots)
     in_order = [str(s) for s in sorted(shots, key=lambda p: int(p.stem.rsplit("-", 1)[1]))]
-    assert t.info["screenshots"] == [(turn, path) for turn, path in enumerate(in_order)]  # one per turn here
+    assert t.logs["screenshots"] == [(turn, path) for turn, path in enumerate(in_order)]  # one per turn here
     # the viewer shows each turn's page: written as JSONL and read back, as an eval run's file is
     from agentrl.rollout.jsonl import write_jsonl
     from agentrl.eval.viewer import write_viewer

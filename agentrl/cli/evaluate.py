@@ -185,7 +185,7 @@ def _outcomes(run_dir: Path) -> dict[tuple[str, str], bool]:
 
     path = run_dir / "trajectories.jsonl"
     episodes = [t for t in (read_jsonl(path) if path.exists() else []) if t.status is not Status.ERROR]
-    outcomes = {(t.info["split"], t.task_id): t.info["success"] for t in episodes}
+    outcomes = {(t.logs["split"], t.task_id): t.metrics["success"] for t in episodes}
     if len(outcomes) < len(episodes):
         console.print(f"[red]{run_dir} has several episodes of a task (pass@k): pair runs of one episode per task "
                       f"(`agentrl eval --k 1`)[/]")

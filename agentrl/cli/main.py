@@ -88,7 +88,7 @@ def rollout(
 
         def done(trajectory):
             writer.write(trajectory)  # every segment of an episode; the bar counts episodes
-            bar.advance(progress, int(trajectory.info.get("segment", 0) == 0))
+            bar.advance(progress, int(trajectory.logs.get("segment", 0) == 0))
 
         start = time.perf_counter()
         groups = asyncio.run(runner.run(tasks, on_episode=done))

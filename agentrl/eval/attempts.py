@@ -60,7 +60,7 @@ def run_attempts(env: str, env_kwargs: dict[str, Any], split: str, tasks: list[T
             groups = asyncio.run(engine.run(todo, on_episode=on_episode and (lambda t: on_episode()),
                                             positions=[position[t.id] for t in todo]))
         for task, t in ((g.task, g.trajectories[0]) for g in groups):
-            t.info["attempt"] = attempt
+            t.logs["attempt"] = attempt
             played.append(t)
             attempts += 1
             if t.status is Status.ERROR:

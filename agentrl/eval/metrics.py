@@ -1,7 +1,7 @@
 """Evaluation metrics over a run's trajectories: pass@k, maj@k, confidence intervals, per-entry summaries.
 
 Everything here is a pure function of its arguments. `summarize_run` reads the eval runner's per-episode
-`info` (entry, sample, success, answer, tool_calls, seconds, difficulty) and returns plain JSON-ready data.
+`metrics` and `logs` (entry, sample, success, tool_calls, seconds, difficulty) and returns plain JSON-ready data.
 
 Project rule: errors are never scored as failures. An `error` episode is left out of every success,
 reward, pass@k and maj@k denominator and counted separately, with its reason.
@@ -133,7 +133,7 @@ def mcnemar_p(gained: int, lost: int) -> float:
 
 @dataclass(frozen=True)
 class EpisodeInfo:
-    """The eval runner's per-episode fields (`Trajectory.info`), read and checked in one place."""
+    """The eval runner's per-episode fields (in `Trajectory.metrics` and `logs`), read and checked in one place."""
 
     entry: str
     sample: int
@@ -145,16 +145,16 @@ class EpisodeInfo:
 
     @classmethod
     def of(cls, t: Trajectory) -> EpisodeInfo:
-        """The eval fields of `t.info`; raises `ValueError` when `entry`, `sample` or `success` is missing
+        """The eval fields of `t`; raises `ValueError` when `entry`, `sample` or `success` is missing
         (not a trajectory of an eval run)."""
-        missing = [key for key in ("entry", "sample", "success") if key not in t.info]
+        missing = [key for key in ("entry", "sample") if key not in t.logs] + ["success"] * ("success" not in t.metrics)
         if missing:
-            raise ValueError(f"trajectory of task {t.task_id!r} has no info {missing}: summarize_run needs the "
+            raise ValueError(f"trajectory of task {t.task_id!r} has no {missing}: summarize_run needs the "
                              "trajectories of an eval run (`agentrl eval` writes entry, sample and success)")
         # tool_calls falls back to the calls the messages hold, which is what the runner counts
-        calls = t.info.get("tool_calls", sum(len(m.tool_calls) for m in t.messages if m.role == "assistant"))
-        return cls(t.info["entry"], int(t.info["sample"]), bool(t.info["success"]), t.answer,
-                   int(calls), t.info.get("seconds"), t.info.get("difficulty") or {})
+        calls = t.metrics.get("tool_calls", sum(len(m.tool_calls) for m in t.messages if m.role == "assistant"))
+        return cls(t.logs["entry"], int(t.logs["sample"]), bool(t.metrics["success"]), t.answer,
+                   int(calls), t.metrics.get("seconds"), t.logs.get("difficulty") or {})
 
 
 Episode = tuple[Trajectory, EpisodeInfo]
@@ -194,7 +194,7 @@ def summarize_episodes(episodes: Sequence[Episode], ks: Sequence[int],
     for t, _ in valid:
         for name, value in t.reward_components.items():
             components[name].append(value)
-    tokens = sum(t.info.get("episode_sampled_tokens", t.num_sampled) for t, _ in episodes)  # every segment's
+    tokens = sum(t.metrics.get("episode_sampled_tokens", t.num_sampled) for t, _ in episodes)  # every segment's
     seconds = [i.seconds for _, i in episodes if i.seconds is not None]
     out: dict[str, Any] = {
         "episodes": n,
@@ -206,7 +206,7 @@ def summarize_episodes(episodes: Sequence[Episode], ks: Sequence[int],
         "reward_components": {k: sum(v) / len(v) for k, v in sorted(components.items())},
         "pass_at_k": {},
         "maj_at_k": {},
-        "mean_turns": _mean([t.info.get("episode_turns", len(t.turns)) for t, _ in valid]),
+        "mean_turns": _mean([t.metrics.get("episode_turns", len(t.turns)) for t, _ in valid]),
         "mean_tool_calls": _mean([i.tool_calls for _, i in valid]),
         "sampled_tokens": {"total": tokens, "per_episode": tokens / n if n else None},
         "seconds": {"total": sum(seconds) if seconds else None, "per_episode": _mean(seconds),
@@ -214,7 +214,7 @@ def summarize_episodes(episodes: Sequence[Episode], ks: Sequence[int],
         "errors": _status_count(episodes, Status.ERROR),
         "truncated": _status_count(episodes, Status.TRUNCATED),
         "by_difficulty": by_difficulty(valid),
-        **({"by_segments": by_segments(valid)} if any("segments" in t.info for t, _ in valid) else {}),
+        **({"by_segments": by_segments(valid)} if any("segments" in t.metrics for t, _ in valid) else {}),
     }
     per_task = [sorted((ep for ep in eps if ep[0].status is not Status.ERROR), key=lambda ep: ep[1].sample)
                 for eps in tasks.values()]
@@ -257,17 +257,17 @@ def by_difficulty(valid: Sequence[Episode]) -> dict[str, dict[str, dict[str, Any
 
 def by_segments(valid: Sequence[Episode]) -> dict[str, dict[str, Any]]:
     """Success by the number of segments an episode took (1: it fit its context window; a context policy's)."""
-    groups = _by(valid, lambda episode: episode[0].info.get("segments", 1))
+    groups = _by(valid, lambda episode: episode[0].metrics.get("segments", 1))
     return {str(n): proportion(sum(i.success for _, i in eps), len(eps)) for n, eps in sorted(groups.items())}
 
 
 def episodes_of(trajectories: Sequence[Trajectory]) -> list[Trajectory]:
-    """One trajectory per episode: of the segments of one (`Trajectory.session`), the last, whose info holds the
+    """One trajectory per episode: of the segments of one (`Trajectory.session`), the last, whose metrics hold the
     episode's totals; every other trajectory as it is."""
     last: dict[str, Trajectory] = {}
     for t in trajectories:
         if t.session is not None and (t.session not in last or
-                                      t.info.get("segment", 0) > last[t.session].info.get("segment", 0)):
+                                      t.logs.get("segment", 0) > last[t.session].logs.get("segment", 0)):
             last[t.session] = t
     return [t for t in trajectories if t.session is None or last[t.session] is t]
 
@@ -319,20 +319,21 @@ def summarize(trajectories: Sequence[Trajectory], max_reward: float | None = Non
         "sampled_tokens": sampled,
         # the learning dynamics Search-R1 draws: tool calls (searches) and response length per episode, and the
         # share of turns whose action the env took (not answered with a correction)
-        "mean_tool_calls": sum(t.info.get("tool_calls", 0) for t in trajectories) / n if n else 0.0,
+        "mean_tool_calls": sum(t.metrics.get("tool_calls", 0) for t in trajectories) / n if n else 0.0,
         "mean_sampled_tokens": sampled / n if n else 0.0,
-        "valid_action_rate": 1 - sum(t.info.get("invalid_actions", 0) for t in trajectories) / max(turns, 1),
+        "valid_action_rate": 1 - sum(t.metrics.get("invalid_actions", 0) for t in trajectories) / max(turns, 1),
         "reasons": dict(Counter(t.reason for t in trajectories if t.reason).most_common(5)),
     }
     if max_reward is not None:
         out["success"] = sum(is_success(t, max_reward) for t in valid) / n_valid if valid else float("nan")
     if len(segments) > n:  # a context policy's (or agent sessions'): how often, how long the summaries, what came of it
-        summaries = [k for t in trajectories for k in t.info.get("summary_tokens", ())]
+        summaries = sum(t.metrics.get("summaries", 0) for t in trajectories)
         out["segments_per_episode"] = len(segments) / n
-        out["mean_summary_tokens"] = sum(summaries) / len(summaries) if summaries else 0.0
+        out["mean_summary_tokens"] = sum(t.metrics.get("summary_tokens", 0) for t in trajectories) / summaries \
+            if summaries else 0.0
         if max_reward is not None:
             out["success_by_segments"] = {str(k): sum(is_success(t, max_reward) for t in ts) / len(ts) for k, ts in
-                                          sorted(_by(valid, lambda t: t.info.get("segments", 1)).items())}
+                                          sorted(_by(valid, lambda t: t.metrics.get("segments", 1)).items())}
     if seconds:
         out["seconds"] = round(seconds, 2)
         out["episodes_per_s"] = round(n / seconds, 3)

@@ -85,9 +85,9 @@ def run_suite(suite: Suite, policy: Policy, renderer: Renderer, out_dir: str | P
     with JsonlWriter(log_path, append=True) as log:
         def finished(ep: _Planned, t: Trajectory) -> None:
             env = envs[ep.entry.name]
-            t = replace(t, info={**t.info, "entry": ep.entry.name, "env": ep.entry.env, "split": ep.entry.split,
-                                 "sample": ep.sample, "success": is_success(t, max_reward[ep.entry.name]),
-                                 "difficulty": env.difficulty(ep.task)})
+            t = replace(t, metrics={**t.metrics, "success": is_success(t, max_reward[ep.entry.name])},
+                        logs={**t.logs, "entry": ep.entry.name, "env": ep.entry.env, "split": ep.entry.split,
+                              "sample": ep.sample, "difficulty": env.difficulty(ep.task)})
             log.write(t)
             done[(ep.entry.name, ep.task.id, ep.sample)] = t
             if on_episode:
@@ -142,5 +142,5 @@ def _read_finished(path: Path) -> dict[tuple[str, str, int], Trajectory]:
     file, so that appending continues on a clean line."""
     if not path.exists():
         return {}
-    return {(t.info["entry"], t.task_id, t.info["sample"]): t
+    return {(t.logs["entry"], t.task_id, t.logs["sample"]): t
             for t in read_records(path, Trajectory.from_dict, repair=True)}

@@ -43,7 +43,7 @@ def write_viewer(run_dir: str | Path, tokenizer: Any = None, out: str | Path | N
 
         tokenizer = load_tokenizer(tokenizer)
     trajectories = read_jsonl(path)[:limit]
-    trajectories.sort(key=lambda t: (str(t.info.get("entry", "")), t.task_id, t.info.get("sample", t.group)))
+    trajectories.sort(key=lambda t: (str(t.logs.get("entry", "")), t.task_id, t.logs.get("sample", t.group)))
     out = Path(out) if out is not None else default_out
     decode = tokenizer.decode if tokenizer is not None else None
     episodes = [episode_view(i, t, decode) for i, t in enumerate(trajectories)]
@@ -63,18 +63,17 @@ def write_viewer(run_dir: str | Path, tokenizer: Any = None, out: str | Path | N
 
 def episode_view(index: int, t: Trajectory, decode: Callable[[list[int]], str] | None = None) -> dict[str, Any]:
     """What the template shows of one episode (plain data; the template escapes all of it)."""
-    info = t.info
-    success = info.get("success")
+    logs, success = t.logs, t.metrics.get("success")
     return {
-        "index": index, "task_id": t.task_id, "entry": str(info.get("entry", "")),
-        "sample": info.get("sample", t.group), "status": t.status.value, "reason": t.reason,
+        "index": index, "task_id": t.task_id, "entry": str(logs.get("entry", "")),
+        "sample": logs.get("sample", t.group), "status": t.status.value, "reason": t.reason,
         "success": "unknown" if success is None else "yes" if success else "no",
         "reward": t.reward, "components": t.reward_components, "answer": t.answer,
-        "tool_calls": info.get("tool_calls", sum(len(m.tool_calls) for m in t.messages)),
-        "seconds": info.get("seconds"), "difficulty": info.get("difficulty") or {},
+        "tool_calls": t.metrics.get("tool_calls", sum(len(m.tool_calls) for m in t.messages)),
+        "seconds": t.metrics.get("seconds"), "difficulty": logs.get("difficulty") or {},
         "turns": len(t.turns), "tokens": len(t.token_ids), "sampled": t.num_sampled, "weight_version": t.weight_version,
         "blocks": turn_blocks(t, decode),
-        "screenshots": {turn: path for turn, path in info.get("screenshots", [])},  # web envs: the page after a turn
+        "screenshots": {turn: path for turn, path in logs.get("screenshots", [])},  # web envs: the page after a turn
     }
 
 

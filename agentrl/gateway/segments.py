@@ -86,8 +86,9 @@ class Segment:
         self.accepts = self.accepts[:at + 1] + [frozenset({key(m)}) for m in rest]
 
     def to_trajectory(self, session: str, task_id: str, group: int, reward: float, reason: str, stop: StopReason,
-                      info: dict[str, Any]) -> Trajectory:
-        """The segment as a trajectory: the session's reward on its last turn."""
+                      metrics: dict[str, float], logs: dict[str, Any]) -> Trajectory:
+        """The segment as a trajectory: the session's reward on its last turn; the session's `metrics` and `logs`
+        (the client's session info) with the segment's index."""
         last = len(self.turns) - 1
         turns = tuple(Turn(t.start, t.end, t.obs_end if t.obs_end >= 0 else t.end, reward if i == last else 0.0,
                            t.finish_reason, t.weight_version) for i, t in enumerate(self.turns))
@@ -95,8 +96,8 @@ class Segment:
             task_id=task_id, token_ids=tuple(self.ids), loss_mask=tuple(self.mask), logprobs=tuple(self.logprobs),
             prompt_len=self.prompt_len, turns=turns, reward=reward, stop=stop, reason=reason,
             messages=tuple(self.messages), group=group, weight_version=min(t.weight_version for t in self.turns),
-            session=session, info={**info, "segment": self.index,
-                                   **({"forked_from": self.forked_from} if self.forked_from is not None else {})})
+            session=session, metrics=metrics, logs={**logs, "segment": self.index, **(
+                {"forked_from": self.forked_from} if self.forked_from is not None else {})})
 
 
 @dataclass(frozen=True)

@@ -156,11 +156,12 @@ class Gateway:
         if error and session.overflow:  # it failed once a call no longer fit: out of tokens, as an env episode past
             # max_total_tokens is, so truncated (reward 0, trained, in baselines), not an error left out of them
             stop, error = StopReason.MAX_TOTAL_TOKENS, f"{session.overflow}; then {error}"
-        info = {**session.info, "calls": session.calls, "failed_calls": session.failed_calls,
-                "parse_errors": session.parse_errors, "segments": len(session.segments)}
+        metrics = {"calls": session.calls, "failed_calls": len(session.failed_calls),
+                   "parse_errors": len(session.parse_errors), "segments": len(session.segments)}
+        logs = {**session.info, "failed_calls": session.failed_calls, "parse_errors": session.parse_errors}
         session.trajectories = [
             replace(seg.to_trajectory(session.id, session.task_id, session.group, 0.0 if error else reward,
-                                      error or "", stop, info), reward_components=dict(components or {}))
+                                      error or "", stop, metrics, logs), reward_components=dict(components or {}))
             for seg in session.segments if seg.turns]
         session.error = error
         session.closed.set()

@@ -238,7 +238,7 @@ class RolloutEngine:
             f"{name} took more than {timeout}s (rollout.step_timeout)")))
 
     async def run_episode(self, task: Task, env_seed: int, sample_seed: int, group: int = 0) -> Trajectory:
-        """One episode, as its last segment (which holds its end; the episode's totals are in its info)."""
+        """One episode, as its last segment (which holds its end; the episode's totals are in its metrics)."""
         return (await self.run_segments(task, env_seed, sample_seed, group))[-1]
 
     async def run_segments(self, task: Task, env_seed: int, sample_seed: int, group: int = 0
@@ -250,7 +250,7 @@ class RolloutEngine:
             segments, retryable = await self._run_once(task, env_seed, sample_seed, group)
             if not retryable:
                 break
-        return tuple(replace(t, info={**t.info, "attempts": attempt}) for t in segments) if attempt > 1 else \
+        return tuple(replace(t, metrics={**t.metrics, "attempts": attempt}) for t in segments) if attempt > 1 else \
             tuple(segments)
 
     async def _run_once(self, task: Task, env_seed: int, sample_seed: int, group: int

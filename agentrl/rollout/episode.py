@@ -49,7 +49,7 @@ class EpisodeBuilder:
     tool_calls: int = 0
     invalid_actions: int = 0  # turns the env answered with a correction (malformed, unknown tool, ...)
     answer: str | None = None  # the final answer, when the env reports one (ToolEnv does)
-    # What the env reports for the trajectory turn by turn (`info["per_turn"]`), as (turn, value) pairs by key:
+    # What the env reports for the trajectory turn by turn (its step info's `per_turn`), as (turn, value) pairs by key:
     # the web envs' page screenshots.
     per_turn: dict[str, list[tuple[int, Any]]] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
@@ -94,24 +94,25 @@ class EpisodeBuilder:
         """The episode's trajectories: one per segment, each with the episode's reward, stop and answer."""
         segments = [*self.closed, Segment(tuple(self.ids), tuple(self.mask), tuple(self.logprobs), self.prompt_len,
                                            tuple(self.turns), tuple(self.messages))]
-        info = {"tool_calls": self.tool_calls, "invalid_actions": self.invalid_actions,
-                "seconds": round(time.perf_counter() - self.started, 3),
-                **({"close_error": self.close_error} if self.close_error else {}), **self.per_turn}
+        metrics = {"tool_calls": self.tool_calls, "invalid_actions": self.invalid_actions,
+                   "seconds": round(time.perf_counter() - self.started, 3)}
+        logs = {**({"close_error": self.close_error} if self.close_error else {}), **self.per_turn}
         if len(segments) > 1:  # what the episode did as a whole, on each of its segments
-            info |= {"segments": len(segments), "summary_tokens": self.summary_tokens,
-                     "episode_sampled_tokens": sum(sum(s.mask) for s in segments),
-                     "episode_turns": sum(len(s.turns) for s in segments)}
-        return [self._trajectory(s, k, stop, reason, info, session=self.key if len(segments) > 1 else None)
+            metrics |= {"segments": len(segments), "summaries": len(self.summary_tokens),
+                        "summary_tokens": sum(self.summary_tokens),
+                        "episode_sampled_tokens": sum(sum(s.mask) for s in segments),
+                        "episode_turns": sum(len(s.turns) for s in segments)}
+        return [self._trajectory(s, k, stop, reason, metrics, logs, session=self.key if len(segments) > 1 else None)
                 for k, s in enumerate(segments)]
 
-    def _trajectory(self, s: Segment, k: int, stop: StopReason, reason: str, info: dict[str, Any],
-                    session: str | None) -> Trajectory:
+    def _trajectory(self, s: Segment, k: int, stop: StopReason, reason: str, metrics: dict[str, float],
+                    logs: dict[str, Any], session: str | None) -> Trajectory:
         # sampled tokens a frozen partner wrote (tandem rollouts) keep loss mask 0
         untrained = sum(t.end - t.start - sum(s.mask[t.start:t.end]) for t in s.turns)
-        info = {**info, **({"untrained_tokens": untrained} if untrained else {}),
-                **({"segment": k} if session else {})}
+        metrics = {**metrics, **({"untrained_tokens": untrained} if untrained else {})}
+        logs = {**logs, **({"segment": k} if session else {})}
         return Trajectory(
             task_id=self.task.id, token_ids=s.ids, loss_mask=s.mask, logprobs=s.logprobs, prompt_len=s.prompt_len,
             turns=s.turns, reward=self.reward, reward_components=self.components, stop=stop, reason=reason,
             messages=s.messages, group=self.group, seed=self.env_seed, answer=self.answer, session=session,
-            info=info, weight_version=min((t.weight_version for t in s.turns), default=self.weight_version))
+            metrics=metrics, logs=logs, weight_version=min((t.weight_version for t in s.turns), default=self.weight_version))

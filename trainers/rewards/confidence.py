@@ -75,30 +75,30 @@ def response_confidence(model: torch.nn.Module, trajectories: Sequence[Trajector
 
 
 def score_confidence(model: torch.nn.Module, groups: Sequence[Group]) -> None:
-    """Scores the groups' valid trajectories that are not scored yet (`info["confidence"]`), with `model`."""
-    todo = [t for g in groups for t in g.valid if "confidence" not in t.info]
+    """Scores the groups' valid trajectories that are not scored yet (their metrics `entropy` and
+    `self_certainty`), with `model`."""
+    todo = [t for g in groups for t in g.valid if "entropy" not in t.metrics]
     if todo:
         for t, scores in zip(todo, response_confidence(model, todo)):
-            t.info["confidence"] = scores
+            t.metrics.update(scores)
 
 
 def confidence(t: Trajectory, source: str) -> float:
     """The trajectory's `rent` (minus its mean token entropy) or `self_certainty`, as `score_confidence` left it."""
-    if "confidence" not in t.info:
+    if "entropy" not in t.metrics:
         raise RuntimeError(f"the {source} reward needs the trainer's scores: call score_confidence(model, groups) "
                            "before the rewards")
-    scores = t.info["confidence"]
-    return -scores["entropy"] if source == "rent" else scores["self_certainty"]
+    return -t.metrics["entropy"] if source == "rent" else t.metrics["self_certainty"]
 
 
 def confidence_metrics(groups: Sequence[Group]) -> dict[str, float]:
     """Over the scored trajectories: their mean token entropy and self-certainty, and how each goes with the env's
     own reward (a correlation near 0 or below: confidence is not a proxy for success here)."""
-    scored = [t for g in groups for t in g.valid if "confidence" in t.info]
+    scored = [t for g in groups for t in g.valid if "entropy" in t.metrics]
     if not scored:
         return {}
-    entropy = [t.info["confidence"]["entropy"] for t in scored]
-    certainty = [t.info["confidence"]["self_certainty"] for t in scored]
+    entropy = [t.metrics["entropy"] for t in scored]
+    certainty = [t.metrics["self_certainty"] for t in scored]
     env = [t.reward for t in scored]
     return {"confidence/entropy": sum(entropy) / len(scored), "confidence/self_certainty": sum(certainty) / len(scored),
             "confidence/rent_env_reward_corr": correlation([-h for h in entropy], env),
