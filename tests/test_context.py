@@ -70,6 +70,26 @@ def test_the_ledger_needs_compaction_when_the_window_holds_two_pages(renderer):
                                                                   for t in episodes(sliding))
     assert [t.reward for t in episodes(compact)] == [1.0] * 4
     assert all(t.metrics["segments"] > 1 for t in episodes(compact) + episodes(sliding))
+    assert all(t.metrics.keys() == {"tool_calls", "invalid_actions", "seconds"} for t in whole)  # no totals
+
+
+def test_every_segment_carries_its_episodes_totals(renderer):
+    """An episode of several segments, of two or more: each segment has the episode's counts and its totals over
+    all segments (sampled tokens, turns, summaries), and the session that joins them."""
+    trajectories, _, _ = play(renderer, "compact", 1300, summary_tokens=48)  # episodes of 2 and 3 segments
+    sessions = {}
+    for t in trajectories:
+        sessions.setdefault(t.session, []).append(t)
+    assert None not in sessions and {len(segments) for segments in sessions.values()} == {2, 3}
+    for segments in sessions.values():
+        totals = {"segments": len(segments), "summaries": len(segments) - 1,
+                  "summary_tokens": sum(t.turns[-1].end - t.turns[-1].start for t in segments[:-1]),
+                  "episode_sampled_tokens": sum(t.num_sampled for t in segments),
+                  "episode_turns": sum(len(t.turns) for t in segments),
+                  # every turn reads a page, but the summaries and the answer
+                  "tool_calls": sum(len(t.turns) for t in segments) - len(segments)}
+        for t in segments:
+            assert {k: t.metrics[k] for k in totals} == totals and t.metrics["invalid_actions"] == 0
 
 
 def test_each_segment_holds_exactly_the_sampled_tokens_and_the_summary_is_trained(renderer):

@@ -67,6 +67,19 @@ def gone(pid: int, within: float = 30.0) -> None:
     raise TimeoutError(f"process {pid} still runs {within:g} s after it was killed")
 
 
+def answer(method, within: float = 120.0):
+    """`method`'s result, once its actor answers: a worker Ray is restarting refuses calls until its new process is
+    up (seconds; a minute on a loaded machine)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            return ray.get(method.remote())
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def test_remote_envs_give_the_in_process_trajectories(pool, renderer):
     local = play(lambda: agentrl.make(ENV, **KWARGS), renderer)
     remote = play(pool.make, renderer)
@@ -102,7 +115,7 @@ def test_a_dead_worker_loses_nothing(pool, renderer):
     assert all(same(a, b) for a, b in zip(local, remote))  # replays give the same trajectories
     replayed = [t for t in remote if t.metrics.get("attempts", 1) > 1]
     assert replayed and all(t.metrics["attempts"] == 2 for t in replayed)
-    assert ray.get(pool.workers[0].stats.remote())["pid"] != killed[0]  # restarted in a new process
+    assert answer(pool.workers[0].stats)["pid"] != killed[0]  # restarted in a new process
 
 
 def test_a_new_env_tries_every_worker_once_while_other_threads_make_envs(monkeypatch):
