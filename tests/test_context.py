@@ -70,7 +70,8 @@ def test_the_ledger_needs_compaction_when_the_window_holds_two_pages(renderer):
                                                                   for t in episodes(sliding))
     assert [t.reward for t in episodes(compact)] == [1.0] * 4
     assert all(t.metrics["segments"] > 1 for t in episodes(compact) + episodes(sliding))
-    assert all(t.metrics.keys() == {"tool_calls", "invalid_actions", "seconds"} for t in whole)  # no totals
+    # no totals, no segment index
+    assert all(t.metrics.keys() == {"tool_calls", "invalid_actions", "seconds"} and not t.logs for t in whole)
 
 
 def test_every_segment_carries_its_episodes_totals(renderer):

@@ -149,7 +149,7 @@ class TextEnv(gym.Env[Observation, str]):
         The rollout engine reads these `info` keys: `reward_components` (named parts of the reward), `tool_calls`
         (how many ran), `answer` (the final answer), `reason` (why the episode ended), `untrained` (true: the
         action of this turn is not trained on; its tokens get loss mask 0, as `ReflexionEnv`'s notes), `per_turn`,
-        a dict whose values it collects into the trajectory's `info` as (turn, value) pairs by key (the web envs'
+        a dict whose values it collects into the trajectory's `logs` as (turn, value) pairs by key (the web envs'
         `screenshots`), and `assistant`, the action as a chat message, for an env that parsed it here anyway
         (`ToolEnv`; without it, `step` asks `assistant_message`)."""
 

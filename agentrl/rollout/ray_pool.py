@@ -12,7 +12,7 @@ same seeds give the same trajectories as in-process envs.
 A worker that dies (its process killed, its node gone) fails the calls of its episodes with `WorkerLost`, and
 Ray restarts the actor (`max_restarts`). `WorkerLost` is retryable: the rollout engine plays such an episode
 again from the start on the next worker, up to `RolloutConfig.retries` times, and the replay replaces the
-lost play, so nothing is lost or counted twice (`info["attempts"]` says how many plays it took).
+lost play, so nothing is lost or counted twice (`metrics["attempts"]` says how many plays it took).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ lives. A failed action (no element [9], a click that cannot land, a page that is
 line of that observation, not a crash; a browser that dies ends the episode as `error`.
 
 Observations are cut to `max_obs_words` words (the search env's model-independent token budget) and say
-so; `screenshots=DIR` saves a PNG of the page after every action; the trajectory's `info["screenshots"]`
+so; `screenshots=DIR` saves a PNG of the page after every action; the trajectory's `logs["screenshots"]`
 holds their (turn, path) pairs.
 
 A subclass opens the task's page (`start`), says when the page has ended the task (`finished`), and scores
@@ -206,7 +206,7 @@ class WebEnv(ToolEnv):
         self._shots += 1
         path = self.screenshot_dir / f"{self.task.id.replace('/', '_')}-ep{self._episode}-{self._shots}.png"
         path.write_bytes(self.session.screenshot())
-        return {"per_turn": {"screenshots": str(path)}}  # the trajectory's info["screenshots"]: (turn, path) pairs
+        return {"per_turn": {"screenshots": str(path)}}  # the trajectory's logs["screenshots"]: (turn, path) pairs
 
     # ---- scripted solutions ----
     def gold_actions(self, task: Task) -> Iterator[str]:
