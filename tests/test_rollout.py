@@ -100,7 +100,7 @@ def test_gold_policy_gives_exact_trajectories(renderer):
             # the mask is 1 exactly on sampled tokens, and logprobs live only there
             spans = {i for turn in t.turns for i in range(turn.start, turn.end)}
             assert [i for i, m in enumerate(t.loss_mask) if m] == sorted(spans)
-            assert all((lp == -0.5) == bool(m) for lp, m in zip(t.logprobs, t.loss_mask))
+            assert all(lp == (-0.5 if m else 0.0) for lp, m in zip(t.logprobs, t.loss_mask))
             # observation ids are the renderer's delta for the tool message
             first = t.turns[0]
             delta = renderer.observation_ids(t.messages[:2], t.messages[2], t.messages[3:4],
