@@ -110,8 +110,9 @@ def test_each_segment_holds_exactly_the_sampled_tokens_and_the_summary_is_traine
     summary = first.turns[-1]  # a segment that hands over ends with the summary, sampled after the request
     summary_text = renderer.decode(first.token_ids[summary.start:summary.end - 1])
     assert SUMMARY_PROMPT in renderer.decode(first.token_ids[first.turns[-2].end:summary.start])
-    handing_over = [t for t in trajectories if t.session == first.session and t.logs["segment"] + 1 < t.metrics["segments"]]
-    assert first.metrics["summaries"] == len(handing_over) == first.metrics["segments"] - 1  # each ends with its summary
+    handing_over = [t for t in trajectories
+                    if t.session == first.session and t.logs["segment"] + 1 < t.metrics["segments"]]
+    assert first.metrics["summaries"] == len(handing_over) == first.metrics["segments"] - 1  # each ends in a summary
     assert first.metrics["summary_tokens"] == sum(t.turns[-1].end - t.turns[-1].start for t in handing_over)
     # the next segment is the task and that summary, rendered afresh (mask 0), then its own sampled turns
     task = list(env.first_messages(env.tasks[int(first.task_id.rsplit("-", 1)[1])]))

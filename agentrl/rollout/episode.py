@@ -115,4 +115,5 @@ class EpisodeBuilder:
             task_id=self.task.id, token_ids=s.ids, loss_mask=s.mask, logprobs=s.logprobs, prompt_len=s.prompt_len,
             turns=s.turns, reward=self.reward, reward_components=self.components, stop=stop, reason=reason,
             messages=s.messages, group=self.group, seed=self.env_seed, answer=self.answer, session=session,
-            metrics=metrics, logs=logs, weight_version=min((t.weight_version for t in s.turns), default=self.weight_version))
+            metrics=metrics, logs=logs,
+            weight_version=min((t.weight_version for t in s.turns), default=self.weight_version))
