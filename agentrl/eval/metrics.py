@@ -147,7 +147,8 @@ class EpisodeInfo:
     def of(cls, t: Trajectory) -> EpisodeInfo:
         """The eval fields of `t`; raises `ValueError` when `entry`, `sample` or `success` is missing
         (not a trajectory of an eval run)."""
-        missing = [key for key in ("entry", "sample") if key not in t.logs] + ["success"] * ("success" not in t.metrics)
+        wanted = (("entry", t.logs), ("sample", t.logs), ("success", t.metrics))
+        missing = [key for key, held in wanted if key not in held]
         if missing:
             raise ValueError(f"trajectory of task {t.task_id!r} has no {missing}: summarize_run needs the "
                              "trajectories of an eval run (`agentrl eval` writes entry, sample and success)")
