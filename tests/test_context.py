@@ -42,12 +42,14 @@ class Reader(scripted.ScriptedPolicy):
         return [Sample(sample.token_ids, (-0.5,) * len(sample.token_ids), sample.finish_reason)]
 
 
-def play(renderer, policy: str, window: int | None, max_total_tokens: int = 6000, n: int = 4, **context):
-    env = LedgerEnv(split="heldout", n_tasks=n)
+def play(renderer, policy: str, window: int | None, max_total_tokens: int = 6000, n: int = 4, notes: bool = False,
+         **context):
+    env = LedgerEnv(split="heldout", n_tasks=n, expert_notes=notes)
     config = RolloutConfig(max_total_tokens=max_total_tokens, max_turns=14, sampling=SamplingParams(max_tokens=64),
                            context=ContextConfig(policy=policy, window=window, **context))
     policy_ = Reader(renderer, env)
-    with RolloutEngine(lambda: LedgerEnv(split="heldout", n_tasks=n), policy_, renderer, config) as engine:
+    with RolloutEngine(lambda: LedgerEnv(split="heldout", n_tasks=n, expert_notes=notes), policy_, renderer,
+                       config) as engine:
         groups = asyncio.run(engine.run(env.tasks))
     return [t for g in groups for t in g.trajectories], policy_, env
 
@@ -72,6 +74,18 @@ def test_the_ledger_needs_compaction_when_the_window_holds_two_pages(renderer):
     assert all(t.metrics["segments"] > 1 for t in episodes(compact) + episodes(sliding))
     # no totals, no segment index
     assert all(t.metrics.keys() == {"tool_calls", "invalid_actions", "seconds"} and not t.logs for t in whole)
+
+
+def test_a_reader_that_repeats_the_code_in_its_turns_survives_the_sliding_window(renderer):
+    """With `expert_notes` the reader writes the codes it sees before each action: the window drops the first page
+    but keeps the note, so sliding_window solves every task; truncate still runs out of tokens."""
+    sliding, policy_, env = play(renderer, "sliding_window", 900, notes=True)
+    assert [t.reward for t in episodes(sliding)] == [1.0] * 4 and all(t.metrics["segments"] > 1
+                                                                        for t in episodes(sliding))
+    turns = [renderer.decode(sampled) for _, sampled in policy_.calls]
+    assert any(f"Thought: code {task.data['answer']}." in turn for task in env.tasks for turn in turns)
+    truncated, _, _ = play(renderer, "truncate", None, max_total_tokens=900, notes=True)
+    assert {t.stop for t in truncated} == {StopReason.MAX_TOTAL_TOKENS}
 
 
 def test_every_segment_carries_its_episodes_totals(renderer):

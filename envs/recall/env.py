@@ -58,10 +58,11 @@ class LedgerEnv(ToolEnv):
     the last page was read."""
 
     def __init__(self, split: str = "train", n_tasks: int | None = None, page_lines: int = 8,
-                 parser: str = "hermes", max_turns: int = 14, max_invalid: int = 3):
+                 parser: str = "hermes", max_turns: int = 14, max_invalid: int = 3, expert_notes: bool = False):
         if split not in SPLITS:
             raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
         self.n_tasks, self.page_lines = n_tasks or (1000 if split == "train" else 100), page_lines
+        self.expert_notes = expert_notes
         super().__init__(ToolSet([self._read_tool()]), PARSERS[parser](), split=split, max_turns=max_turns,
                          max_invalid=max_invalid)
 
@@ -96,17 +97,20 @@ class LedgerEnv(ToolEnv):
     def expert_turn(self, prompt: str, summary: bool = False, mistake: bool = False) -> str:
         """A careful reader with no memory but its context: it reads the page the latest note names and answers once
         it has read the last one; asked for a summary, it writes down every code it sees and the page to read next.
-        Its mistake: a summary of where to go next only, which loses the codes."""
+        Its mistake: a summary of where to go next only, which loses the codes. With `expert_notes` it also writes
+        the codes it sees before each action ("Thought: code 61."), so that they stay in a sliding window after
+        the first page has left it; its mistake is then also an action without that note."""
         codes, pages = re.findall(r"code (\d+)", prompt), re.findall(r"Next page: (\d+)", prompt)
+        written = [] if mistake else [f"code {c}." for c in dict.fromkeys(codes)]
         last = "This is the last page" in prompt
         if summary:
-            written = [] if mistake else [f"code {c}." for c in codes]
             where = "This is the last page." if last else f"Next page: {pages[-1] if pages else '?'}."
             return " ".join([*written, where])
         if last:
             return self.parser.format_answer(codes[0] if codes else "0")
         page = int(pages[-1]) if pages else int(re.search(r"start at page (\d+)", prompt)[1])
-        return self.parser.format_call(ToolCall("read", {"page": page}))
+        call = self.parser.format_call(ToolCall("read", {"page": page}))
+        return f"Thought: {' '.join(written)}\n{call}" if self.expert_notes and written else call
 
     def gold_actions(self, task: Task) -> list[str]:
         reads = [self.parser.format_call(ToolCall("read", {"page": page})) for page in task.data["chain"]]
