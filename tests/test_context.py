@@ -44,12 +44,12 @@ class Reader(scripted.ScriptedPolicy):
 
 def play(renderer, policy: str, window: int | None, max_total_tokens: int = 6000, n: int = 4, notes: bool = False,
          **context):
-    env = LedgerEnv(split="heldout", n_tasks=n, expert_notes=notes)
+    make_env = lambda: LedgerEnv(split="heldout", n_tasks=n, expert_notes=notes)  # noqa: E731
+    env = make_env()
     config = RolloutConfig(max_total_tokens=max_total_tokens, max_turns=14, sampling=SamplingParams(max_tokens=64),
                            context=ContextConfig(policy=policy, window=window, **context))
     policy_ = Reader(renderer, env)
-    with RolloutEngine(lambda: LedgerEnv(split="heldout", n_tasks=n, expert_notes=notes), policy_, renderer,
-                       config) as engine:
+    with RolloutEngine(make_env, policy_, renderer, config) as engine:
         groups = asyncio.run(engine.run(env.tasks))
     return [t for g in groups for t in g.trajectories], policy_, env
 
