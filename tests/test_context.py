@@ -43,8 +43,8 @@ class Reader(scripted.ScriptedPolicy):
 
 
 def play(renderer, policy: str, window: int | None, max_total_tokens: int = 6000, n: int = 4, notes: bool = False,
-         **context):
-    make_env = lambda: LedgerEnv(split="heldout", n_tasks=n, expert_notes=notes)  # noqa: E731
+         parser: str = "hermes", **context):
+    make_env = lambda: LedgerEnv(split="heldout", n_tasks=n, expert_notes=notes, parser=parser)  # noqa: E731
     env = make_env()
     config = RolloutConfig(max_total_tokens=max_total_tokens, max_turns=14, sampling=SamplingParams(max_tokens=64),
                            context=ContextConfig(policy=policy, window=window, **context))
@@ -86,6 +86,23 @@ def test_a_reader_that_repeats_the_code_in_its_turns_survives_the_sliding_window
     assert any(f"Thought: code {task.data['answer']}." in turn for task in env.tasks for turn in turns)
     truncated, _, _ = play(renderer, "truncate", None, max_total_tokens=900, notes=True)
     assert {t.stop for t in truncated} == {StopReason.MAX_TOTAL_TOKENS}
+
+
+@pytest.mark.parametrize("parser", ["react", "hermes"])
+def test_a_window_rendered_afresh_shows_the_turns_it_keeps_as_they_were_sampled(renderer, parser):
+    """A sliding window renders its kept turns again from their messages: ReAct's calls (not the template's syntax)
+    come back as the model wrote them, not as `<tool_call>` blocks it never wrote; Hermes' calls are the template's
+    own, so its rendering of them is the text as sampled too."""
+    trajectories, policy_, _ = play(renderer, "sliding_window", 900, notes=True, parser=parser)
+    sampled = {renderer.decode(ids).removesuffix("<|im_end|>") for _, ids in policy_.calls}
+    later = [t for t in trajectories if t.logs["segment"] > 0]
+    assert later
+    for t in later:
+        turns = [m for m in t.messages[2:] if m.role == "assistant"]  # the kept ones, then the segment's own
+        text = renderer.decode(t.token_ids)
+        assert all(m.content in sampled and m.content in text for m in turns if not m.tool_calls)
+        assert ('<tool_call>\n{"name": "read"' in text) is (parser == "hermes")
+        assert all(m.tool_calls for m in turns[:-1]) is (parser == "hermes")  # the last: its answer
 
 
 def test_every_segment_carries_its_episodes_totals(renderer):

@@ -65,6 +65,7 @@ class HermesParser:
     """
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    template_syntax = True  # its calls are what a chat template renders for a message's `tool_calls`
     instructions = ('To call a tool, write {"name": <tool-name>, "arguments": <args-json-object>} inside '
                     "<tool_call></tool_call> tags; when you know the final answer, write it inside "
                     "<answer></answer> tags.")
@@ -149,6 +150,7 @@ class ReActParser:
     """
 
     FINISH = "finish"
+    template_syntax = False  # its calls are its own text, which no chat template renders from `tool_calls`
     instructions = ("Write 'Thought: <your reasoning>', then either 'Action: <tool>[<arguments as a JSON object>]' "
                     "and stop, or 'Final Answer: <your answer>' when you are done.")
     _ACTION = re.compile(r"^[ \t]*Action[ \t]*:", re.M)
@@ -226,6 +228,7 @@ class SearchR1Parser:
     `</search>`). `content` is the text before that tag (e.g. the `<think>` part), stripped.
     """
 
+    template_syntax = False
     instructions = ("Think inside <think></think>; to search, write <search> query </search>; "
                     "when you know the final answer, write it inside <answer></answer>.")
 

@@ -245,13 +245,13 @@ class ToolEnv(TextEnv):
         self.transcript, self.invalid_in_a_row = [], 0
 
     def assistant_message(self, action: str) -> Message:
-        return _as_message(action, self.parser.parse(action))
+        return _as_message(action, self.parser.parse(action), self.parser.template_syntax)
 
     def act(self, action: str):
         parsed = self.parser.parse(action)  # once a turn: the action's outcome and its chat message both read it
         self.transcript.append(parsed)
         obs, reward, done, info = self._respond(parsed)
-        return obs, reward, done, {**info, "assistant": _as_message(action, parsed)}
+        return obs, reward, done, {**info, "assistant": _as_message(action, parsed, self.parser.template_syntax)}
 
     def _respond(self, parsed: ParsedAction):
         """`act` on the parsed action: a final answer scored, valid tool calls run, anything else corrected."""
@@ -302,9 +302,11 @@ def with_ids(calls: Sequence[ToolCall]) -> tuple[ToolCall, ...]:
     return tuple(replace(c, id=f"call{i:05d}") for i, c in enumerate(calls))
 
 
-def _as_message(action: str, parsed: ParsedAction) -> Message:
-    """The assistant's turn as a chat message: its numbered tool calls beside its other text; a final answer or a
-    malformed turn is the text as written."""
-    if parsed.error or not parsed.tool_calls:
+def _as_message(action: str, parsed: ParsedAction, template_syntax: bool) -> Message:
+    """The assistant's turn as a chat message: its numbered tool calls beside its other text when the parser writes
+    calls as the chat template renders them (Hermes'); otherwise (a final answer, a malformed turn, ReAct's or
+    Search-R1's calls) the text as written, so that a window rendered afresh (`sliding_window`) shows the model its
+    turns as it wrote them, not in a syntax it never wrote."""
+    if parsed.error or not parsed.tool_calls or not template_syntax:
         return Message("assistant", action)
     return Message("assistant", parsed.content, with_ids(parsed.tool_calls))
