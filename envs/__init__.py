@@ -19,6 +19,7 @@ for _name in (*MINIWOB_TRAIN_TYPES, *MINIWOB_HELDOUT_TYPES):  # the tasks with s
 register("web/shop-v0", "agentrl.envs.web.shop.env:ShopEnv")
 register("mcp/tools-v0", "agentrl.envs.mcp:McpToolsEnv")  # tasks=PATH (JSON Lines), servers=[{name, command|url}]
 register("recall/ledger-v0", "agentrl.envs.recall:LedgerEnv")  # splits train / heldout / heldout_long
+register("recall/ledger-many-v0", "agentrl.envs.recall:LedgerEnv", every_page=True)  # a code on every page
 register("memory/reflexion-v0", "agentrl.env.memory:ReflexionEnv")  # env=ID, env_kwargs={...}: notes across attempts
 
 # Other libraries' envs (agentrl/env/adapters; docs/adapters.md), with a solver each so that they check.

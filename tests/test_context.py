@@ -43,10 +43,12 @@ class Reader(scripted.ScriptedPolicy):
 
 
 def play(renderer, policy: str, window: int | None, max_total_tokens: int = 6000, n: int = 4, notes: bool = False,
-         parser: str = "hermes", **context):
-    make_env = lambda: LedgerEnv(split="heldout", n_tasks=n, expert_notes=notes, parser=parser)  # noqa: E731
+         parser: str = "hermes", every_page: bool = False, max_tokens: int = 64, **context):
+    make_env = lambda: LedgerEnv(split="heldout", n_tasks=n, expert_notes=notes, parser=parser,  # noqa: E731
+                                 every_page=every_page)
     env = make_env()
-    config = RolloutConfig(max_total_tokens=max_total_tokens, max_turns=14, sampling=SamplingParams(max_tokens=64),
+    config = RolloutConfig(max_total_tokens=max_total_tokens, max_turns=14,
+                           sampling=SamplingParams(max_tokens=max_tokens),
                            context=ContextConfig(policy=policy, window=window, **context))
     policy_ = Reader(renderer, env)
     with RolloutEngine(make_env, policy_, renderer, config) as engine:
@@ -86,6 +88,22 @@ def test_a_reader_that_repeats_the_code_in_its_turns_survives_the_sliding_window
     assert any(f"Thought: code {task.data['answer']}." in turn for task in env.tasks for turn in turns)
     truncated, _, _ = play(renderer, "truncate", None, max_total_tokens=900, notes=True)
     assert {t.stop for t in truncated} == {StopReason.MAX_TOTAL_TOKENS}
+
+
+def test_codes_on_every_page_outgrow_a_turn_but_not_a_summary(renderer):
+    """recall/ledger-many-v0: a code on every page, the last page names one. The reader that repeats every code in
+    its turns solves it under sliding_window while its notes fit a turn's max_tokens, and fails the tasks whose notes
+    outgrow it; compact's summaries, with a budget of their own, keep them all at the same turn budget."""
+    kwargs = dict(n=8, every_page=True, parser="react")
+    roomy, _, env = play(renderer, "sliding_window", 900, notes=True, max_tokens=96, **kwargs)
+    assert [t.reward for t in episodes(roomy)] == [1.0] * 8
+    tight, _, _ = play(renderer, "sliding_window", 900, notes=True, max_tokens=40, **kwargs)
+    compact, _, _ = play(renderer, "compact", 900, max_tokens=40, summary_tokens=64, **kwargs)
+    pages = [len(task.data["chain"]) for task in env.tasks]
+    assert [t.reward for t in episodes(tight)] == [float(n == 3) for n in pages] and 3 in pages and 5 in pages
+    assert [t.reward for t in episodes(compact)] == [1.0] * 8
+    assert len({task.data["answer"] for task in env.tasks}) == 8 and any(
+        "code number 1 " not in task.data["pages"][str(task.data["chain"][-1])] for task in env.tasks)
 
 
 @pytest.mark.parametrize("parser", ["react", "hermes"])

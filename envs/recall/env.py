@@ -7,6 +7,11 @@ window that holds two or three pages, `truncate` runs out of tokens, `sliding_wi
 policy learns to repeat it), and `compact` keeps it only if the policy's summary writes it down
 (docs/concepts/trajectories.md).
 
+`recall/ledger-many-v0` (`every_page=True`) keeps more: every page of the chain holds a five-digit code and the last
+page names the one to report ("The answer is code number 2 of this chain."), so all of them must be kept until the
+end. A policy under `sliding_window` must repeat every code in every turn; once they outgrow a turn's `max_tokens`
+only a summary, which has a budget of its own (`summary_tokens`), can keep them all.
+
 Splits: `train` and `heldout` (3 to 5 pages, disjoint seeds), `heldout_long` (7 to 9 pages: longer chains than
 any training task).
 """
@@ -22,35 +27,40 @@ from agentrl.tools import PARSERS, ParsedAction, ToolSet, tool
 from agentrl.types import Message, Task, ToolCall
 
 SYSTEM_PROMPT = ("You read a ledger with the read tool, one page at a time. Follow the notes from page to page to the "
-                 "last page, then answer with the code from the first page, as a plain integer: {example}\n{fmt}")
+                 "last page, then answer with the code {which}, as a plain integer: {example}\n{fmt}")
+WHICH = {False: "from the first page", True: "that the last page names"}
 GOODS = ["lamp oil", "rope", "salt", "nails", "canvas", "tea", "flour", "wax", "tin", "wool", "soap", "coal"]
 PLACES = ["dock 3", "the north gate", "the mill", "warehouse B", "the quay", "the east yard", "pier 7"]
 SPLITS = {"train": (0, (3, 5)), "heldout": (1, (3, 5)), "heldout_long": (2, (7, 9))}
 
 
-def make_task(split: str, index: int, page_lines: int) -> Task:
+def make_task(split: str, index: int, page_lines: int, every_page: bool = False) -> Task:
     """Task `index` of `split`: a chain of pages over a ledger of twice as many, its codes and filler drawn from a
-    generator seeded by both (so that splits never share a task)."""
+    generator seeded by both (so that splits never share a task). With `every_page`, each page but the last holds
+    a five-digit code and the last names the one to report; else the first holds a two-digit one."""
     offset, (low, high) = SPLITS[split]
-    rng = random.Random(f"ledger/{offset}/{index}")
+    rng = random.Random(f"ledger/{offset}/{index}" + ("/every" if every_page else ""))
     length = rng.randint(low, high)
     numbers = rng.sample(range(1, 2 * high + 1), 2 * high)
     chain = numbers[:length]
-    code = rng.randint(10, 99)
+    codes = [rng.randint(10_000, 99_999) for _ in chain[:-1]] if every_page else [rng.randint(10, 99)]
+    asked = rng.randrange(len(codes)) if every_page else 0  # (a draw would change the first-page tasks)
+    last = "This is the last page." + (f" The answer is code number {asked + 1} of this chain." if every_page else "")
     pages = {}
     for k, page in enumerate(numbers):
         lines = [f"Entry {rng.randint(100, 999)}: {rng.randint(2, 40)} crates of {rng.choice(GOODS)} received at "
                  f"{rng.choice(PLACES)}." for _ in range(page_lines)]
         if page in chain:
             at = chain.index(page)
-            note = ("This is the last page." if at == length - 1 else
-                    (f"code {code}. " if at == 0 else "") + f"Next page: {chain[at + 1]}.")
+            note = (last if at == length - 1 else
+                    (f"code {codes[at]}. " if at < len(codes) else "") + f"Next page: {chain[at + 1]}.")
             lines.insert(rng.randrange(len(lines) + 1), f"NOTE: {note}")
         pages[str(page)] = "\n".join(lines)
-    question = (f"Ledger {offset * 10_000 + index}: start at page {chain[0]} and read to its last page. What is the "
-                f"code on page {chain[0]}?")  # the number makes each question unique (demonstrations find it)
+    which = "the code the last page names" if every_page else f"the code on page {chain[0]}"
+    question = (f"Ledger {offset * 10_000 + index}: start at page {chain[0]} and read to its last page. What is "
+                f"{which}?")  # the ledger's number makes each question unique (demonstrations find it)
     return Task(f"ledger-{split}-{index}", {"question": question, "pages": pages, "chain": chain,
-                                            "answer": str(code)}, split=split)
+                                            "answer": str(codes[asked])}, split=split)
 
 
 class LedgerEnv(ToolEnv):
@@ -58,11 +68,12 @@ class LedgerEnv(ToolEnv):
     the last page was read."""
 
     def __init__(self, split: str = "train", n_tasks: int | None = None, page_lines: int = 8,
-                 parser: str = "hermes", max_turns: int = 14, max_invalid: int = 3, expert_notes: bool = False):
+                 parser: str = "hermes", max_turns: int = 14, max_invalid: int = 3, expert_notes: bool = False,
+                 every_page: bool = False):
         if split not in SPLITS:
             raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
         self.n_tasks, self.page_lines = n_tasks or (1000 if split == "train" else 100), page_lines
-        self.expert_notes = expert_notes
+        self.expert_notes, self.every_page = expert_notes, every_page
         super().__init__(ToolSet([self._read_tool()]), PARSERS[parser](), split=split, max_turns=max_turns,
                          max_invalid=max_invalid)
 
@@ -79,10 +90,11 @@ class LedgerEnv(ToolEnv):
         return read
 
     def load_tasks(self, split: str) -> Sequence[Task]:
-        return [make_task(split, i, self.page_lines) for i in range(self.n_tasks)]
+        return [make_task(split, i, self.page_lines, self.every_page) for i in range(self.n_tasks)]
 
     def first_messages(self, task: Task) -> Sequence[Message]:
-        prompt = SYSTEM_PROMPT.format(example=self.parser.format_answer("57"), fmt=self.parser.instructions)
+        prompt = SYSTEM_PROMPT.format(which=WHICH[self.every_page], example=self.parser.format_answer("57"),
+                                      fmt=self.parser.instructions)
         return Message("system", prompt), Message("user", task.data["question"])
 
     def score(self, task: Task, answer: str, transcript: Sequence[ParsedAction]) -> Score:
@@ -96,18 +108,21 @@ class LedgerEnv(ToolEnv):
 
     def expert_turn(self, prompt: str, summary: bool = False, mistake: bool = False) -> str:
         """A careful reader with no memory but its context: it reads the page the latest note names and answers once
-        it has read the last one; asked for a summary, it writes down every code it sees and the page to read next.
+        it has read the last one (with the code it names: the first, unless it names another); asked for a summary, it writes down every code it sees and the page to read next.
         Its mistake: a summary of where to go next only, which loses the codes. With `expert_notes` it also writes
         the codes it sees before each action ("Thought: code 61."), so that they stay in a sliding window after
         the first page has left it; its mistake is then also an action without that note."""
-        codes, pages = re.findall(r"code (\d+)", prompt), re.findall(r"Next page: (\d+)", prompt)
-        written = [] if mistake else [f"code {c}." for c in dict.fromkeys(codes)]
-        last = "This is the last page" in prompt
+        codes, pages = list(dict.fromkeys(re.findall(r"code (\d+)", prompt))), re.findall(r"Next page: (\d+)", prompt)
+        written = [] if mistake else [f"code {c}." for c in codes]
+        if "This is the last page" in prompt:
+            number = re.search(r"code number (\d+)", prompt)  # on ledger-many; else the first code is the answer
+            at = int(number[1]) - 1 if number else 0
+            answer = codes[at] if at < len(codes) else "0"
+            if summary:  # the code asked for is all that is left to keep
+                return f"code {answer}. This is the last page." if not mistake else "This is the last page."
+            return self.parser.format_answer(answer)
         if summary:
-            where = "This is the last page." if last else f"Next page: {pages[-1] if pages else '?'}."
-            return " ".join([*written, where])
-        if last:
-            return self.parser.format_answer(codes[0] if codes else "0")
+            return " ".join([*written, f"Next page: {pages[-1] if pages else '?'}."])
         page = int(pages[-1]) if pages else int(re.search(r"start at page (\d+)", prompt)[1])
         call = self.parser.format_call(ToolCall("read", {"page": page}))
         return f"Thought: {' '.join(written)}\n{call}" if self.expert_notes and written else call
