@@ -80,6 +80,12 @@ def test_tool_calls_and_results_are_shown_when_asked():
     shown = score_prompt(JudgeConfig(backend="constant", show_tools=True), t)[1]["content"]
     assert 'call search({"query": "Hamlet author"})\nresult: Hamlet is a tragedy' in shown
     assert "<tools>" not in score_prompt(JudgeConfig(backend="constant"), t)[1]["content"]
+    # a Search-R1 turn is kept as the model wrote it: its text is the call
+    written = (*messages[:2], Message("assistant", "<think>who?</think><search> Hamlet author </search>"),
+               messages[3], Message("assistant", "<answer> Shakespeare </answer>"))
+    shown = score_prompt(JudgeConfig(backend="constant", show_tools=True), trajectory("Shakespeare", messages=written))
+    assert ("call as written: <think>who?</think><search> Hamlet author </search>\nresult: Hamlet is a tragedy"
+            in shown[1]["content"]) and "<answer> Shakespeare" not in shown[1]["content"].split("</tools>")[0]
 
 
 def test_malformed_replies_are_retried_then_the_reward_is_missing():

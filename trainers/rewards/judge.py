@@ -164,11 +164,15 @@ def answer_of(t: Trajectory, limit: int) -> str:
 
 
 def tools_of(t: Trajectory, limit: int = 600) -> str:
-    """The trajectory's tool calls and results, in order, each result cut to `limit` characters."""
+    """The trajectory's tool calls and results, in order, each result cut to `limit` characters. A call written in
+    the parser's own syntax (ReAct's, Search-R1's: the turn kept as written, with no `tool_calls`) is its turn's
+    text, cut likewise."""
     lines = []
-    for m in t.messages:
+    for m, after in zip(t.messages, [*t.messages[1:], None]):
         for call in m.tool_calls:
             lines.append(f"call {call.name}({json.dumps(call.arguments, ensure_ascii=False)})")
+        if m.role == "assistant" and not m.tool_calls and after is not None and after.role == "tool":
+            lines.append(f"call as written: {m.content[-limit:]}")
         if m.role == "tool":
             lines.append(f"result: {m.content[:limit]}")
     return "\n".join(lines) or "(no tool calls)"
