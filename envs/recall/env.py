@@ -7,9 +7,9 @@ window that holds two or three pages, `truncate` runs out of tokens, `sliding_wi
 policy learns to repeat it), and `compact` keeps it only if the policy's summary writes it down
 (docs/concepts/trajectories.md).
 
-`recall/ledger-many-v0` (`every_page=True`) keeps more: every page of the chain holds a five-digit code and the last
-page names the one to report ("The answer is code number 2 of this chain."), so all of them must be kept until the
-end. A policy under `sliding_window` must repeat every code in every turn; once they outgrow a turn's `max_tokens`
+`recall/ledger-many-v0` (`every_page=True`) keeps more: every page of the chain holds a five-digit code under a
+letter ("code K is 71261.") and the last page names the one to report ("The answer is code K."), so all of them must
+be kept until the end. A policy under `sliding_window` must repeat every code in every turn; once they outgrow a turn's `max_tokens`
 only a summary, which has a budget of its own (`summary_tokens`), can keep them all.
 
 Splits: `train` and `heldout` (3 to 5 pages, disjoint seeds), `heldout_long` (7 to 9 pages: longer chains than
@@ -37,15 +37,19 @@ SPLITS = {"train": (0, (3, 5)), "heldout": (1, (3, 5)), "heldout_long": (2, (7, 
 def make_task(split: str, index: int, page_lines: int, every_page: bool = False) -> Task:
     """Task `index` of `split`: a chain of pages over a ledger of twice as many, its codes and filler drawn from a
     generator seeded by both (so that splits never share a task). With `every_page`, each page but the last holds
-    a five-digit code and the last names the one to report; else the first holds a two-digit one."""
+    a five-digit code under a letter and the last names the one to report; else the first holds a two-digit one."""
     offset, (low, high) = SPLITS[split]
     rng = random.Random(f"ledger/{offset}/{index}" + ("/every" if every_page else ""))
     length = rng.randint(low, high)
     numbers = rng.sample(range(1, 2 * high + 1), 2 * high)
     chain = numbers[:length]
-    codes = [rng.randint(10_000, 99_999) for _ in chain[:-1]] if every_page else [rng.randint(10, 99)]
-    asked = rng.randrange(len(codes)) if every_page else 0  # (a draw would change the first-page tasks)
-    last = "This is the last page." + (f" The answer is code number {asked + 1} of this chain." if every_page else "")
+    if every_page:
+        codes = [rng.randint(10_000, 99_999) for _ in chain[:-1]]
+        labels = [f"{letter} is " for letter in rng.sample("ABCDEFGHJKLMNPRSTUVWXYZ", len(codes))]
+        asked = rng.randrange(len(codes))
+    else:  # (no further draw: the first-page tasks stay as they were)
+        codes, labels, asked = [rng.randint(10, 99)], [""], 0
+    last = "This is the last page." + (f" The answer is code {labels[asked][0]}." if every_page else "")
     pages = {}
     for k, page in enumerate(numbers):
         lines = [f"Entry {rng.randint(100, 999)}: {rng.randint(2, 40)} crates of {rng.choice(GOODS)} received at "
@@ -53,7 +57,7 @@ def make_task(split: str, index: int, page_lines: int, every_page: bool = False)
         if page in chain:
             at = chain.index(page)
             note = (last if at == length - 1 else
-                    (f"code {codes[at]}. " if at < len(codes) else "") + f"Next page: {chain[at + 1]}.")
+                    (f"code {labels[at]}{codes[at]}. " if at < len(codes) else "") + f"Next page: {chain[at + 1]}.")
             lines.insert(rng.randrange(len(lines) + 1), f"NOTE: {note}")
         pages[str(page)] = "\n".join(lines)
     which = "the code the last page names" if every_page else f"the code on page {chain[0]}"
@@ -108,19 +112,23 @@ class LedgerEnv(ToolEnv):
 
     def expert_turn(self, prompt: str, summary: bool = False, mistake: bool = False) -> str:
         """A careful reader with no memory but its context: it reads the page the latest note names and answers once
-        it has read the last one (with the code it names: the first, unless it names another); asked for a summary, it writes down every code it sees and the page to read next.
-        Its mistake: a summary of where to go next only, which loses the codes. With `expert_notes` it also writes
-        the codes it sees before each action ("Thought: code 61."), so that they stay in a sliding window after
-        the first page has left it; its mistake is then also an action without that note."""
-        codes, pages = list(dict.fromkeys(re.findall(r"code (\d+)", prompt))), re.findall(r"Next page: (\d+)", prompt)
-        written = [] if mistake else [f"code {c}." for c in codes]
+        it has read the last one (the code that page names, else the first); asked for a summary, it writes down
+        every code it sees and the page to read next. Its mistake: a summary of where to go next only, which loses
+        the codes. With `expert_notes` it also writes the codes it sees before each action ("Thought: code 61."), so
+        that they stay in a sliding window after the first page has left it; its mistake is then also an action
+        without that note."""
+        codes: dict[str, str] = {}  # label ("K is " on ledger-many, else "") -> the code first seen under it
+        for label, code in re.findall(r"code ((?:[A-Z] is )?)(\d+)", prompt):
+            codes.setdefault(label, code)
+        pages = re.findall(r"Next page: (\d+)", prompt)
+        written = [] if mistake else [f"code {label}{code}." for label, code in codes.items()]
         if "This is the last page" in prompt:
-            number = re.search(r"code number (\d+)", prompt)  # on ledger-many; else the first code is the answer
-            at = int(number[1]) - 1 if number else 0
-            answer = codes[at] if at < len(codes) else "0"
+            asked = re.search(r"The answer is code ([A-Z])\.", prompt)  # on ledger-many; else the first code
+            label = f"{asked[1]} is " if asked else next(iter(codes), "")
             if summary:  # the code asked for is all that is left to keep
-                return f"code {answer}. This is the last page." if not mistake else "This is the last page."
-            return self.parser.format_answer(answer)
+                return (f"code {label}{codes[label]}. " if label in codes and not mistake else "") + \
+                    "This is the last page." + (f" The answer is code {asked[1]}." if asked else "")
+            return self.parser.format_answer(codes.get(label, "0"))
         if summary:
             return " ".join([*written, f"Next page: {pages[-1] if pages else '?'}."])
         page = int(pages[-1]) if pages else int(re.search(r"start at page (\d+)", prompt)[1])
