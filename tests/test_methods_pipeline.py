@@ -208,3 +208,15 @@ def test_the_run_records_its_job_and_refuses_to_resume_another(tiny_model_dir, t
     assert json.loads((tmp_path / "job.json").read_text())["grpo"]["steps"] == 1
     shutil.copytree(tmp_path, tmp_path.parent / "moved")  # a run folder moved elsewhere resumes there
     run(job(tiny_model_dir, tmp_path.parent / "moved", grpo={**GRPO, "steps": 1}, eval=None), log=lambda _: None)
+
+
+def test_an_extended_run_keeps_its_evaluation_after_rl_as_the_step_it_was(tiny_model_dir, tmp_path):
+    """A finished run whose `steps` are raised resumes from its last checkpoint; the evaluation it finished with
+    stays as OUT/heldout/at_step_N (and the summary's "at step N") instead of being replaced, and its RL seconds
+    are added to, not replaced."""
+    first = run(job(tiny_model_dir, tmp_path, grpo={**GRPO, "steps": 1}), log=lambda _: None)
+    finished = (tmp_path / "heldout" / "after_RL" / "results.json").read_text()
+    extended = run(job(tiny_model_dir, tmp_path, grpo={**GRPO, "steps": 2}), log=lambda _: None)
+    assert (tmp_path / "heldout" / "at_step_1" / "results.json").read_text() == finished
+    assert extended["at step 1"] == first["after"] and "after" in extended and extended["before"] == first["before"]
+    assert extended["rl_seconds"] > first["rl_seconds"] and latest_checkpoint(tmp_path).name == "step-000002"

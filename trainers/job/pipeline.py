@@ -38,7 +38,7 @@ from agentrl.rollout.jsonl import JsonlWriter, read_records
 from agentrl.rollout.ray_pool import env_factory
 from agentrl.system.files import write_folder
 from agentrl.trainers import distributed
-from agentrl.trainers.checkpoint import save_model
+from agentrl.trainers.checkpoint import latest_checkpoint, save_model
 from agentrl.trainers.job.heldout import evaluate_heldout
 from agentrl.trainers.job.recipe import TrainJob
 from agentrl.trainers.lora import add_lora, freeze_base_in
@@ -83,6 +83,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         save()
     reward = job.settings.reward
     summary["method"] = job.method + (f" ({reward.describe()})" if reward != RewardConfig() else "")
+    spent = keep_finished_evaluation(out, summary, job.settings.steps) if ranks.main else 0.0
     started = time.perf_counter()
     if stage.trains():
         summary.update(stage.train())
@@ -90,7 +91,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         log("No RL stage (steps = 0).")
     if not ranks.main:  # rank 0 evaluates and writes
         return summary
-    summary["rl_seconds"] = round(time.perf_counter() - started, 1)
+    summary["rl_seconds"] = round(spent + time.perf_counter() - started, 1)
     if job.eval and stage.trains():
         summary["after"] = evaluate("after RL")
     save()
@@ -103,6 +104,22 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     asyncio.run(setup.policy.close())
     close_judges()
     return summary
+
+
+def keep_finished_evaluation(out: Path, summary: dict[str, Any], steps: int) -> float:
+    """A finished run extended (its `steps` raised): its evaluation after RL stays, as the step it was taken at
+    (OUT/heldout/at_step_N, the summary's "at step N"), rather than being replaced by the extension's. Returns the RL
+    seconds it had spent, which the extension's add to."""
+    if "after" not in summary:  # not finished: a run killed in RL resumes (the time before it was killed is lost)
+        return 0.0
+    finished = latest_checkpoint(out)
+    step = int(finished.name.removeprefix("step-")) if finished else steps
+    if step < steps:
+        after, kept = out / "heldout" / "after_RL", out / "heldout" / f"at_step_{step}"
+        if after.exists() and not kept.exists():
+            after.rename(kept)
+        summary[f"at step {step}"] = summary.pop("after")
+    return summary.get("rl_seconds", 0.0)
 
 
 def record_job(job: TrainJob, out: Path) -> None:
