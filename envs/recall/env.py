@@ -9,8 +9,8 @@ policy learns to repeat it), and `compact` keeps it only if the policy's summary
 
 `recall/ledger-many-v0` (`every_page=True`) keeps more: every page of the chain holds a five-digit code under a
 letter ("code K is 71261.") and the last page names the one to report ("The answer is code K."), so all of them must
-be kept until the end. A policy under `sliding_window` must repeat every code in every turn; once they outgrow a turn's `max_tokens`
-only a summary, which has a budget of its own (`summary_tokens`), can keep them all.
+be kept until the end. A policy under `sliding_window` must repeat every code in every turn; once they outgrow a
+turn's `max_tokens` only a summary, which has a budget of its own (`summary_tokens`), can keep them all.
 
 Splits: `train` and `heldout` (3 to 5 pages, disjoint seeds), `heldout_long` (7 to 9 pages: longer chains than
 any training task).
