@@ -104,6 +104,11 @@ def latest_checkpoint(out_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def checkpoint_step(checkpoint: Path) -> int:
+    """The step a checkpoint folder was written after (its name, `save_checkpoint`'s `step-NNNNNN`)."""
+    return int(checkpoint.name.removeprefix("step-"))
+
+
 def finished_checkpoints(out_dir: Path) -> list[Path]:
     """The checkpoints in `out_dir/checkpoints` that were written to the end (renamed into place), oldest first."""
     return sorted((Path(out_dir) / "checkpoints").glob("step-*"))  # a folder being written is hidden (`write_folder`)

@@ -38,7 +38,7 @@ from agentrl.rollout.jsonl import JsonlWriter, read_records
 from agentrl.rollout.ray_pool import env_factory
 from agentrl.system.files import write_folder
 from agentrl.trainers import distributed
-from agentrl.trainers.checkpoint import latest_checkpoint, save_model
+from agentrl.trainers.checkpoint import checkpoint_step, latest_checkpoint, save_model
 from agentrl.trainers.job.heldout import evaluate_heldout
 from agentrl.trainers.job.recipe import TrainJob
 from agentrl.trainers.lora import add_lora, freeze_base_in
@@ -113,7 +113,7 @@ def keep_finished_evaluation(out: Path, summary: dict[str, Any], steps: int) -> 
     if "after" not in summary:  # not finished: a run killed in RL resumes (the time before it was killed is lost)
         return 0.0
     finished = latest_checkpoint(out)
-    step = int(finished.name.removeprefix("step-")) if finished else steps
+    step = checkpoint_step(finished) if finished else steps
     if step < steps:
         after, kept = out / "heldout" / "after_RL", out / "heldout" / f"at_step_{step}"
         if after.exists() and not kept.exists():
