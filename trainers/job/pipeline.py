@@ -83,7 +83,8 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         save()
     reward = job.settings.reward
     summary["method"] = job.method + (f" ({reward.describe()})" if reward != RewardConfig() else "")
-    spent = keep_finished_evaluation(out, summary, job.settings.steps) if ranks.main else 0.0
+    steps = job.rl.steps if METHODS[job.method].loop else None  # DPO has epochs, not steps: it cannot be extended
+    spent = keep_finished_evaluation(out, summary, steps) if ranks.main else 0.0
     started = time.perf_counter()
     if stage.trains():
         summary.update(stage.train())
@@ -106,11 +107,11 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     return summary
 
 
-def keep_finished_evaluation(out: Path, summary: dict[str, Any], steps: int) -> float:
+def keep_finished_evaluation(out: Path, summary: dict[str, Any], steps: int | None) -> float:
     """A finished run extended (its `steps` raised): its evaluation after RL stays, as the step it was taken at
     (OUT/heldout/at_step_N, the summary's "at step N"), rather than being replaced by the extension's. Returns the RL
-    seconds it had spent, which the extension's add to."""
-    if "after" not in summary:  # not finished: a run killed in RL resumes (the time before it was killed is lost)
+    seconds it had spent, which the extension's add to. `steps` is None for a method without an RL loop."""
+    if "after" not in summary or steps is None:  # not finished (a run killed in RL loses the time before), or DPO
         return 0.0
     finished = latest_checkpoint(out)
     step = checkpoint_step(finished) if finished else steps
