@@ -87,18 +87,21 @@ def base_tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
+def renderer_for(base_tokenizer, name: str) -> Renderer:
+    """A renderer of the named template, its tokenizer knowing the template's special tokens."""
+    bos, eos, extra = SPECIALS[name]
+    tok = copy.deepcopy(base_tokenizer)
+    specials = {"eos_token": eos, "additional_special_tokens": extra}
+    if bos:
+        specials["bos_token"] = bos
+    tok.add_special_tokens(specials)
+    tok.chat_template = (TEMPLATES / f"{name}.jinja").read_text()
+    return Renderer(tok)
+
+
 @pytest.fixture(scope="module")
 def renderers(base_tokenizer):
-    out = {}
-    for name, (bos, eos, extra) in SPECIALS.items():
-        tok = copy.deepcopy(base_tokenizer)
-        specials = {"eos_token": eos, "additional_special_tokens": extra}
-        if bos:
-            specials["bos_token"] = bos
-        tok.add_special_tokens(specials)
-        tok.chat_template = (TEMPLATES / f"{name}.jinja").read_text()
-        out[name] = Renderer(tok)
-    return out
+    return {name: renderer_for(base_tokenizer, name) for name in SPECIALS}
 
 
 def simulate(r: Renderer, conversation, tools, sample_text=None):
@@ -214,16 +217,44 @@ def test_template_that_drops_tool_messages_is_an_error(renderers):
     assert renderers["qwen2_5"].shows_tools and not r.shows_tools
 
 
-def test_turn_end_detection(renderers):
-    assert renderers["qwen2_5"].turn_end == ("<|im_end|>",)
-    assert renderers["llama3_1"].turn_end == ("<|eot_id|>",)
-    assert renderers["gemma2"].turn_end == ("<end_of_turn>",)
-    assert renderers["phi3_5"].turn_end == ("<|end|>",)
-    assert renderers["gpt_oss"].turn_end == ("<|return|>", "<|call|>", "<|end|>")
+def test_turn_end_detection(base_tokenizer):
+    # built here, not taken from the module's fixture: mutation testing maps a function to the tests that call it,
+    # and the fixture's calls count only for the first test that used it (docs/mutation.md)
+    detected = {name: renderer_for(base_tokenizer, name).turn_end for name in
+                ("qwen2_5", "llama3_1", "gemma2", "phi3_5", "gpt_oss")}
+    assert detected == {"qwen2_5": ("<|im_end|>",), "llama3_1": ("<|eot_id|>",), "gemma2": ("<end_of_turn>",),
+                        "phi3_5": ("<|end|>",), "gpt_oss": ("<|return|>", "<|call|>", "<|end|>")}
+
+
+def test_the_turn_end_is_the_first_added_token_after_the_content(base_tokenizer):
+    """Not a special token before the content (<a> opens every turn here), and an added token counts though the
+    tokenizer does not list it as special (a fine-tune's new <|eot|>)."""
+    tok = copy.deepcopy(base_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<a>"]})
+    tok.add_tokens(["<|eot|>"])
+    assert tok.convert_tokens_to_ids("<|eot|>") not in tok.all_special_ids
+    tok.chat_template = "{% for m in messages %}<a>{{ m['content'] }}<|eot|>{% endfor %}"
+    assert Renderer(tok).turn_end == ("<|eot|>",)
 
 
 def test_a_template_without_a_turn_end_token_names_a_fix_the_cli_takes(base_tokenizer):
     tok = copy.deepcopy(base_tokenizer)
     tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}"
-    with pytest.raises(RendererError, match="no special token of the tokenizer.*--chat-template chatml-tools"):
+    with pytest.raises(RendererError, match="no special token of the tokenizer.*--chat-template chatml-tools") as e:
         Renderer(tok)
+    assert str(e.value).startswith("This chat template ends an assistant turn with no special token")
+    assert str(e.value).endswith("from Python, Renderer(tokenizer, turn_end=[...]) names it.")
+
+
+def test_a_tokenizer_without_a_chat_template_or_with_a_marker_of_several_tokens_is_refused(base_tokenizer):
+    bare = copy.deepcopy(base_tokenizer)
+    bare.chat_template = None
+    for tokenizer in (bare, object()):  # no template, or no attribute for one at all
+        with pytest.raises(RendererError) as e:
+            Renderer(tokenizer)
+        assert str(e.value) == ("The tokenizer has no chat_template; set tokenizer.chat_template to a Jinja "
+                                "template (see the model card) before rendering.")
+    tok = copy.deepcopy(base_tokenizer)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    with pytest.raises(RendererError, match=r"Turn-end markers \('</turn>',\) must each be one token"):
+        Renderer(tok, turn_end=["</turn>"])
