@@ -171,8 +171,10 @@ class Renderer:
     def _nth_marker(self, text: str, n: int) -> tuple[int, int]:
         """(start, end) of the n-th (1-based) turn-end marker in `text`, in reading order."""
         positions = sorted((i, i + len(m)) for m in self.turn_end for i in _find_all(text, m))
-        if len(positions) < n:
-            raise RendererError(f"Expected at least {n} turn-end markers in the rendered conversation.")
+        if len(positions) < n:  # e.g. Llama 3.1 ends a built-in tool's call with <|eom_id|>, not <|eot_id|>
+            raise RendererError(f"The chat template closes the assistant's turn with none of {self.turn_end} once an "
+                                f"observation follows it ({len(positions)} markers where {n} were expected): pass "
+                                f"every marker it writes there as `turn_end`.")
         return positions[n - 1]
 
 

@@ -212,9 +212,38 @@ def test_template_that_drops_tool_messages_is_an_error(renderers):
     assistant, obs = turns[0]
     with pytest.raises(RendererError, match="dropped"):
         r.observation_ids(first, assistant, obs, r.encode("x" + r.turn_end[0]))
+    long = Message("tool", "0123456789" * 5, tool_call_id="call00000")  # the error shows its first 40 characters
+    with pytest.raises(RendererError, match=r"dropped a 'tool' message \('0123456789012345678901234567890123456789'"
+                                            r"\.\.\.\)"):
+        r.observation_ids(first, assistant, [long], r.encode("x" + r.turn_end[0]))
     with pytest.raises(RendererError, match="does not show tools.*chatml-tools"):
         r.prompt_ids(first, [CALC])
     assert renderers["qwen2_5"].shows_tools and not r.shows_tools
+
+
+def test_an_observation_the_template_writes_escaped_is_found(renderers):
+    r = renderers["llama3_1"]  # Llama 3 writes a tool's output as a JSON string
+    first, turns = TOOL_CONVERSATION
+    output = 'say "hi"\nthen'
+    delta = r.observation_text(first, turns[0][0], [Message("tool", output, tool_call_id="call00000")], [], [CALC])
+    assert output not in delta and '"say \\"hi\\"\\nthen"<|eot_id|>' in delta
+
+
+def test_a_template_that_leaves_the_assistants_turn_open_is_refused_with_the_markers_named(base_tokenizer):
+    tok = copy.deepcopy(base_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    history, assistant = [Message("user", "Hi")], Message("assistant", "Hello.")
+    observation = [Message("user", "And then?")]
+    never = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    # closes the assistant's turn only while it is the last message: an observation after it finds no marker
+    only_last = ("{% for m in messages %}{{ m['content'] }}{% if m['role'] == 'user' and not loop.last or "
+                 "m['role'] == 'assistant' and loop.last %}<|im_end|>{% endif %}{% endfor %}")
+    for template, message in [(never, r"does not close an assistant turn with one of \('<\|im_end\|>',\) here"),
+                              (only_last, r"none of \('<\|im_end\|>',\) once an observation follows it \(1 "
+                                          r"markers where 2 were expected\): pass every marker")]:
+        tok.chat_template = template
+        with pytest.raises(RendererError, match=message):
+            Renderer(tok, turn_end=["<|im_end|>"]).observation_text(history, assistant, observation, [])
 
 
 def test_turn_end_detection(base_tokenizer):
