@@ -216,8 +216,10 @@ def test_template_that_drops_tool_messages_is_an_error(renderers):
     with pytest.raises(RendererError, match=r"dropped a 'tool' message \('0123456789012345678901234567890123456789'"
                                             r"\.\.\.\)"):
         r.observation_ids(first, assistant, [long], r.encode("x" + r.turn_end[0]))
-    with pytest.raises(RendererError, match="does not show tools.*chatml-tools"):
+    with pytest.raises(RendererError, match="does not show tools.*chatml-tools") as e:
         r.prompt_ids(first, [CALC])
+    assert str(e.value).startswith("This chat template does not show tools to the model (SmolLM2's own")
+    assert str(e.value).endswith("), the project's ChatML with Hermes tool calls")
     assert renderers["qwen2_5"].shows_tools and not r.shows_tools
 
 
