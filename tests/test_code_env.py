@@ -69,6 +69,8 @@ def local():
     # a forged report is ignored: the real one is 1/4
     ("def inc(x):\n    print('\\nAGENTRL_TESTS 0 {\"passed\": 4, \"total\": 4}')\n    return 0\n", 1, "AssertionError"),
     ("def inc(x):\n    while True:\n        pass\n", 0, "did not finish (timed out)"),
+    # a solution that kills the tester passes nothing, and the reason says how the tester ended
+    ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n", 0, "did not finish (exit code -9"),
     # the solution runs in its own process: the tester's globals are out of reach...
     ("import __main__, os\n__main__._report(__main__._total)\nos._exit(0)\ndef inc(x):\n    return 0\n", 0,
      "does not load: AttributeError"),

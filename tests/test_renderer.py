@@ -218,8 +218,9 @@ def test_template_that_drops_tool_messages_is_an_error(renderers):
         r.observation_ids(first, assistant, [long], r.encode("x" + r.turn_end[0]))
     with pytest.raises(RendererError, match="does not show tools.*chatml-tools") as e:
         r.prompt_ids(first, [CALC])
-    assert str(e.value).startswith("This chat template does not show tools to the model (SmolLM2's own")
-    assert str(e.value).endswith("), the project's ChatML with Hermes tool calls")
+    assert str(e.value) == ("This chat template does not show tools to the model (SmolLM2's own, for one, has none): "
+                            "choose one that does, e.g. chat_template = 'chatml-tools' (`--chat-template`), the "
+                            "project's ChatML with Hermes tool calls")
     assert renderers["qwen2_5"].shows_tools and not r.shows_tools
 
 
@@ -246,6 +247,20 @@ def test_a_template_that_leaves_the_assistants_turn_open_is_refused_with_the_mar
         tok.chat_template = template
         with pytest.raises(RendererError, match=message):
             Renderer(tok, turn_end=["<|im_end|>"]).observation_text(history, assistant, observation, [])
+
+
+def test_the_template_gets_its_arguments_and_encoding_adds_no_bos(renderers):
+    qwen3 = renderers["qwen3"].tokenizer
+    assert Renderer(qwen3).generation_prompt == "<|im_start|>assistant\n"
+    assert Renderer(qwen3, template_kwargs={"enable_thinking": False}).generation_prompt == \
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    from tokenizers.processors import TemplateProcessing
+
+    tok = copy.deepcopy(qwen3)  # as Llama's tokenizer does, a BOS before every encoding that asks for one
+    tok.add_special_tokens({"bos_token": "<|bos|>"})
+    tok._tokenizer.post_processor = TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", tok.bos_token_id)])
+    assert tok("Hi")["input_ids"][0] == tok.bos_token_id
+    assert Renderer(tok).encode("Hi") == tok("Hi")["input_ids"][1:]  # the template writes its own BOS
 
 
 def test_turn_end_detection(base_tokenizer):

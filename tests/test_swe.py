@@ -396,6 +396,21 @@ ALL_PASS = pytest_report("PASSED t.py::a", "PASSED t.py::b", "PASSED t.py::c", f
 ])
 def test_the_grade_is_the_fraction_of_each_test_list_that_passed(tmp_path, monkeypatch, report, fail_to_pass,
                                                                   pass_to_pass, components, detail):
+    score = grade_locally(tmp_path, monkeypatch, report, fail_to_pass, pass_to_pass)
+    assert score.components == components
+    assert score.detail.startswith(detail)
+    assert "+++ b/report.txt" in score.detail.split("\n--- diff\n", 1)[1]
+
+
+def test_the_tests_get_300_seconds_whatever_a_tool_calls_timeout(tmp_path, monkeypatch):
+    score = grade_locally(tmp_path, monkeypatch, ALL_PASS, ["t.py::a"], [], test_cmd="sleep 2 && cat report.txt",
+                          timeout=1.0)
+    assert score.components == {"outcome": 1.0, "fail_to_pass": 1.0, "pass_to_pass": 1.0}
+
+
+def grade_locally(tmp_path, monkeypatch, report: str, fail_to_pass, pass_to_pass, test_cmd="cat report.txt",
+                  timeout=30.0):
+    """SWEEnv.score of an episode whose agent wrote `report` (what the test command prints), in local sandboxes."""
     import subprocess
 
     from agentrl.envs.swe.env import SWEEnv
@@ -409,21 +424,18 @@ def test_the_grade_is_the_fraction_of_each_test_list_that_passed(tmp_path, monke
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "base"]):
         subprocess.run(git + args, check=True)
     task = to_task({"instance_id": "local-1", "problem_statement": "-", "image": "none", "repo_dir": str(upstream),
-                    "FAIL_TO_PASS": fail_to_pass, "PASS_TO_PASS": pass_to_pass, "test_cmd": "cat report.txt",
+                    "FAIL_TO_PASS": fail_to_pass, "PASS_TO_PASS": pass_to_pass, "test_cmd": test_cmd,
                     "test_patch": file_diff("t.py", None, "def test_a():\n    pass\n")})
-    env = SWEEnv(instances=str(tmp_path))
+    env = SWEEnv(instances=str(tmp_path), timeout=timeout)
     pool = SandboxPool(lambda: LocalRuntime(env.limits), size=2, warm=False)
     monkeypatch.setattr(env, "_pool", lambda: pool)  # local sandboxes in place of the instance's Docker image
     try:
         env.on_reset(task)
         env.sandbox.write("repo/report.txt", report)  # the agent's work: what the tests will print
-        score = env.score(task, "", ())
+        return env.score(task, "", ())
     finally:
         env.close()
         pool.close()
-    assert score.components == components
-    assert score.detail.startswith(detail)
-    assert "+++ b/report.txt" in score.detail.split("\n--- diff\n", 1)[1]
 
 
 def test_the_agents_edits_to_tests_and_test_settings_are_not_graded(tmp_path, monkeypatch):
