@@ -13,7 +13,7 @@ from agentrl.envs.code.harness import run_tests, split_check
 from agentrl.envs.code.tasks import TEMPLATES, generated, humaneval
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.policy.scripted import ScriptedPolicy, playing
-from agentrl.tools.sandbox import Limits, LocalRuntime
+from agentrl.tools.sandbox import Limits, LocalRuntime, RunResult
 from agentrl.types import Status, ToolCall
 
 PROMPT = 'def inc(x: int) -> int:\n    """Return x + 1."""\n'
@@ -40,6 +40,25 @@ def test_constant_asserts_are_not_tests():
     _, statements = split_check("def check(candidate):\n    assert True, 'debug'\n    assert 1 == 1\n"
                                 "    assert candidate(1) == 2\n")
     assert [is_test for is_test, _ in statements] == [False, False, True]
+    for source, message in [("def other(candidate):\n    assert candidate(1) == 2\n",
+                             "the tests define no `check(candidate)` function"),
+                            ("def check(candidate):\n    assert True\n", "check(candidate) holds no assert")]:
+        with pytest.raises(ValueError) as e:
+            split_check(source)
+        assert str(e.value) == message
+
+
+def test_a_tester_that_prints_no_report_is_reported_with_the_end_of_its_stderr():
+    class Crashing:  # a sandbox whose run ends in a long traceback, not a report
+        def run(self, **kwargs):
+            self.timeout = kwargs["timeout"]
+            return RunResult(exit_code=1, stdout="", stderr="x" * 400 + "MemoryError")
+
+    sandbox = Crashing()
+    report = run_tests(sandbox, PROMPT, "def inc(x):\n    return x + 1\n", "inc", TESTS, timeout=7)
+    assert sandbox.timeout == 7
+    assert (report.passed, report.total) == (0, 4)
+    assert report.error == f"the tests did not finish (exit code 1: {'x' * 289}MemoryError)"  # its last 300 characters
 
 
 def test_a_solution_that_does_nothing_passes_no_humaneval_test(local):
