@@ -303,19 +303,21 @@ def test_a_compacting_run_trains_and_resumes_with_the_same_segments(tiny_model_d
     rollout = {"max_total_tokens": 4000, "max_turns": 6, "sampling": {"max_tokens": 32},
                "context": {"policy": "compact", "window": 660, "summary_tokens": 16}}
 
-    def job(out, steps):
+    def job(out, steps, model, sft=None):
         return load_config(TrainJob, {
-            "env": "recall/ledger-v0", "model": str(tiny_model_dir), "out_dir": str(out), "train_tasks": 8,
-            "env_kwargs": {"page_lines": 3, "max_invalid": 6}, "eval": None,
-            "sft": {"episodes": 32, "config": {"epochs": 4, "batch_size": 8, "lr": 3e-3}},  # to end its turns
+            "env": "recall/ledger-v0", "model": str(model), "out_dir": str(out), "train_tasks": 8,
+            "env_kwargs": {"page_lines": 3, "max_invalid": 6}, "eval": None, "sft": sft,
             "grpo": {"steps": steps, "tasks_per_step": 2, "group_size": 2, "minibatch_size": 4, "lr": 1e-3,
                      "checkpoint_every": 1, "rollout": rollout, "reward": {"terms": {"env": 1.0, "random": 0.5}}}})
 
     quiet = lambda _: None  # noqa: E731
-    run(job(tmp_path / "straight", 2), log=quiet)
-    run(job(tmp_path / "resumed", 1), log=quiet)  # "killed" after step 1
-    run(job(tmp_path / "resumed", 2), log=quiet)
-    demos = read_jsonl(tmp_path / "straight" / "sft_demos.jsonl")
+    sft = {"episodes": 32, "config": {"epochs": 4, "batch_size": 8, "lr": 3e-3}}  # to end its turns
+    run(job(tmp_path / "sft", 0, tiny_model_dir, sft), log=quiet)  # once: both runs start from its model
+    start = tmp_path / "sft" / "sft_model"
+    run(job(tmp_path / "straight", 2, start), log=quiet)
+    run(job(tmp_path / "resumed", 1, start), log=quiet)  # "killed" after step 1
+    run(job(tmp_path / "resumed", 2, start), log=quiet)
+    demos = read_jsonl(tmp_path / "sft" / "sft_demos.jsonl")
     assert all(t.reward == 1.0 for t in demos)  # every segment of a solved episode carries its reward
     assert len({t.session for t in demos}) < len(demos)  # the expert compacts too: its episodes are several segments
     straight, resumed = ([json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
