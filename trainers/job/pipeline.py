@@ -83,7 +83,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         save()
     reward = job.settings.reward
     summary["method"] = job.method + (f" ({reward.describe()})" if reward != RewardConfig() else "")
-    steps = job.rl.steps if METHODS[job.method].loop else None  # DPO has epochs, not steps: it cannot be extended
+    steps = job.rl.steps if METHODS[job.method].loop else None  # no RL loop, no steps: nothing to extend
     spent = keep_finished_evaluation(out, summary, steps) if ranks.main else 0.0
     started = time.perf_counter()
     if stage.trains():
@@ -111,7 +111,7 @@ def keep_finished_evaluation(out: Path, summary: dict[str, Any], steps: int | No
     """A finished run extended (its `steps` raised): its evaluation after RL stays, as the step it was taken at
     (OUT/heldout/at_step_N, the summary's "at step N"), rather than being replaced by the extension's. Returns the RL
     seconds it had spent, which the extension's add to. `steps` is None for a method without an RL loop."""
-    if "after" not in summary or steps is None:  # not finished (a run killed in RL loses the time before), or DPO
+    if "after" not in summary or steps is None:  # not finished (a run killed in RL loses the time before)
         return 0.0
     finished = latest_checkpoint(out)
     step = checkpoint_step(finished) if finished else steps
