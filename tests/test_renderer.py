@@ -258,8 +258,8 @@ def test_the_template_gets_its_arguments_and_encoding_adds_no_bos(renderers):
 
     tok = copy.deepcopy(qwen3)  # as Llama's tokenizer does, a BOS before every encoding that asks for one
     tok.add_special_tokens({"bos_token": "<|bos|>"})
-    tok._tokenizer.post_processor = TemplateProcessing(single="<|bos|> $A",
-                                                       special_tokens=[("<|bos|>", tok.bos_token_id)])
+    tok.backend_tokenizer.post_processor = TemplateProcessing(single="<|bos|> $A",
+                                                             special_tokens=[("<|bos|>", tok.bos_token_id)])
     assert tok("Hi")["input_ids"][0] == tok.bos_token_id
     assert Renderer(tok).encode("Hi") == tok("Hi")["input_ids"][1:]  # the template writes its own BOS
 
