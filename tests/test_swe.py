@@ -396,21 +396,27 @@ ALL_PASS = pytest_report("PASSED t.py::a", "PASSED t.py::b", "PASSED t.py::c", f
 ])
 def test_the_grade_is_the_fraction_of_each_test_list_that_passed(tmp_path, monkeypatch, report, fail_to_pass,
                                                                   pass_to_pass, components, detail):
-    score = grade_locally(tmp_path, monkeypatch, report, fail_to_pass, pass_to_pass)
+    score = grade_locally(tmp_path, monkeypatch, writes_report(report), fail_to_pass, pass_to_pass)
     assert score.components == components
     assert score.detail.startswith(detail)
     assert "+++ b/report.txt" in score.detail.split("\n--- diff\n", 1)[1]
 
 
 def test_the_tests_get_300_seconds_whatever_a_tool_calls_timeout(tmp_path, monkeypatch):
-    score = grade_locally(tmp_path, monkeypatch, ALL_PASS, ["t.py::a"], [], test_cmd="sleep 2 && cat report.txt",
-                          timeout=1.0)
+    score = grade_locally(tmp_path, monkeypatch, writes_report(ALL_PASS), ["t.py::a"], [],
+                          test_cmd="sleep 2 && cat report.txt", timeout=1.0)
     assert score.components == {"outcome": 1.0, "fail_to_pass": 1.0, "pass_to_pass": 1.0}
 
 
-def grade_locally(tmp_path, monkeypatch, report: str, fail_to_pass, pass_to_pass, test_cmd="cat report.txt",
-                  timeout=30.0):
-    """SWEEnv.score of an episode whose agent wrote `report` (what the test command prints), in local sandboxes."""
+def writes_report(report: str):
+    """The agent's work: what the test command (`cat report.txt`) will print."""
+    return lambda sandbox: sandbox.write("repo/report.txt", report)
+
+
+def grade_locally(tmp_path, monkeypatch, work, fail_to_pass, pass_to_pass, upstream_report="not run\n",
+                  test_cmd="cat report.txt", timeout=30.0):
+    """SWEEnv.score, in local sandboxes, of an episode whose agent did `work(sandbox)` in a repository holding
+    `upstream_report` as report.txt; the test patch adds t.py."""
     import subprocess
 
     from agentrl.envs.swe.env import SWEEnv
@@ -419,7 +425,7 @@ def grade_locally(tmp_path, monkeypatch, report: str, fail_to_pass, pass_to_pass
 
     upstream = tmp_path / "upstream"  # the instance's repository: `repo_dir`, copied by `setup` as from an image
     upstream.mkdir()
-    (upstream / "report.txt").write_text("not run\n")
+    (upstream / "report.txt").write_text(upstream_report)
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(upstream)]
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "base"]):
         subprocess.run(git + args, check=True)
@@ -431,7 +437,7 @@ def grade_locally(tmp_path, monkeypatch, report: str, fail_to_pass, pass_to_pass
     monkeypatch.setattr(env, "_pool", lambda: pool)  # local sandboxes in place of the instance's Docker image
     try:
         env.on_reset(task)
-        env.sandbox.write("repo/report.txt", report)  # the agent's work: what the tests will print
+        work(env.sandbox)
         return env.score(task, "", ())
     finally:
         env.close()
@@ -439,38 +445,17 @@ def grade_locally(tmp_path, monkeypatch, report: str, fail_to_pass, pass_to_pass
 
 
 def test_the_agents_edits_to_tests_and_test_settings_are_not_graded(tmp_path, monkeypatch):
-    import subprocess
-
-    from agentrl.envs.swe.env import SWEEnv
-    from agentrl.tools.sandbox import LocalRuntime
-    from agentrl.tools.sandbox.pool import SandboxPool
-
-    upstream = tmp_path / "upstream"
-    upstream.mkdir()
-    (upstream / "report.txt").write_text(ALL_PASS.replace("PASSED t.py::b", "FAILED t.py::b").replace(
-        "3 passed", "1 failed, 2 passed"))
-    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(upstream)]
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "base"]):
-        subprocess.run(git + args, check=True)
-    # the test patch makes the test command print report.txt as the tests leave it; the agent's own t.py and
-    # conftest.py would print a passing one
-    task = to_task({"instance_id": "local-2", "problem_statement": "-", "image": "none", "repo_dir": str(upstream),
-                    "FAIL_TO_PASS": ["t.py::b"], "PASS_TO_PASS": [], "test_cmd": "cat report.txt",
-                    "test_patch": file_diff("t.py", None, "def test_b():\n    pass\n")})
-    env = SWEEnv(instances=str(tmp_path))
-    pool = SandboxPool(lambda: LocalRuntime(env.limits), size=2, warm=False)
-    monkeypatch.setattr(env, "_pool", lambda: pool)
-    try:
-        env.on_reset(task)
-        env.sandbox.write("repo/t.py", "print('PASSED t.py::b')\n")
-        env.sandbox.write("repo/x/conftest.py", "import sys\n")
+    def work(sandbox):
+        # the test patch makes the test command print report.txt as the tests leave it; the agent's own t.py and
+        # conftest.py would print a passing one
+        sandbox.write("repo/t.py", "print('PASSED t.py::b')\n")
+        sandbox.write("repo/x/conftest.py", "import sys\n")
         # without prefixes the diff names x/conftest.py, which the filter read as no path, and which `git apply -p1`
         # created as a root conftest.py
-        assert env.sandbox.run(argv=["git", "-C", "repo", "config", "diff.noprefix", "true"]).ok
-        score = env.score(task, "", ())
-    finally:
-        env.close()
-        pool.close()
+        assert sandbox.run(argv=["git", "-C", "repo", "config", "diff.noprefix", "true"]).ok
+
+    failing = ALL_PASS.replace("PASSED t.py::b", "FAILED t.py::b").replace("3 passed", "1 failed, 2 passed")
+    score = grade_locally(tmp_path, monkeypatch, work, ["t.py::b"], [], upstream_report=failing)
     assert score.components == {"outcome": 0.0, "fail_to_pass": 0.0, "pass_to_pass": 1.0}
     assert score.detail.startswith("FAIL_TO_PASS 0.00, PASS_TO_PASS 1.00; not graded (tests, test settings, or new files "
                                    "outside the packages): t.py, x/conftest.py\n--- diff\n")
