@@ -13,7 +13,7 @@ PIP   := $(VENV)/bin/pip install -q -c constraints.txt
 # folder named like the package could shadow it, which here is the package itself.
 EDITABLE := PYTHONWARNINGS='ignore:Editable installation' $(PIP) -e
 
-.PHONY: setup setup-vllm setup-browser setup-docker setup-swe setup-adapters setup-codex setup-claude model-smollm2 demo demo-smollm2 demo-agent demo-search methods test unit fuzz mutate docs bench results lock clean
+.PHONY: disk-space setup setup-vllm setup-browser setup-docker setup-swe setup-adapters setup-codex setup-claude model-smollm2 demo demo-smollm2 demo-agent demo-search methods test unit fuzz mutate docs bench results lock clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -134,9 +134,19 @@ methods: setup
 # cores, which CI's 90 cannot hold beside the rest): `make fuzz` runs the full battery. Plain `pytest` (or
 # `make unit`) runs only the unit tier, in minutes.
 TEST_WORKERS ?= 2
-test: setup setup-vllm setup-browser setup-swe setup-adapters setup-codex setup-claude model-smollm2
+test: setup setup-vllm setup-browser setup-swe setup-adapters setup-codex setup-claude model-smollm2 disk-space
 	AGENTRL_FUZZ_OUTPUTS=1000 $(PY) -m pytest -q -rs -m "" --durations=30 \
 		-n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
+# The tests write models, checkpoints, runs, venvs and containers: a full disk fails hundreds of them at once, so
+# `make test` first checks that each place they write has TEST_DISK_GB free (what a run on a fresh machine added
+# there after its installs, with a margin: docs/testing.md).
+TEST_DISK_GB ?= 6
+disk-space:
+	@for d in $${TMPDIR:-/tmp} $(CACHE) $$(docker info -f '{{.DockerRootDir}}' 2>/dev/null); do \
+		free=$$(df -BG --output=avail $$d | tail -1 | tr -dc 0-9); [ $$free -ge $(TEST_DISK_GB) ] || { \
+		echo "make test: $$d has $$free GB free, the tests need about $(TEST_DISK_GB) GB there; free some (docker system" \
+		"prune -f, rm -rf /tmp/pytest-of-$$(id -un)) or point TMPDIR elsewhere" >&2; exit 1; }; done
 
 unit: setup setup-adapters
 	$(PY) -m pytest -q
