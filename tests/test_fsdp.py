@@ -4,7 +4,6 @@ minibatch, and the gathered full state dict is what the engine's weight sync rec
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import shutil
 
@@ -14,6 +13,7 @@ import torch.multiprocessing as mp
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from agentrl.policy.logprobs import SHARDED_FORWARD
+from agentrl.rollout.jsonl import write_jsonl
 from agentrl.trainers.batch import Batch
 from agentrl.trainers.methods.grpo import GRPOConfig
 from agentrl.trainers.loop import update
@@ -403,10 +403,11 @@ def test_train_command_under_torchrun(tiny_model_dir, tmp_path, loop):
         (last / "model.safetensors").write_bytes((last / "model.safetensors").read_bytes()[:4096])
     else:
         shutil.rmtree(last)
-    metrics = tmp_path / "resumed" / "metrics.jsonl"  # step 1's line marked: a resumed run keeps it, a restart not
-    metrics.write_text("\n".join(json.dumps({**row, "kept": True} if row["step"] == 1 else row) for row in straight) + "\n")
+    # step 1's line marked: a resumed run keeps it, a restart (the same numbers) would not
+    write_jsonl([{**row, "kept": row["step"] == 1} for row in straight], tmp_path / "resumed" / "metrics.jsonl")
     resumed = train(tmp_path, tiny_model_dir, "resumed", 2, ranks=2, loop=loop)
-    assert len(resumed) == 2 and resumed[0].get("kept") and (last / "model.safetensors").stat().st_size > 4096  # step 2 written again
+    assert len(resumed) == 2 and resumed[0]["kept"] and "kept" not in resumed[1]  # step 2 logged anew
+    assert (last / "model.safetensors").stat().st_size > 4096  # step 2 written again
     for key in ("mean_reward", "train_reward", "sampled_tokens"):  # the same rollouts after the resume
         assert resumed[1][key] == straight[1][key], key
     # GRPO resumes bit for bit; PPO's losses agree to float noise (its sharded critic's round trip is not
