@@ -113,6 +113,36 @@ def test_train_pipeline_evaluates_periodically_and_per_split(tiny_model_dir, tmp
     assert len(at_step_1) == 6 and {t.weight_version for t in at_step_1} == {1}  # the weights after step 1
 
 
+def test_an_interrupted_heldout_evaluation_of_the_same_weights_resumes(tiny_model_dir, tmp_path):
+    """A run killed during its evaluation before (or after) RL has the same weights again when it resumes: the
+    episodes already played are kept and only the rest are played. Other weights (an extended run's final model),
+    or weights a resumed run trains again (`weights=None`), start over."""
+    import agentrl
+    from agentrl.renderer import Renderer
+    from agentrl.trainers.job.heldout import evaluate_heldout
+
+    job = load_config(TrainJob, {"env": "math/arith-v0", "model": str(tiny_model_dir), "out_dir": str(tmp_path),
+                                 "eval": {"n": 4, "rollout": {"sampling": {"max_tokens": 8}}}})
+    policy, log = HFPolicy.load(tiny_model_dir), (lambda line: None)
+    path = tmp_path / "heldout" / "after_RL" / "trajectories.jsonl"
+
+    def evaluate(weights):
+        evaluate_heldout(job, policy, Renderer(policy.tokenizer), lambda split: agentrl.make(job.env, split=split),
+                         log, "after RL", weights=weights)
+        return path.read_text().splitlines()
+
+    first = evaluate("after 2 RL steps")
+    path.write_text("\n".join(first[:2]) + "\n")  # killed after two of its four episodes
+    resumed = evaluate("after 2 RL steps")
+    assert resumed[:2] == first[:2] and len(resumed) == 4  # kept verbatim (their timings too), two played
+    assert sorted(json.loads(x)["task_id"] for x in resumed) == sorted(json.loads(x)["task_id"] for x in first)
+    path.write_text("\n".join(resumed[:2]) + "\n")
+    for weights in ("after 3 RL steps", None):  # other weights: played again, every episode
+        again = evaluate(weights)
+        assert len(again) == 4 and not set(again) & set(resumed[:2])
+        path.write_text("\n".join(again[:2]) + "\n")
+
+
 def test_dynamic_sampling_admits_groups_by_their_reward_spread():
     """Without dynamic sampling every group with a baseline is kept; with it, groups whose rewards do not vary are
     dropped, and `min_reward_spread` raises the bar to a range of rewards."""

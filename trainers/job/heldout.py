@@ -12,7 +12,7 @@ from typing import Any, Callable, Coroutine
 
 from agentrl.env.api import TextEnv
 from agentrl.env.suites import Suite, SuiteEntry
-from agentrl.eval.run import run_suite
+from agentrl.eval.run import EvalRunMismatch, run_suite
 from agentrl.policy.protocol import Policy
 from agentrl.renderer import Renderer
 from agentrl.rollout.engine import Engines, EnvEngines
@@ -23,20 +23,33 @@ from agentrl.types import Trajectory
 
 def evaluate_heldout(job: TrainJob, policy: Policy, renderer: Renderer, make_env: Callable[..., TextEnv],
             log: Callable[[str], None], label: str, engines: Engines | None = None,
-            execute: Callable[[Coroutine], Any] = asyncio.run) -> tuple[dict[str, Any], list[Trajectory]]:
+            execute: Callable[[Coroutine], Any] = asyncio.run,
+            weights: str | None = None) -> tuple[dict[str, Any], list[Trajectory]]:
     """(metrics, trajectories) of the held-out evaluation `label`: each split of the job's env an entry of one suite,
     run by `run_suite` as `agentrl eval` runs suites (the env's episodes in the job's envs, or `engines`' agent
     runs), into OUT/heldout/LABEL (run.json, trajectories.jsonl, results.json). The metrics are pooled over the
     splits, with the counts behind each rate, and per split under `suites` when there are several. `execute`
-    runs the episodes' coroutine (`run_suite`'s)."""
+    runs the episodes' coroutine (`run_suite`'s). `weights` names the weights evaluated when a resumed run has
+    them again as they were (the model before RL, the final model after N steps): an evaluation of the same weights
+    that was interrupted resumes where it stopped; another label's, other weights' or None (weights a resumed run
+    trains again) start over."""
     splits = [job.eval.split] if isinstance(job.eval.split, str) else job.eval.split
     suite = Suite(f"{job.env} held-out", entries=tuple(SuiteEntry(job.env, split, job.eval.n, job.env_kwargs)
                                                       for split in splits))
     out = Path(os.path.expanduser(job.out_dir)) / "heldout" / label.replace(" ", "_")
-    shutil.rmtree(out, ignore_errors=True)  # evaluated once per label: an earlier run's episodes are not resumed
-    results = run_suite(suite, policy, renderer, out, job.model, config=replace(job.eval.rollout, group_size=1),
-                        engines=lambda entry: engines or EnvEngines(lambda: make_env(entry.split)),
-                        execute=execute)
+    model = job.model if weights is None else f"{job.model} ({weights})"  # run.json's: what a resume must match
+
+    def evaluate() -> dict[str, Any]:
+        return run_suite(suite, policy, renderer, out, model, config=replace(job.eval.rollout, group_size=1),
+                         engines=lambda entry: engines or EnvEngines(lambda: make_env(entry.split)), execute=execute)
+
+    if weights is None:
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        results = evaluate()
+    except EvalRunMismatch:  # raised before any episode: the folder holds an evaluation of other weights
+        shutil.rmtree(out)
+        results = evaluate()
     suites = {entry.split: heldout_metrics(results["entries"][entry.name]) for entry in suite.entries}
     for split, m in suites.items():
         log(f"held-out ({split}, {m['episodes']} tasks) {label}: success {m['success']:.3f}, "

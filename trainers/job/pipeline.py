@@ -74,12 +74,12 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     warm_start(setup, summary, save)
     stage = METHODS[job.method].stage(setup)
 
-    def evaluate(label: str) -> dict[str, Any]:
-        metrics, trajectories = setup.heldout(label)
+    def evaluate(label: str, weights: str) -> dict[str, Any]:
+        metrics, trajectories = setup.heldout(label, weights=weights)
         return {**metrics, **stage.heldout(trajectories, label)}
 
     if job.eval and "before" not in summary and ranks.main:
-        summary["before"] = evaluate("before RL")
+        summary["before"] = evaluate("before RL", "before RL")
         save()
     reward = job.settings.reward
     summary["method"] = job.method + (f" ({reward.describe()})" if reward != RewardConfig() else "")
@@ -94,7 +94,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         return summary
     summary["rl_seconds"] = round(spent + time.perf_counter() - started, 1)
     if job.eval and stage.trains():
-        summary["after"] = evaluate("after RL")
+        summary["after"] = evaluate("after RL", f"after {steps} RL steps" if steps else "after RL")
     save()
     if (out / "metrics.jsonl").exists():
         rows = read_records(out / "metrics.jsonl")
@@ -199,8 +199,9 @@ def set_up(job: TrainJob, out: Path, ranks: distributed.Ranks, log: Callable[[st
         judge_for(job.rl.reward.judge)
     engines = AgentEngines(job.agent) if job.agent else None  # else the env's episodes
 
-    def evaluate(label: str, execute: Callable[[Coroutine], Any] = asyncio.run) -> tuple[dict[str, Any], list]:
-        return evaluate_heldout(job, policy, renderer, make_env, log, label, engines, execute)
+    def evaluate(label: str, execute: Callable[[Coroutine], Any] = asyncio.run,
+                 weights: str | None = None) -> tuple[dict[str, Any], list]:
+        return evaluate_heldout(job, policy, renderer, make_env, log, label, engines, execute, weights)
 
     return Setup(job, model, tokenizer, policy, renderer, make_env, tasks, out, log, engines, evaluate)
 

@@ -27,7 +27,7 @@ from agentrl.types import Task, Trajectory
 if TYPE_CHECKING:  # the job's config imports the method table, which imports the methods
     from agentrl.trainers.job.recipe import TrainJob
 
-Heldout = Callable[[str, Callable[[Coroutine], Any]], tuple[dict[str, Any], list[Trajectory]]]
+Heldout = Callable[..., tuple[dict[str, Any], list[Trajectory]]]  # (label, execute, weights): `evaluate_heldout`
 
 
 @dataclass
