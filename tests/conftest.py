@@ -18,9 +18,11 @@ from filelock import FileLock
 
 # Each xdist worker, and every process it starts, gets its share of the cores before torch is imported: by default each
 # takes them all, and the workers' OpenMP teams then spin on the same cores (two training tests side by side on 2
-# cores: 164 s, against 52 s with a core each). A value set by the caller is kept.
+# cores: 164 s, against 52 s with a core each). vLLM binds its own threads: a server keeps vLLM's default (a core
+# for its scheduler, the rest for the model), not every core as on 2 cores by itself. A value the caller set is kept.
 if (workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
 
 from agentrl.models.fetch import fetch_model
 from agentrl.models.tiny import build_tiny_model

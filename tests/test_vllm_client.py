@@ -89,6 +89,25 @@ def test_a_server_for_lora_adapters_takes_vllms_next_rank_up():
         EngineConfig(kind="vllm", url="http://x", lora_rank=8)  # set where the server is started
 
 
+def test_on_two_cores_a_cpu_server_gives_the_model_both(monkeypatch):
+    """vLLM keeps a core for its scheduler; on 2 cores that idles half the machine while the model samples (SmolLM2's
+    tokens/s doubled with none kept), so there the server keeps none; on more cores vLLM's default stands. A value
+    the caller set (the environment or `env`) is kept."""
+    import os
+
+    from agentrl.policy.vllm_server import ServerConfig, server_env
+
+    key = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+    monkeypatch.delenv(key, raising=False)  # the tests' own (tests/conftest.py under xdist)
+    for cores, reserved in [(1, "0"), (2, "0"), (4, None), (16, None)]:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert server_env(ServerConfig(model="m")).get(key) == reserved, cores
+        assert key not in server_env(ServerConfig(model="m", device="gpu"))
+    assert server_env(ServerConfig(model="m", env={key: "1"}))[key] == "1"
+    monkeypatch.setenv(key, "1")
+    assert server_env(ServerConfig(model="m"))[key] == "1"
+
+
 def test_a_sync_sends_the_weights_in_the_engines_dtype(tiny_model_dir):
     """Cast once, on the trainer's side: float32 master weights go to a bf16 engine as bf16 (half the bytes)."""
     import torch
