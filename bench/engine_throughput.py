@@ -23,8 +23,8 @@
    baselines take the faster of 1 and 2 torch threads on a probe of their work (measuring each baseline with both,
    as 1. does, took 10 more minutes: under load 2 threads were 2-5x slower on all but one of them).
    Measured (2 cores, when a server ran its model on one and kept the other for its scheduler): episodes vLLM 106
-   tokens/s against 22 (4.8x); batch vLLM 113 against `generate` 21 (5.4x; in-process 37). The same with another job on the cores and
-   both thread counts measured: 4.8x and 5.6x (in-process batch 49 tokens/s, with 2 threads).
+   tokens/s against 22 (4.8x); batch vLLM 113 against `generate` 21 (5.4x; in-process 37). The same with another
+   job on the cores and both thread counts measured: 4.8x and 5.6x (in-process batch 49 tokens/s, with 2 threads).
 
     python bench/engine_throughput.py [--quick] [--url URL] [--model tiny|smollm2|all] [--smollm2-url URL]
 
