@@ -74,12 +74,12 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     warm_start(setup, summary, save)
     stage = METHODS[job.method].stage(setup)
 
-    def evaluate(label: str, weights: str) -> dict[str, Any]:
-        metrics, trajectories = setup.heldout(label, weights=weights)
+    def evaluate(label: str, weights: str | None = None) -> dict[str, Any]:  # the weights: the label's, by default
+        metrics, trajectories = setup.heldout(label, weights=weights or label)
         return {**metrics, **stage.heldout(trajectories, label)}
 
     if job.eval and "before" not in summary and ranks.main:
-        summary["before"] = evaluate("before RL", "before RL")
+        summary["before"] = evaluate("before RL")
         save()
     reward = job.settings.reward
     summary["method"] = job.method + (f" ({reward.describe()})" if reward != RewardConfig() else "")
@@ -94,7 +94,7 @@ def run(job: TrainJob, log: Callable[[str], None] = print) -> dict[str, Any]:
         return summary
     summary["rl_seconds"] = round(spent + time.perf_counter() - started, 1)
     if job.eval and stage.trains():
-        summary["after"] = evaluate("after RL", f"after {steps} RL steps" if steps else "after RL")
+        summary["after"] = evaluate("after RL", f"after {steps} RL steps" if steps else None)
     save()
     if (out / "metrics.jsonl").exists():
         rows = read_records(out / "metrics.jsonl")
