@@ -119,6 +119,20 @@ def test_an_sft_stage_whose_whole_batch_is_one_pass_is_counted_and_named():
     assert cut.memory["activations"] == rl_only.memory["activations"] < whole.memory["activations"]
 
 
+def test_a_cpu_job_whose_worst_case_exceeds_the_machine_is_warned_not_refused():
+    """On CPU the estimate's worst case (every episode at max_total_tokens) is rarely reached, and the committed
+    SmolLM2 math recipe runs in 23 GiB; past the machine's memory the plan says so with the fix, and refuses
+    nothing. A GPU of that size refuses it."""
+    job, config = recipe("cpu_smollm2_math_train"), str(CONFIGS / "SmolLM2-135M-Instruct")
+    small = plan(job, Hardware(0, 8.0), model_config=config)
+    assert small.problems == [] and small.total > 8 * 2 ** 30
+    assert "more than the machine's 8" in small.notes["memory"] and "grpo.micro_batch_tokens" in small.notes["memory"]
+    assert "memory" not in plan(job, Hardware(0, 2 * small.total / 2 ** 30), model_config=config).notes
+    gpu = plan(load_config(TrainJob, ROOT / "recipes" / "cpu_smollm2_math_train.toml", {"device": "cuda"}),
+               Hardware(1, 8.0), model_config=config)
+    assert "the trainer's GPU needs about" in gpu.problems[-1]
+
+
 def test_the_cli_prints_the_plan_and_refuses_with_exit_2():
     runner = CliRunner()
     config = str(CONFIGS / "Qwen2.5-0.5B-Instruct")

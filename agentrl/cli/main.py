@@ -202,7 +202,8 @@ def _dry_run(job, gpus: int | None, gpu_memory_gib: float, model_config: str | N
         console.print(f"[red]✗[/] {problem}")
     if the_plan.problems:
         raise typer.Exit(2)
-    console.print("[green]✓[/] the recipe validates and fits; nothing was run")
+    fits = "validates, but may not fit (memory, above)" if "memory" in the_plan.notes else "validates and fits"
+    console.print(f"[green]✓[/] the recipe {fits}; nothing was run")
 
 
 for name, command in (("eval", evaluate.eval_suite), ("report", evaluate.report), ("compare", evaluate.compare),

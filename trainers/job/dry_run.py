@@ -184,10 +184,14 @@ def plan(job: TrainJob, hardware: Hardware, world: int = 1, model_config: str | 
                             f"optimizer ({states / GIB:.1f} GiB) exceed the GPU's {hardware.memory_gib:g} GiB: lower "
                             "engine.gpu_memory_utilization")
     total = sum(memory.values())
+    big = max(memory, key=memory.get)
     if cuda and total > capacity:
-        big = max(memory, key=memory.get)
         problems.append(f"the trainer's GPU needs about {total / GIB:.1f} GiB of its {hardware.memory_gib:g} "
                         f"(largest: {big}, {memory[big] / GIB:.1f} GiB): {_fixes(job, big)}")
+    elif total > capacity:  # a worst case the CPU recipes' short episodes rarely reach: said, not refused
+        notes["memory"] = (f"{total / GIB:.1f} GiB if a pass's episodes all reach their longest, more than the "
+                           f"machine's {hardware.memory_gib:.3g}: the kernel would kill the run (no message); "
+                           f"{_fixes(job, big)}")
     notes["time per step"] = step_time(job, tokens_per_s)
     return Plan(hardware, placement, memory, problems, notes)
 
