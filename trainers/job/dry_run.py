@@ -16,10 +16,11 @@ The estimate per trainer device (`estimate`), in bytes:
 
 Placements vLLM, torch or the node would refuse are problems too: GPU indices past the node, a GPU given to two
 vLLM replicas, tensor parallelism that does not divide the attention or KV heads, a utilization outside (0, 1], a
-vLLM KV cache that cannot hold one episode's window (vLLM refuses to start). Two estimates come beside the memory
-(`Plan.notes`): how many episodes vLLM's KV cache holds at once against `rollout.concurrency`, and the time of a
-step, measured (the mean of the steps already in the run's metrics.jsonl) or from a stated throughput (an upper
-bound: every episode at its longest), each labelled with where it comes from.
+vLLM KV cache that cannot hold one episode's window (vLLM refuses to start). On CPU a total past the machine's memory
+is a note, not a problem: it assumes every episode at its longest, which the CPU recipes' rarely reach. Two estimates
+come beside the memory (`Plan.notes`): how many episodes vLLM's KV cache holds at once against
+`rollout.concurrency`, and the time of a step, measured (the mean of the steps already in the run's metrics.jsonl) or
+from a stated throughput (an upper bound: every episode at its longest), each labelled with where it comes from.
 `tests/test_dry_run.py` checks the activation and state terms against peak memory measured on CPU.
 """
 
