@@ -65,7 +65,7 @@ class ServerConfig:
     model: str = ""  # a local model directory or a hub name (a job's engine and a judge serve their own model)
     device: Literal["cpu", "gpu"] = "cpu"
     host: str = "127.0.0.1"
-    port: int = 0  # 0: a free port, chosen at the first start and kept across restarts
+    port: int = 0  # 0: a free port, chosen at the first start (again if taken meanwhile), kept across restarts
     dtype: str | None = None  # default: float32 on CPU (logprob parity), "auto" (the model's) on GPU
     max_model_len: int = 2048
     kv_cache_gib: int | None = None  # CPU only (VLLM_CPU_KVCACHE_SPACE); default 1
@@ -186,6 +186,10 @@ def server_env(config: ServerConfig) -> dict[str, str]:
     return {**env, **config.env}
 
 
+START_MARK = "\n===== agentrl: start "  # opens each start's part of the server log
+PORT_ATTEMPTS = 3  # starts on fresh ports when the chosen one was taken before vLLM bound it
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on `host` that is free now (the OS picks it; nothing holds it for the caller)."""
     with socket.socket() as s:
@@ -237,18 +241,23 @@ class VLLMServer:
             return self
         require_vllm()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:  # append: a restart keeps the previous run's log
-            log.write(f"\n===== agentrl: start {self.starts + 1}: {' '.join(self._command())}\n".encode())
-            log.flush()
-            self.group = ProcessGroup(self._command(), stdout=log, stderr=subprocess.STDOUT,
-                                      env=server_env(self.config))
-        self.starts += 1
-        try:
-            self._wait_healthy(progress)
-        except BaseException:  # also Ctrl-C during the wait: never leave a half-started server behind
-            self.stop()
-            raise
-        return self
+        # A port the OS called free can be taken before vLLM binds it (by another process's server or outgoing
+        # connection). Before anyone has the URL, a port chosen here is chosen again; a set one is the user's to fix.
+        may_move, attempts = not self.config.port and self.starts == 0, 0
+        while True:
+            self._launch()
+            attempts += 1
+            try:
+                self._wait_healthy(progress)
+                return self
+            except ServerError:
+                self.stop()
+                if not may_move or attempts == PORT_ATTEMPTS or not self._lost_its_port():
+                    raise
+                self.port = free_port(self.config.host)
+            except BaseException:  # also Ctrl-C during the wait: never leave a half-started server behind
+                self.stop()
+                raise
 
     def restart(self, progress: bool = False) -> None:
         """Stop the server and start it again, on the same port."""
@@ -277,6 +286,22 @@ class VLLMServer:
 
     def _command(self) -> list[str]:
         return server_command(self.config, self.port)
+
+    def _launch(self) -> None:
+        with open(self.log_path, "ab") as log:  # append: a restart keeps the previous run's log
+            log.write(f"{START_MARK}{self.starts + 1}: {' '.join(self._command())}\n".encode())
+            log.flush()
+            self.group = ProcessGroup(self._command(), stdout=log, stderr=subprocess.STDOUT,
+                                      env=server_env(self.config))
+        self.starts += 1
+
+    def _lost_its_port(self) -> bool:
+        """Whether the last start's log ends in the bind failure of a port someone else took."""
+        try:
+            last_start = self.log_path.read_text(errors="replace").rsplit(START_MARK, 1)[-1]
+        except OSError:
+            return False
+        return "Address already in use" in last_start
 
     def _wait_healthy(self, progress: bool) -> None:
         began, deadline = time.monotonic(), time.monotonic() + self.config.startup_timeout
