@@ -7,8 +7,11 @@ from typing import Any, Callable
 
 def progress_line(step: int, steps: int, m: dict[str, Any]) -> str:
     """One RL step: reward, success, entropy, KL and timing; asynchronous runs add the staleness of the groups."""
-    line = (f"step {step}/{steps}  reward {m['mean_reward']:.3f}  success {m['success']:.3f}  "
-            f"entropy {m.get('entropy', float('nan')):.3f}  kl {m.get('approx_kl', float('nan')):.4f}  ")
+    line = f"step {step}/{steps}  reward {m['mean_reward']:.3f}  success {m['success']:.3f}  "
+    if "entropy" in m:
+        line += f"entropy {m['entropy']:.3f}  kl {m['approx_kl']:.4f}  "
+    else:  # the loop skipped every row: no forward pass, so no entropy or KL to show
+        line += "no update (every row's advantage 0)  "
     if "staleness" not in m:
         return line + f"rollout {m['time']['rollout']:.1f}s train {m['time']['train']:.1f}s"
     staleness = " ".join(f"{k}:{n}" for k, n in m["staleness"].items())  # asynchronous: groups by staleness
