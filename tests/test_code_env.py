@@ -138,8 +138,9 @@ def test_generated_tasks_are_deterministic_and_held_out_templates_are_unseen():
     assert len(humaneval("train")) + len(humaneval("heldout")) == len(humaneval("all")) == 164
 
 
-def test_generated_env_checks_with_the_local_runtime():
-    assert agentrl.check("code/generated-v0", sandbox="local", n_tasks=20) == []
+@pytest.mark.parametrize("mode", ["tools", "direct"])
+def test_generated_env_checks_with_the_local_runtime(mode):
+    assert agentrl.check("code/generated-v0", sandbox="local", n_tasks=20, mode=mode) == []
 
 
 @pytest.mark.docker
@@ -220,3 +221,28 @@ def test_the_code_reward_is_the_fraction_of_hidden_tests_passed():
     assert gold.detail == f"{n}/{n} hidden tests"
     assert stub.components == {"tests_passed": 0.0, "outcome": 0.0}
     assert stub.detail.startswith(f"0/{n} hidden tests; ")
+
+
+@pytest.mark.parametrize("reply, reward", [
+    ("Here it is:\n```python\n{solution}```\nIt returns the answer.", 1.0),  # prose around the block is not code
+    ("```py\n{solution}", 1.0),  # cut off before the block closed
+    ("{solution}", 1.0),  # bare code, no block
+    ("```python\n{stub}```\n```python\n{solution}```", 0.0),  # the first block is the submission
+])
+def test_direct_mode_submits_the_code_of_its_one_reply(reply, reward):
+    """The baseline without tools: no tool offered, one turn, and the reply's code scored whatever its format."""
+    env = agentrl.make("code/generated-v0", sandbox="local", n_tasks=1, mode="direct")
+    try:
+        env.reset(seed=0)
+        task = env.task
+        assert env.tool_schemas == [] and "python tool" not in env.first_messages(task)[0].content
+        action = reply.format(solution=env.solution(task), stub=task.data["prompt"] + "    pass\n")
+        _, got, terminated, truncated, info = env.step(action)
+    finally:
+        env.close()
+    assert terminated and not truncated and got == reward, info
+
+
+def test_direct_mode_is_one_reply():
+    with pytest.raises(ValueError, match="mode='direct' is one reply"):
+        agentrl.make("code/generated-v0", sandbox="local", mode="direct", max_turns=4)

@@ -7,6 +7,9 @@ file, process or shared memory of the episode is left); the agent never sees the
 components: `tests_passed` (the fraction of hidden tests passed, the reward by default) and `outcome`
 (1 when all pass). Multi-turn: run, read the error, fix, submit.
 
+`mode = "direct"` is the baseline without tools (one attempt): one turn, no tool offered, and the reply's first
+fenced code block (the whole reply when it has none) is the submission, whatever the tool-call format.
+
 Sandboxes come from this process's warm pool (`tools/sandbox/pool.py`): Docker by default, `sandbox =
 "local"` for a subprocess runtime that isolates nothing (tests, trusted code). A sandbox that dies is a
 `SandboxError`: the episode ends as `error`, never scored 0.
@@ -15,6 +18,7 @@ Sandboxes come from this process's warm pool (`tools/sandbox/pool.py`): Docker b
 from __future__ import annotations
 
 import random
+import re
 from typing import Sequence
 
 from agentrl.env.api import Score, ToolEnv
@@ -25,11 +29,16 @@ from agentrl.tools.sandbox import Limits, Runtime
 from agentrl.tools.sandbox.pool import shared_pool
 from agentrl.types import Message, Task, ToolCall
 
+MODES = ("tools", "direct")
+
 SYSTEM_PROMPT = (
     "You write Python functions. Use the python tool to run code and test your ideas; each call runs in a "
     "fresh interpreter and returns what it prints. When your function is right, call submit with its "
     "complete code (imports, the def line and the body). Hidden tests decide the reward.\n{fmt}"
 )
+DIRECT_PROMPT = ("You write Python functions. Reply with the complete function (imports, the def line and the body) "
+                 "in one ```python code block. Hidden tests decide the reward.")
+_FENCED = re.compile(r"```[\w+-]*[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL)  # an unclosed block runs to the end
 
 
 class CodeEnv(ToolEnv):
@@ -37,14 +46,19 @@ class CodeEnv(ToolEnv):
 
     `source` picks the tasks ("humaneval" or "generated"), `sandbox` the runtime ("docker", or "local", which
     isolates nothing). Only the `hermes` parser is accepted (code spans lines); another raises ValueError.
+    `mode` "tools" (default; up to 6 turns) or "direct" (one reply, no tools: the baseline).
     """
 
     def __init__(self, source: str = "humaneval", split: str = "train", n_tasks: int | None = None, seed: int = 0,
-                 parser: str = "hermes", max_turns: int = 6, max_invalid: int = 3, sandbox: str = "docker",
-                 timeout: float = 10.0, memory_mb: int = 512, pool_size: int = 8):
+                 parser: str = "hermes", max_turns: int | None = None, max_invalid: int = 3, sandbox: str = "docker",
+                 timeout: float = 10.0, memory_mb: int = 512, pool_size: int = 8, mode: str = "tools"):
         if parser not in ("hermes",):
             raise ValueError(f"the code env reads Hermes tool calls (code spans lines); got parser {parser!r}")
-        self.source, self.n_tasks, self.task_seed = source, n_tasks, seed
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if mode == "direct" and max_turns not in (None, 1):
+            raise ValueError(f"mode='direct' is one reply: remove max_turns (got {max_turns}) or use mode='tools'")
+        self.source, self.n_tasks, self.task_seed, self.mode = source, n_tasks, seed, mode
         self.sandbox_kind, self.pool_size = sandbox, pool_size
         self.limits = Limits(timeout=timeout, memory_mb=memory_mb)
         self._sandbox: Runtime | None = None
@@ -67,8 +81,10 @@ class CodeEnv(ToolEnv):
             """
             return code
 
-        super().__init__(ToolSet([python, submit]), PARSERS[parser](), split=split, max_turns=max_turns,
-                         max_invalid=max_invalid, reward_weights={"tests_passed": 1.0}, answer_tool="submit")
+        tools = ToolSet([python, submit] if mode == "tools" else [])
+        super().__init__(tools, PARSERS[parser](), split=split, max_turns=max_turns or (6 if mode == "tools" else 1),
+                         max_invalid=max_invalid, reward_weights={"tests_passed": 1.0},
+                         answer_tool="submit" if mode == "tools" else None)
 
     @property
     def sandbox(self) -> Runtime:
@@ -96,9 +112,17 @@ class CodeEnv(ToolEnv):
         return code_tasks.load(self.source, split, self.n_tasks, self.task_seed)
 
     def first_messages(self, task: Task) -> Sequence[Message]:
-        """The system prompt with the parser's format instructions, and the function's stub to complete."""
-        return (Message("system", SYSTEM_PROMPT.format(fmt=self.parser.instructions)),
+        """The system prompt (with the parser's format instructions, but for direct) and the function's stub."""
+        system = DIRECT_PROMPT if self.mode == "direct" else SYSTEM_PROMPT.format(fmt=self.parser.instructions)
+        return (Message("system", system),
                 Message("user", f"Complete this function:\n\n```python\n{task.data['prompt']}```"))
+
+    def act(self, action: str):
+        if self.mode == "tools":
+            return super().act(action)
+        found = _FENCED.search(action)  # direct: the reply's code is the submission, in whatever format
+        obs, reward, done, info = self._finish(found.group(1) if found else action)
+        return obs, reward, done, {**info, "assistant": Message("assistant", action)}
 
     def score(self, task: Task, answer: str, transcript: Sequence[ParsedAction]) -> Score:
         d = task.data
@@ -112,10 +136,15 @@ class CodeEnv(ToolEnv):
         return task.data["prompt"] + task.data["canonical_solution"]
 
     def gold_actions(self, task: Task) -> list[str]:
-        return [self.parser.format_call(ToolCall("submit", {"code": self.solution(task)}))]
+        return [self._submission(self.solution(task))]
 
     def demonstration(self, task: Task, rng: random.Random, error_rate: float = 0.0) -> list[str]:
         """The gold submission; with probability `error_rate`, the unfinished stub instead (it fails)."""
         if rng.random() < error_rate:
-            return [self.parser.format_call(ToolCall("submit", {"code": task.data["prompt"] + "    pass\n"}))]
+            return [self._submission(task.data["prompt"] + "    pass\n")]
         return self.gold_actions(task)
+
+    def _submission(self, code: str) -> str:
+        """`code` submitted as the mode asks: a `submit` call, or (direct) a fenced block."""
+        return f"```python\n{code}```" if self.mode == "direct" else \
+            self.parser.format_call(ToolCall("submit", {"code": code}))
