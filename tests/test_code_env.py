@@ -246,3 +246,12 @@ def test_direct_mode_submits_the_code_of_its_one_reply(reply, reward):
 def test_direct_mode_is_one_reply():
     with pytest.raises(ValueError, match="mode='direct' is one reply"):
         agentrl.make("code/generated-v0", sandbox="local", mode="direct", max_turns=4)
+
+
+def test_evaluations_break_generated_tasks_down_by_template():
+    env = agentrl.make("code/generated-v0", split="heldout", sandbox="local", n_tasks=30)
+    try:
+        assert {tuple(env.difficulty(t).items()) for t in env.tasks} == {
+            (("template", name),) for name in ("index_of", "longest_word", "clip")}
+    finally:
+        env.close()

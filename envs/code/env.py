@@ -131,6 +131,10 @@ class CodeEnv(ToolEnv):
         detail = f"{report.passed}/{report.total} hidden tests" + (f"; {report.error}" if report.error else "")
         return Score({"tests_passed": report.fraction, "outcome": float(report.passed == report.total)}, detail)
 
+    def difficulty(self, task: Task) -> dict[str, str]:
+        """A generated function's template, so that evaluations report success per template."""
+        return {"template": task.data["template"]} if "template" in task.data else {}
+
     def solution(self, task: Task) -> str:
         """The reference solution: the task's prompt (signature and docstring) followed by the canonical body."""
         return task.data["prompt"] + task.data["canonical_solution"]
