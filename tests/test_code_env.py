@@ -255,3 +255,15 @@ def test_evaluations_break_generated_tasks_down_by_template():
             (("template", name),) for name in ("index_of", "longest_word", "clip")}
     finally:
         env.close()
+
+
+def test_generated_tasks_of_named_templates_only():
+    tasks = generated("train", 40, templates=["spread", "scale"])
+    assert {t.data["template"] for t in tasks} == {"spread", "scale"}
+    with pytest.raises(ValueError, match=r"templates \['index_of'\] are not of the 'train' split"):
+        generated("train", 4, templates=["index_of"])
+    env = agentrl.make("code/generated-v0", sandbox="local", n_tasks=20, templates=["count_char"])
+    try:
+        assert {t.data["template"] for t in env.tasks} == {"count_char"}
+    finally:
+        env.close()

@@ -46,12 +46,14 @@ class CodeEnv(ToolEnv):
 
     `source` picks the tasks ("humaneval" or "generated"), `sandbox` the runtime ("docker", or "local", which
     isolates nothing). Only the `hermes` parser is accepted (code spans lines); another raises ValueError.
-    `mode` "tools" (default; up to 6 turns) or "direct" (one reply, no tools: the baseline).
+    `mode` "tools" (default; up to 6 turns) or "direct" (one reply, no tools: the baseline). `templates` keeps the
+    generated functions of those templates only (e.g. SFT demonstrations of some, RL on all).
     """
 
     def __init__(self, source: str = "humaneval", split: str = "train", n_tasks: int | None = None, seed: int = 0,
                  parser: str = "hermes", max_turns: int | None = None, max_invalid: int = 3, sandbox: str = "docker",
-                 timeout: float = 10.0, memory_mb: int = 512, pool_size: int = 8, mode: str = "tools"):
+                 timeout: float = 10.0, memory_mb: int = 512, pool_size: int = 8, mode: str = "tools",
+                 templates: Sequence[str] | None = None):
         if parser not in ("hermes",):
             raise ValueError(f"the code env reads Hermes tool calls (code spans lines); got parser {parser!r}")
         if mode not in MODES:
@@ -59,6 +61,7 @@ class CodeEnv(ToolEnv):
         if mode == "direct" and max_turns not in (None, 1):
             raise ValueError(f"mode='direct' is one reply: remove max_turns (got {max_turns}) or use mode='tools'")
         self.source, self.n_tasks, self.task_seed, self.mode = source, n_tasks, seed, mode
+        self.templates = None if templates is None else tuple(templates)
         self.sandbox_kind, self.pool_size = sandbox, pool_size
         self.limits = Limits(timeout=timeout, memory_mb=memory_mb)
         self._sandbox: Runtime | None = None
@@ -109,7 +112,7 @@ class CodeEnv(ToolEnv):
     def load_tasks(self, split: str) -> Sequence[Task]:
         """`n_tasks` tasks of `split` from `source` (by default all of HumanEval's, or 1000 generated for train, 200
         otherwise)."""
-        return code_tasks.load(self.source, split, self.n_tasks, self.task_seed)
+        return code_tasks.load(self.source, split, self.n_tasks, self.task_seed, self.templates)
 
     def first_messages(self, task: Task) -> Sequence[Message]:
         """The system prompt (with the parser's format instructions, but for direct) and the function's stub."""

@@ -96,14 +96,19 @@ TEMPLATES = {
 NAMES = ["solve", "compute", "answer", "process", "transform", "calc", "result", "f", "func", "task"]
 
 
-def generated(split: str, n: int, seed: int = 0, n_tests: int = 6) -> list[Task]:
+def generated(split: str, n: int, seed: int = 0, n_tests: int = 6, templates: Sequence[str] | None = None
+              ) -> list[Task]:
     """`n` generated problems of `split` for this seed, each checked by `n_tests` asserts whose expected values the
-    reference solution computes."""
+    reference solution computes; only of the named `templates` of the split when given."""
     if split not in TEMPLATES:
         raise ValueError(f"generated code splits are {sorted(TEMPLATES)}; got {split!r}")
+    names = [t.name for t in TEMPLATES[split]]
+    if unknown := sorted(set(templates or ()) - set(names)):
+        raise ValueError(f"templates {unknown} are not of the {split!r} split; its templates are {names}")
+    chosen = [t for t in TEMPLATES[split] if templates is None or t.name in templates]
     rng, tasks = random.Random(f"{seed}-{split}"), []
     for i in range(n):
-        t = rng.choice(TEMPLATES[split])
+        t = rng.choice(chosen)
         params, fn = t.params(rng), rng.choice(NAMES)
         prompt = f"{t.signature.format(fn=fn)}\n    \"\"\"{t.doc.format(fn=fn, **params)}\"\"\"\n"
         body = t.body.format(**params)
@@ -118,11 +123,13 @@ def generated(split: str, n: int, seed: int = 0, n_tests: int = 6) -> list[Task]
     return tasks
 
 
-def load(source: str, split: str, n: int | None, seed: int) -> Sequence[Task]:
+def load(source: str, split: str, n: int | None, seed: int, templates: Sequence[str] | None = None) -> Sequence[Task]:
     """The tasks of `split` from `source` ("humaneval" or "generated"); `n` caps HumanEval's and sets how many
-    are generated (default 1000 for train, 200 otherwise)."""
+    are generated (default 1000 for train, 200 otherwise), of the named `templates` only when given."""
     if source == "humaneval":
+        if templates is not None:
+            raise ValueError("templates name generated functions: remove them, or use source = 'generated'")
         return humaneval(split)[:n]
     if source == "generated":
-        return generated(split, n or (1000 if split == "train" else 200), seed)
+        return generated(split, n or (1000 if split == "train" else 200), seed, templates=templates)
     raise ValueError(f"source must be 'humaneval' or 'generated', got {source!r}")
