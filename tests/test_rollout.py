@@ -409,6 +409,41 @@ def test_the_step_timeout_counts_from_when_a_thread_starts_the_call(renderer):
     assert any("no env thread was free" in r for r in reasons), reasons
 
 
+class PooledEnv(ArithmeticEnv):
+    """Each episode holds one of `pool`'s 2 slots from reset to close, waiting up to 5 s for one in its reset, as a
+    sandbox pool's lease does; `max_concurrent_episodes` says so."""
+    max_concurrent_episodes = 2
+
+    def __init__(self, pool: threading.BoundedSemaphore, held: list[int], **kwargs):
+        super().__init__(**kwargs)
+        self.pool, self.held, self.holding = pool, held, False
+
+    def reset(self, *args, **kwargs):
+        if not self.pool.acquire(timeout=5.0):
+            raise RuntimeError("no free slot in the pool for 5 s")
+        self.holding = True
+        self.held.append(2 - self.pool._value)  # slots taken now
+        return super().reset(*args, **kwargs)
+
+    def close(self):
+        if self.holding:
+            self.holding = False
+            self.pool.release()
+        super().close()
+
+
+def test_episodes_beyond_the_envs_limit_wait_for_a_slot_without_an_env_thread(renderer):
+    """Eight episodes, two env threads, an env whose pool holds two: without the engine's gate the waiting resets
+    took both threads, and the episodes holding the pool could not step or close (CI's code agent evaluation: 32
+    episodes, 16 threads, 8 sandboxes; half ended in step timeouts)."""
+    env, pool, held = ArithmeticEnv(n_tasks=8), threading.BoundedSemaphore(2), []
+    engine = RolloutEngine(lambda: PooledEnv(pool, held, n_tasks=8), ScriptedPolicy(renderer, gold_scripts(env)),
+                           renderer, RolloutConfig(step_timeout=1.0, env_workers=2, concurrency=8))
+    trajectories = [g.trajectories[0] for g in run(engine, list(env.tasks))]
+    assert all(t.status is Status.OK and t.reward == 1.0 for t in trajectories), [t.reason for t in trajectories]
+    assert len(held) == 8 and max(held) <= 2
+
+
 class SeedSpy(ScriptedPolicy):
     def __init__(self, *args):
         super().__init__(*args)

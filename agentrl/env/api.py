@@ -86,6 +86,9 @@ class TextEnv(gym.Env[Observation, str]):
 
     metadata = {"render_modes": []}
     max_reward: float = 1.0
+    # Episodes of this env that can run at once in one process (their sandbox pool's size); None: no limit. The
+    # rollout engine keeps the rest waiting before they reset, so that none blocks an env thread on the pool.
+    max_concurrent_episodes: int | None = None
 
     def __init__(self, split: str = "train", max_turns: int = 8):
         self.split = split

@@ -89,7 +89,7 @@ class ReflexionEnv(TextEnv):
         self.store = store if isinstance(store, NoteStore) else (  # a named store: one per split
             NoteStore.named(f"{store}/{self.inner.split}", max_notes) if store else NoteStore(max_notes))
         self.max_note_chars, self.train_notes, self.reflect_prompt = max_note_chars, train_notes, reflect_prompt
-        self.max_reward = self.inner.max_reward
+        self.max_reward, self.max_concurrent_episodes = self.inner.max_reward, self.inner.max_concurrent_episodes
         self._ending: dict[str, Any] | None = None  # the wrapped episode's end, while the note is written
         self._noted, self._earned = False, 0.0
 

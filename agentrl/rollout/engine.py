@@ -212,6 +212,7 @@ class RolloutEngine:
         self._pool = ThreadPoolExecutor(config.env_workers, thread_name_prefix="agentrl-env")
         self._stop_ids = tuple(dict.fromkeys(config.sampling.stop_token_ids + renderer.stop_token_ids)) \
             if renderer is not None else ()
+        self._env_slots: asyncio.Semaphore | None = None  # the env's max_concurrent_episodes, made at its first episode
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """An env call, in the env thread pool under `step_timeout`, counted from when a thread starts it (a call
@@ -264,6 +265,8 @@ class RolloutEngine:
             if ep.env is not None:
                 _, close_error = await captured(self._call(ep.env.close))
                 ep.close_error = describe(cause(close_error)) if close_error else None
+            if ep.slot is not None:
+                ep.slot.release()
         if error is not None:  # the one place where an exception becomes the trajectory's stop reason
             stop, error = stop_reason(error), cause(error)
             outcome = stop, describe(error)
@@ -296,6 +299,10 @@ class RolloutEngine:
     async def _reset(self, ep: EpisodeBuilder) -> None:
         """Makes the episode's env and resets it to the episode's task; its first messages become the prompt."""
         env = ep.env = await self._call(self.make_env)
+        if (limit := env.max_concurrent_episodes) is not None:  # waits here, in the loop, not in an env thread
+            self._env_slots = self._env_slots or asyncio.Semaphore(limit)
+            await self._env_slots.acquire()
+            ep.slot = self._env_slots
         obs, info = await self._call(env.reset, seed=ep.env_seed, options={"task": ep.task})
         ep.tools = info.get("tools")
         ep.messages += _capped(obs, self.config.max_observation_chars)

@@ -4,6 +4,7 @@ segments before it (a context policy's, agentrl/rollout/context.py), and what th
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -54,6 +55,7 @@ class EpisodeBuilder:
     per_turn: dict[str, list[tuple[int, Any]]] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     env: TextEnv | None = None  # once `make_env` gave it; `_run_once` closes it
+    slot: asyncio.Semaphore | None = None  # one of the env's `max_concurrent_episodes`, held until it is closed
     tools: list[dict[str, Any]] | None = None  # the tool schemas the env's reset gave, rendered into every turn
     close_error: str | None = None  # a failed or timed-out `env.close()`: noted, not the episode's outcome
 

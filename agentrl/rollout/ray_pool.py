@@ -167,6 +167,8 @@ class RemoteEnv:
     """The env of one episode, in a worker actor. Env methods and attributes are forwarded to it (values
     travel by pickling); a dead worker becomes `WorkerLost`."""
 
+    max_concurrent_episodes = None  # the env's limit holds per process, and each worker has its own sandbox pools
+
     def __init__(self, pool: RayEnvPool, worker, episode: str, kwargs: dict[str, Any]):
         self._worker, self._episode = worker, episode
         self._get(worker.open.remote(episode, kwargs))

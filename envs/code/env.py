@@ -63,6 +63,7 @@ class CodeEnv(ToolEnv):
         self.source, self.n_tasks, self.task_seed, self.mode = source, n_tasks, seed, mode
         self.templates = None if templates is None else tuple(templates)
         self.sandbox_kind, self.pool_size = sandbox, pool_size
+        self.max_concurrent_episodes = pool_size  # each holds a sandbox of this process's pool while it runs code
         self.limits = Limits(timeout=timeout, memory_mb=memory_mb)
         self._sandbox: Runtime | None = None
 

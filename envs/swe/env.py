@@ -79,6 +79,7 @@ class SWEEnv(ToolEnv):
             raise ValueError(f"the SWE env reads Hermes tool calls (arguments span lines); got parser {parser!r}")
         self.instances = Path(instances).expanduser() if instances else INSTANCES
         self.n_tasks, self.pool_size = n_tasks, pool_size
+        self.max_concurrent_episodes = pool_size  # each holds a sandbox from reset to close (pools are per image)
         self.limits = Limits(timeout=timeout, memory_mb=memory_mb, disk_mb=256, pids=128)
         self._sandbox: Runtime | None = None
         self._sandbox_image: str | None = None

@@ -51,6 +51,7 @@ class WebEnv(ToolEnv):
                  max_obs_words: int = 400, screenshots: str | None = None, max_sessions: int = 8,
                  reward_weights: dict[str, float] | None = None):
         self.max_obs_words, self.max_sessions = max_obs_words, max_sessions
+        self.max_concurrent_episodes = max_sessions  # each holds a browser session of this process while it runs
         self.screenshot_dir = Path(screenshots).expanduser() if screenshots else None
         self._session: Session | None = None
         self._ended_by: str | None = None  # "done" or "answer" once the model ends the episode
