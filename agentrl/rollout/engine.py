@@ -212,7 +212,7 @@ class RolloutEngine:
         self._pool = ThreadPoolExecutor(config.env_workers, thread_name_prefix="agentrl-env")
         self._stop_ids = tuple(dict.fromkeys(config.sampling.stop_token_ids + renderer.stop_token_ids)) \
             if renderer is not None else ()
-        self._env_slots: asyncio.Semaphore | None = None  # the env's max_concurrent_episodes, made at its first episode
+        self._env_slots: asyncio.Semaphore | None = None  # the env's max_concurrent_episodes, made at the first reset
 
     async def _call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """An env call, in the env thread pool under `step_timeout`, counted from when a thread starts it (a call
@@ -299,7 +299,7 @@ class RolloutEngine:
     async def _reset(self, ep: EpisodeBuilder) -> None:
         """Makes the episode's env and resets it to the episode's task; its first messages become the prompt."""
         env = ep.env = await self._call(self.make_env)
-        if (limit := env.max_concurrent_episodes) is not None:  # waits here, in the loop, not in an env thread
+        if (limit := getattr(env, "max_concurrent_episodes", None)) is not None:  # waits in the loop, not a thread
             self._env_slots = self._env_slots or asyncio.Semaphore(limit)
             await self._env_slots.acquire()
             ep.slot = self._env_slots
