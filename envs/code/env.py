@@ -86,7 +86,9 @@ class CodeEnv(ToolEnv):
             return code
 
         tools = ToolSet([python, submit] if mode == "tools" else [])
-        super().__init__(tools, PARSERS[parser](), split=split, max_turns=max_turns or (6 if mode == "tools" else 1),
+        if max_turns is None:
+            max_turns = 6 if mode == "tools" else 1
+        super().__init__(tools, PARSERS[parser](), split=split, max_turns=max_turns,
                          max_invalid=max_invalid, reward_weights={"tests_passed": 1.0},
                          answer_tool="submit" if mode == "tools" else None)
 
