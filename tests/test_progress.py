@@ -10,6 +10,12 @@ def test_a_step_line_shows_entropy_and_kl():
     assert line == "step 3/8  reward 0.500  success 0.500  entropy 0.012  kl 0.0004  rollout 60.0s train 200.0s"
 
 
+def test_a_loss_without_a_kl_estimate_shows_none():
+    """A user's policy loss (the new-loss tutorial's) need not report `approx_kl`."""
+    line = progress_line(3, 8, {**STEP, "entropy": 0.0123})
+    assert line == "step 3/8  reward 0.500  success 0.500  entropy 0.012  rollout 60.0s train 200.0s"
+
+
 def test_a_step_that_trained_nothing_says_so_instead_of_nan():
     """Every row inert (each group's rewards equal): the loop made no forward pass, so no entropy or KL exists."""
     line = progress_line(4, 8, {**STEP, "skipped_rows_frac": 1.0})

@@ -8,8 +8,8 @@ from typing import Any, Callable
 def progress_line(step: int, steps: int, m: dict[str, Any]) -> str:
     """One RL step: reward, success, entropy, KL and timing; asynchronous runs add the staleness of the groups."""
     line = f"step {step}/{steps}  reward {m['mean_reward']:.3f}  success {m['success']:.3f}  "
-    if "entropy" in m:
-        line += f"entropy {m['entropy']:.3f}  kl {m['approx_kl']:.4f}  "
+    if "entropy" in m:  # KL when the policy loss reports it (a user's loss may not)
+        line += f"entropy {m['entropy']:.3f}  " + (f"kl {m['approx_kl']:.4f}  " if "approx_kl" in m else "")
     else:  # the loop skipped every row: no forward pass, so no entropy or KL to show
         line += "no update (every row's advantage 0)  "
     if "staleness" not in m:
