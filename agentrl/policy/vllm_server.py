@@ -243,16 +243,15 @@ class VLLMServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         # A port the OS called free can be taken before vLLM binds it (by another process's server or outgoing
         # connection). Before anyone has the URL, a port chosen here is chosen again; a set one is the user's to fix.
-        may_move, attempts = not self.config.port and self.starts == 0, 0
+        may_move = not self.config.port and self.starts == 0  # then `starts` counts this start's attempts
         while True:
             self._launch()
-            attempts += 1
             try:
                 self._wait_healthy(progress)
                 return self
             except ServerError:
                 self.stop()
-                if not may_move or attempts == PORT_ATTEMPTS or not self._lost_its_port():
+                if not may_move or self.starts == PORT_ATTEMPTS or not self._lost_its_port():
                     raise
                 self.port = free_port(self.config.host)
             except BaseException:  # also Ctrl-C during the wait: never leave a half-started server behind
