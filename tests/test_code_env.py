@@ -5,12 +5,13 @@ rollout engine with a scripted policy, including a sandbox that dies mid-episode
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
 import agentrl
 from agentrl.envs.code.harness import run_tests, split_check
-from agentrl.envs.code.tasks import TEMPLATES, generated, humaneval
+from agentrl.envs.code.tasks import TEMPLATES, example_input, generated, humaneval
 from agentrl.rollout.engine import RolloutConfig, RolloutEngine
 from agentrl.policy.scripted import ScriptedPolicy, playing
 from agentrl.tools.sandbox import Limits, LocalRuntime, RunResult
@@ -267,3 +268,37 @@ def test_generated_tasks_of_named_templates_only():
         assert {t.data["template"] for t in env.tasks} == {"count_char"}
     finally:
         env.close()
+
+
+def test_run_then_submit_demonstrations_run_an_example_then_submit_the_gold_solution():
+    """The expert's run is the reference function on one input its template draws, printed in the sandbox; the
+    episode then ends on the gold submission with every hidden test passed."""
+    env = agentrl.make("code/generated-v0", sandbox="local", n_tasks=12, demonstrations="run_then_submit")
+    try:
+        for i in range(len(env.tasks)):
+            env.reset(seed=0, options={"task_index": i})
+            task, rng = env.task, random.Random(i)
+            run, submit = env.demonstration(task, rng)
+            assert submit == env.gold_actions(task)[0]
+            [call] = env.parser.parse(run).tool_calls
+            same = random.Random(i)
+            same.random()  # the draw that decides a mistake (error_rate 0: none)
+            args = example_input(task, same)
+            assert call.name == "python" and call.arguments["code"].endswith(
+                f"print({task.data['entry_point']}({', '.join(map(repr, args))}))\n")
+            namespace: dict = {}
+            exec(env.solution(task), namespace)
+            (output,), reward, terminated, _, _ = env.step(run)
+            assert not terminated and output.content.strip() == str(namespace[task.data["entry_point"]](*args))
+            _, reward, terminated, _, _ = env.step(submit)
+            assert terminated and reward == 1.0
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("kwargs", [{"mode": "direct"}, {"source": "humaneval"}])
+def test_run_then_submit_needs_generated_functions_and_the_tools(kwargs):
+    with pytest.raises(ValueError, match="needs source='generated' and mode='tools'"):
+        agentrl.make("code/generated-v0", sandbox="local", demonstrations="run_then_submit", **kwargs)
+    with pytest.raises(ValueError, match="demonstrations must be one of"):
+        agentrl.make("code/generated-v0", sandbox="local", demonstrations="run")

@@ -30,6 +30,7 @@ from agentrl.tools.sandbox.pool import shared_pool
 from agentrl.types import Message, Task, ToolCall
 
 MODES = ("tools", "direct")
+DEMONSTRATIONS = ("submit", "run_then_submit")
 
 SYSTEM_PROMPT = (
     "You write Python functions. Use the python tool to run code and test your ideas; each call runs in a "
@@ -47,20 +48,28 @@ class CodeEnv(ToolEnv):
     `source` picks the tasks ("humaneval" or "generated"), `sandbox` the runtime ("docker", or "local", which
     isolates nothing). Only the `hermes` parser is accepted (code spans lines); another raises ValueError.
     `mode` "tools" (default; up to 6 turns) or "direct" (one reply, no tools: the baseline). `templates` keeps the
-    generated functions of those templates only (e.g. SFT demonstrations of some, RL on all).
+    generated functions of those templates only (e.g. SFT demonstrations of some, RL on all). `demonstrations`:
+    the expert of SFT warm starts submits the reference solution at once ("submit"), or first runs it with the
+    `python` tool on one example input and reads its output ("run_then_submit", generated functions only).
     """
 
     def __init__(self, source: str = "humaneval", split: str = "train", n_tasks: int | None = None, seed: int = 0,
                  parser: str = "hermes", max_turns: int | None = None, max_invalid: int = 3, sandbox: str = "docker",
                  timeout: float = 10.0, memory_mb: int = 512, pool_size: int = 8, mode: str = "tools",
-                 templates: Sequence[str] | None = None):
+                 templates: Sequence[str] | None = None, demonstrations: str = "submit"):
         if parser not in ("hermes",):
             raise ValueError(f"the code env reads Hermes tool calls (code spans lines); got parser {parser!r}")
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if mode == "direct" and max_turns not in (None, 1):
             raise ValueError(f"mode='direct' is one reply: remove max_turns (got {max_turns}) or use mode='tools'")
+        if demonstrations not in DEMONSTRATIONS:
+            raise ValueError(f"demonstrations must be one of {DEMONSTRATIONS}, got {demonstrations!r}")
+        if demonstrations == "run_then_submit" and (mode != "tools" or source != "generated"):
+            raise ValueError("demonstrations='run_then_submit' runs an example input of a generated function with the "
+                             f"python tool: it needs source='generated' and mode='tools' (got {source!r}, {mode!r})")
         self.source, self.n_tasks, self.task_seed, self.mode = source, n_tasks, seed, mode
+        self.demonstrations = demonstrations
         self.templates = None if templates is None else tuple(templates)
         self.sandbox_kind, self.pool_size = sandbox, pool_size
         self.max_concurrent_episodes = pool_size  # each holds a sandbox of this process's pool while it runs code
@@ -149,10 +158,15 @@ class CodeEnv(ToolEnv):
         return [self._submission(self.solution(task))]
 
     def demonstration(self, task: Task, rng: random.Random, error_rate: float = 0.0) -> list[str]:
-        """The gold submission; with probability `error_rate`, the unfinished stub instead (it fails)."""
+        """The gold submission, after a run of it on one example input with `demonstrations="run_then_submit"`;
+        with probability `error_rate`, the unfinished stub instead (it fails)."""
         if rng.random() < error_rate:
             return [self._submission(task.data["prompt"] + "    pass\n")]
-        return self.gold_actions(task)
+        if self.demonstrations == "submit":
+            return self.gold_actions(task)
+        args = ", ".join(map(repr, code_tasks.example_input(task, rng)))
+        run = f"{self.solution(task)}\nprint({task.data['entry_point']}({args}))\n"
+        return [self.parser.format_call(ToolCall("python", {"code": run})), *self.gold_actions(task)]
 
     def _submission(self, code: str) -> str:
         """`code` submitted as the mode asks: a `submit` call, or (direct) a fenced block."""

@@ -123,6 +123,12 @@ def generated(split: str, n: int, seed: int = 0, n_tests: int = 6, templates: Se
     return tasks
 
 
+def example_input(task: Task, rng: random.Random) -> tuple:
+    """One random argument tuple for a generated function, drawn as its template draws test inputs."""
+    template = next(t for ts in TEMPLATES.values() for t in ts if t.name == task.data["template"])
+    return template.inputs(rng)
+
+
 def load(source: str, split: str, n: int | None, seed: int, templates: Sequence[str] | None = None) -> Sequence[Task]:
     """The tasks of `split` from `source` ("humaneval" or "generated"); `n` caps HumanEval's and sets how many
     are generated (default 1000 for train, 200 otherwise), of the named `templates` only when given."""
