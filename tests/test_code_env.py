@@ -300,5 +300,8 @@ def test_run_then_submit_demonstrations_run_an_example_then_submit_the_gold_solu
 def test_run_then_submit_needs_generated_functions_and_the_tools(kwargs):
     with pytest.raises(ValueError, match="needs source='generated' and mode='tools'"):
         agentrl.make("code/generated-v0", sandbox="local", demonstrations="run_then_submit", **kwargs)
+
+
+def test_an_unknown_demonstration_style_is_refused():
     with pytest.raises(ValueError, match="demonstrations must be one of"):
         agentrl.make("code/generated-v0", sandbox="local", demonstrations="run")
