@@ -181,3 +181,20 @@ def test_a_chat_template_that_does_not_exist_stops_every_job_at_start_up(tmp_pat
                  ["rollout", "--env", "math/arith-v0", "--model", "m", "--chat-template", "chatml-tool"]):
         result = runner.invoke(app, args)
         assert result.exit_code == 2 and "chatml-tool" in result.output and "chatml-tools" in result.output, args
+
+
+def test_train_and_eval_stop_before_any_model_loads_when_docker_does_not_answer(tiny_model_dir, tmp_path,
+                                                                                 monkeypatch):
+    monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-daemon.sock")
+    recipe = Path(__file__).parents[1] / "recipes" / "cpu_smollm2_code_train.toml"
+    trained = runner.invoke(app, ["train", str(recipe), "--set", f'model="{tiny_model_dir}"',
+                                  "--set", f'out_dir="{tmp_path / "run"}"', "--set", 'chat_template="chatml-tools"'])
+    assert trained.exit_code == 1 and "no Docker daemon answers" in trained.output, trained.output
+    assert "start-dockerd.sh" in trained.output and not (tmp_path / "run" / "sft_model").exists()
+    suite = tmp_path / "suite.toml"
+    suite.write_text('name = "code-docker"\nversion = 0\n[[entries]]\nenv = "code/generated-v0"\nsplit = "heldout"\n'
+                     'n_tasks = 2\n')
+    evaluated = runner.invoke(app, ["eval", "--suite", str(suite), "--model", str(tiny_model_dir),
+                                    "--engine", "transformers", "--out", str(tmp_path / "eval")])
+    assert evaluated.exit_code == 1 and "no Docker daemon answers" in evaluated.output, evaluated.output
+    assert not (tmp_path / "eval").exists()

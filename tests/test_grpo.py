@@ -17,6 +17,7 @@ from agentrl.rollout.jsonl import read_jsonl
 from agentrl.models.tokenizer import load_tokenizer
 from agentrl.trainers.checkpoint import latest_checkpoint
 from agentrl.trainers.methods.grpo import GRPO, GRPOConfig, train
+from agentrl.trainers.metrics import EveryEpisodeFailed
 from agentrl.trainers.tasks import TaskStream
 from agentrl.trainers.job.recipe import TrainJob
 from agentrl.types import Group, Task, Trajectory
@@ -63,6 +64,21 @@ def test_grpo_runs_and_resumes_exactly(tiny_model_dir, tmp_path):
     assert [json.loads(x)["step"] for x in lines] == [1, 2, 3, 4]
     # the checkpoint is a plain transformers model
     AutoModelForCausalLM.from_pretrained(latest_checkpoint(tmp_path / "resumed"))
+
+
+class DaemonGone(ArithmeticEnv):
+    """Every episode fails, as an env's whose sandbox daemon died."""
+
+    def on_reset(self, task):
+        raise RuntimeError("no Docker daemon answers")
+
+
+def test_a_step_whose_every_episode_ended_in_error_stops_the_run_before_logging_it(tiny_model_dir, tmp_path):
+    tokenizer, model = load_tokenizer(tiny_model_dir), AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with pytest.raises(EveryEpisodeFailed, match=r"step 1: all 8 episodes ended in error .*no Docker daemon answers"):
+        train(dataclasses.replace(CFG, steps=2), model, tokenizer, HFPolicy(model, tokenizer),
+              lambda: DaemonGone(n_tasks=16), list(DaemonGone(n_tasks=16).tasks), tmp_path)
+    assert (tmp_path / "metrics.jsonl").read_text() == "" and latest_checkpoint(tmp_path) is None
 
 
 def test_task_stream_is_deterministic_and_resumable():

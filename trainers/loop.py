@@ -45,7 +45,7 @@ from agentrl.trainers.tasks import Curriculum, CurriculumConfig, TaskStream
 from agentrl.trainers.distributed import Sharding, resume
 from agentrl.trainers.losses import (ADVANTAGE_WEIGHTED, KL_KINDS, POLICY_LOSSES, CorrectionConfig, PolicyLossConfig,
                                      kl_loss, masked_mean, micro_batch_weight, rollout_correction)
-from agentrl.trainers.metrics import MetricsLogger, check_finite, rollout_metrics
+from agentrl.trainers.metrics import MetricsLogger, check_step, rollout_metrics
 from agentrl.trainers.rewards import RewardConfig
 from agentrl.types import Group, Task
 
@@ -463,7 +463,7 @@ def run(cfg: LoopConfig, method: Method, tokenizer: Any, policy: Policy, engines
             with timeline.trainer:
                 metrics = {**rollout_metrics(collected, engines.max_reward), **flow,
                            **method.train_step(kept, collected, step)}
-            check_finite(f"step {step + 1}", metrics)
+            check_step(f"step {step + 1}", metrics)
             clock.lap()
             rollouts.sync(step + 1)
             clock.lap()

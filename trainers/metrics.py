@@ -25,6 +25,22 @@ def check_finite(where: str, metrics: dict[str, Any]) -> None:
                             "checkpoint is intact)")
 
 
+class EveryEpisodeFailed(RuntimeError):
+    """Every episode of an RL step ended in error (a dead sandbox daemon, a server that will not restart): training
+    stops there rather than run on with nothing to learn from."""
+
+
+def check_step(where: str, metrics: dict[str, Any]) -> None:
+    """`check_finite`, then `EveryEpisodeFailed` with the most common reason if no episode of the step ended without
+    error; before the step is logged or checkpointed, so that the same command resumes at this step once it is fixed."""
+    check_finite(where, metrics)
+    if metrics.get("episodes") and metrics["error_frac"] == 1.0:
+        reason, count = max(metrics["reasons"].items(), key=lambda item: item[1], default=("no reason given", 0))
+        raise EveryEpisodeFailed(f"{where}: all {metrics['episodes']} episodes ended in error ({count} of them: "
+                                 f"{reason}); nothing to train on, so the run stops here. Fix the cause and run the "
+                                 "same command again: it resumes from the last checkpoint.")
+
+
 class MetricsLogger:
     """Appends one JSON object per step to `metrics.jsonl` and mirrors the numbers to TensorBoard."""
 

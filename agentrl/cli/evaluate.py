@@ -41,6 +41,7 @@ def eval_suite(
     """
     from agentrl.cli.jobs import EvalJob
     from agentrl.config import ConfigError, load_config
+    from agentrl.env.api import EnvNotReady
     from agentrl.env.suites import get_suite
     from agentrl.eval.report import write_report
     from agentrl.eval.run import EvalRunMismatch, run_suite
@@ -72,6 +73,12 @@ def eval_suite(
     except KeyError as e:
         console.print(f"[red]{e.args[0]}[/]")
         raise typer.Exit(2)
+    try:  # what the suite's envs need outside this process, before the engine starts
+        for entry in the_suite.entries:
+            make_or_exit(entry.env, split=entry.split, **entry.env_kwargs).check_ready()
+    except EnvNotReady as e:
+        console.print(f"[red]{e}[/]")
+        raise typer.Exit(1)
     policy = open_policy(job.model, job.engine)
     tok = load_tokenizer(job.tokenizer or getattr(policy, "model_name", job.model), job.chat_template)
     run_dir = Path(job.out) if job.out else Path("runs/eval") / the_suite.name.replace("/", "-")

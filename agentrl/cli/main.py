@@ -133,8 +133,9 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
     Example: agentrl train recipes/cpu_demo_train.toml --set grpo.steps=5 --out-dir runs/try
     """
     from agentrl.config import ConfigError, load_config, merge
+    from agentrl.env.api import EnvNotReady
     from agentrl.trainers.checkpoint import CheckpointError
-    from agentrl.trainers.metrics import NonFiniteLoss
+    from agentrl.trainers.metrics import EveryEpisodeFailed, NonFiniteLoss
     from agentrl.trainers.methods import METHODS
     from agentrl.trainers.job.pipeline import run
     from agentrl.trainers.job.recipe import TrainJob
@@ -163,12 +164,15 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
     faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     try:
         summary = run(job, log=console.print)
-    except (CheckpointError, NonFiniteLoss) as e:  # what the message says is all there is to know
+    except (CheckpointError, EnvNotReady, EveryEpisodeFailed, NonFiniteLoss) as e:  # what the message says is all there is to know
         console.print(f"[red]{e}[/]")
         raise typer.Exit(1)
     if "before" in summary and "after" in summary:
-        b, a = summary["before"]["success"], summary["after"]["success"]
-        console.print(f"[bold]held-out success: {b:.3f} → {a:.3f} ({100 * (a - b):+.1f} points)[/]")
+        before, after = summary["before"], summary["after"]
+        b, a = before["success"], after["success"]
+        errors = (f"; episodes ended in error, not counted: {before['errors']} before, {after['errors']} after"
+                  if before.get("errors") or after.get("errors") else "")
+        console.print(f"[bold]held-out success: {b:.3f} → {a:.3f} ({100 * (a - b):+.1f} points){errors}[/]")
     console.print(f"metrics, checkpoints and reward_curve.png in {job.out_dir}")
 
 

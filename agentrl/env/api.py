@@ -77,6 +77,10 @@ class Score:
     detail: str = ""
 
 
+class EnvNotReady(RuntimeError):
+    """What an env needs outside this process is not there (`TextEnv.check_ready`); the message says the fix."""
+
+
 class TextEnv(gym.Env[Observation, str]):
     """A multi-turn text environment over a list of tasks.
 
@@ -174,6 +178,11 @@ class TextEnv(gym.Env[Observation, str]):
 
     def on_reset(self, task: Task) -> None:
         """Hook for per-episode state."""
+
+    def check_ready(self) -> None:
+        """What the env needs outside this process (a Docker daemon, a browser), checked where a job or an evaluation
+        starts, before any model loads or server starts: an `EnvNotReady` whose message says the fix. Without it,
+        every episode would end as `error` for the same reason, hours later. Default: nothing to check."""
 
     def difficulty(self, task: Task) -> dict[str, Any]:
         """What makes this task harder than others (e.g. `{"hops": 3}`), for evaluation breakdowns."""

@@ -21,11 +21,11 @@ import random
 import re
 from typing import Sequence
 
-from agentrl.env.api import Score, ToolEnv
+from agentrl.env.api import EnvNotReady, Score, ToolEnv
 from agentrl.envs.code import tasks as code_tasks
 from agentrl.envs.code.harness import run_tests
 from agentrl.tools import PARSERS, ParsedAction, ToolSet, tool
-from agentrl.tools.sandbox import Limits, Runtime
+from agentrl.tools.sandbox import Limits, Runtime, SandboxError, docker_runtime
 from agentrl.tools.sandbox.pool import shared_pool
 from agentrl.types import Message, Task, ToolCall
 
@@ -100,6 +100,14 @@ class CodeEnv(ToolEnv):
         super().__init__(tools, PARSERS[parser](), split=split, max_turns=max_turns,
                          max_invalid=max_invalid, reward_weights={"tests_passed": 1.0},
                          answer_tool="submit" if mode == "tools" else None)
+
+    def check_ready(self) -> None:
+        """The Docker daemon answers (the `local` runtime needs nothing)."""
+        if self.sandbox_kind == "docker":
+            try:
+                docker_runtime.client()
+            except SandboxError as e:
+                raise EnvNotReady(f"the code env runs its tools in Docker: {e}") from e
 
     @property
     def sandbox(self) -> Runtime:

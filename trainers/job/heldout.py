@@ -52,8 +52,9 @@ def evaluate_heldout(job: TrainJob, policy: Policy, renderer: Renderer, make_env
         results = evaluate()
     suites = {entry.split: heldout_metrics(results["entries"][entry.name]) for entry in suite.entries}
     for split, m in suites.items():
+        errors = f", {m['errors']} episodes ended in error (not counted)" if m["errors"] else ""
         log(f"held-out ({split}, {m['episodes']} tasks) {label}: success {m['success']:.3f}, "
-            f"mean reward {m['mean_reward']:.3f}")
+            f"mean reward {m['mean_reward']:.3f}{errors}")
     trajectories = read_jsonl(out / "trajectories.jsonl")
     metrics = heldout_metrics(results["all"])
     return (metrics if len(suites) == 1 else {**metrics, "suites": suites}), trajectories
