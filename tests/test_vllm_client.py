@@ -108,6 +108,21 @@ def test_on_two_cores_a_cpu_server_gives_the_model_both(monkeypatch):
     assert server_env(ServerConfig(model="m"))[key] == "1"
 
 
+def test_a_cpu_server_compiles_without_aot_whose_artifacts_vllm_cannot_load_on_cpu(monkeypatch):
+    """vLLM 0.32 saves AOT-compiled artifacts on CPU that it cannot load again (every start compiled anew): CPU
+    servers turn AOT off, so that Inductor's cache serves the starts after the first; GPU servers keep vLLM's
+    default, and so does a value the caller set."""
+    from agentrl.policy.vllm_server import ServerConfig, server_env
+
+    key = "VLLM_USE_AOT_COMPILE"
+    monkeypatch.delenv(key, raising=False)
+    assert server_env(ServerConfig(model="m"))[key] == "0"
+    assert key not in server_env(ServerConfig(model="m", device="gpu"))
+    assert server_env(ServerConfig(model="m", env={key: "1"}))[key] == "1"
+    monkeypatch.setenv(key, "1")
+    assert server_env(ServerConfig(model="m"))[key] == "1"
+
+
 def test_a_sync_sends_the_weights_in_the_engines_dtype(tiny_model_dir):
     """Cast once, on the trainer's side: float32 master weights go to a bf16 engine as bf16 (half the bytes)."""
     import torch

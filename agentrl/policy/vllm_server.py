@@ -177,6 +177,10 @@ def server_env(config: ServerConfig) -> dict[str, str]:
             # vLLM keeps a core for its scheduler, mostly idle while the model samples on the other one: giving the
             # model both doubled SmolLM2's tokens/s on 2 cores (docs/vllm.md). A value set by the caller is kept.
             env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        # vLLM 0.32's AOT-compiled artifacts fail to load on CPU ("'function' object has no attribute
+        # 'finalize_loading'"), so every start compiled the model again; without AOT, Inductor's own cache serves the
+        # starts after the first (vllm-project/vllm#32033; docs/vllm.md). A value set by the caller is kept.
+        env.setdefault("VLLM_USE_AOT_COMPILE", "0")
     if config.gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = config.gpus
     if config.weight_transfer == "ipc":  # the CUDA IPC handles travel over HTTP pickled (vLLM's HTTP client)
