@@ -87,6 +87,13 @@ def test_shop_reward_by_hand():
     assert reward(goal, mug, {})[0] == pytest.approx(0.02)
 
 
+def test_without_a_chromium_a_web_env_is_not_ready_and_says_how_to_install_one(monkeypatch):
+    monkeypatch.delenv("AGENTRL_CHROMIUM", raising=False)
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(agentrl.env.api.EnvNotReady, match="apt-get install -y chromium"):
+        agentrl.make("web/shop-v0").check_ready()
+
+
 def test_task_splits_are_disjoint():
     assert len(SOLVERS) >= 10 and set(SOLVERS) == {*TRAIN_TYPES, *HELDOUT_TYPES}
     assert not set(TRAIN_TYPES) & set(HELDOUT_TYPES)

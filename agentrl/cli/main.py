@@ -164,7 +164,7 @@ def train(recipe: Path = typer.Argument(..., help="TOML recipe: a TrainJob (see 
     faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
     try:
         summary = run(job, log=console.print)
-    except (CheckpointError, EnvNotReady, EveryEpisodeFailed, NonFiniteLoss) as e:  # what the message says is all there is to know
+    except (CheckpointError, EnvNotReady, EveryEpisodeFailed, NonFiniteLoss) as e:  # the message says all there is
         console.print(f"[red]{e}[/]")
         raise typer.Exit(1)
     if "before" in summary and "after" in summary:

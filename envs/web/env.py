@@ -23,9 +23,10 @@ import random
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
-from agentrl.env.api import ToolEnv
+from agentrl.env.api import EnvNotReady, ToolEnv
 from agentrl.tools import PARSERS, ToolSet, tool
-from agentrl.tools.browser import ActionError, PageState, Session, Site, shared_browser
+from agentrl.tools.browser import ActionError, BrowserError, PageState, Session, Site, shared_browser
+from agentrl.tools.browser.runtime import find_chromium
 from agentrl.types import Message, Task, ToolCall
 
 SYSTEM_PROMPT = (
@@ -162,6 +163,13 @@ class WebEnv(ToolEnv):
         if self._session is None:
             self._session = shared_browser(self.max_sessions).open_session()
         return self._session
+
+    def check_ready(self) -> None:
+        """A Chromium for Playwright to drive."""
+        try:
+            find_chromium()
+        except BrowserError as e:
+            raise EnvNotReady(f"the web envs drive a real Chromium: {e}") from e
 
     def on_reset(self, task: Task) -> None:
         super().on_reset(task)

@@ -165,7 +165,7 @@ def set_up(job: TrainJob, out: Path, ranks: distributed.Ranks, log: Callable[[st
     prompts) and the trainer's model, each failing now if it cannot work rather than after the first evaluation."""
     tokenizer = load_tokenizer(job.model, job.chat_template)
     renderer, env = Renderer(tokenizer), make(job.env, **job.env_kwargs)
-    env.check_ready()  # a Docker daemon or a browser the episodes need: EnvNotReady now, not every episode an error
+    env.check_ready()  # a Docker daemon or a Chromium the episodes need: EnvNotReady now, not every episode an error
     make_env, tasks = env_factory(job.env, job.env_kwargs, job.ray), list(env.tasks)[:job.train_tasks]
     # fp32 master weights whose forwards compute in dtype under autocast (agentrl/policy/precision.py), unless
     # master_weights = false keeps the parameters in dtype itself
