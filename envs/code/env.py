@@ -21,11 +21,12 @@ import random
 import re
 from typing import Sequence
 
-from agentrl.env.api import EnvNotReady, Score, ToolEnv
+from agentrl.env.api import Score, ToolEnv
 from agentrl.envs.code import tasks as code_tasks
 from agentrl.envs.code.harness import run_tests
 from agentrl.tools import PARSERS, ParsedAction, ToolSet, tool
-from agentrl.tools.sandbox import Limits, Runtime, SandboxError, docker_runtime
+from agentrl.envs.docker_ready import require_docker
+from agentrl.tools.sandbox import Limits, Runtime
 from agentrl.tools.sandbox.pool import shared_pool
 from agentrl.types import Message, Task, ToolCall
 
@@ -104,10 +105,7 @@ class CodeEnv(ToolEnv):
     def check_ready(self) -> None:
         """The Docker daemon answers (the `local` runtime needs nothing)."""
         if self.sandbox_kind == "docker":
-            try:
-                docker_runtime.client()
-            except SandboxError as e:
-                raise EnvNotReady(f"the code env runs its tools in Docker: {e}") from e
+            require_docker("the code env runs its tools in Docker")
 
     @property
     def sandbox(self) -> Runtime:

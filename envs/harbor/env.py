@@ -25,12 +25,13 @@ import shlex
 from pathlib import Path
 from typing import Sequence
 
-from agentrl.env.api import EnvNotReady, Score, ToolEnv
+from agentrl.env.api import Score, ToolEnv
+from agentrl.envs.docker_ready import require_docker
 from agentrl.envs.harbor.box import Box, build, remove_image
 from agentrl.envs.harbor.task import HarborTask, find_tasks
 from agentrl.tools import PARSERS, ParsedAction, ToolSet, tool
 from agentrl.tools.editing import editing_tools
-from agentrl.tools.sandbox import SandboxError, docker_runtime
+from agentrl.tools.sandbox import SandboxError
 from agentrl.tools.sandbox.docker_runtime import BASE_IMAGE
 from agentrl.types import Message, Task, ToolCall
 
@@ -105,10 +106,7 @@ class HarborEnv(ToolEnv):
 
     def check_ready(self) -> None:
         """The Docker daemon answers."""
-        try:
-            docker_runtime.client()
-        except SandboxError as e:
-            raise EnvNotReady(f"Harbor tasks run in Docker boxes: {e}") from e
+        require_docker("Harbor tasks run in Docker boxes")
 
     def on_reset(self, task: Task) -> None:
         super().on_reset(task)

@@ -30,13 +30,14 @@ import shlex
 from pathlib import Path, PurePosixPath
 from typing import Sequence
 
-from agentrl.env.api import EnvNotReady, Score, ToolEnv
+from agentrl.env.api import Score, ToolEnv
+from agentrl.envs.docker_ready import require_docker
 from agentrl.envs.swe.generate import CACHE, INSTANCES
 from agentrl.envs.swe.repos import REPOS, fetch, upload
 from agentrl.envs.swe.instances import InconsistentOutput, load, parse_pytest_summary
 from agentrl.tools import PARSERS, ParsedAction, ToolSet, tool
 from agentrl.tools.editing import editing_tools
-from agentrl.tools.sandbox import Limits, Runtime, SandboxError, docker_runtime
+from agentrl.tools.sandbox import Limits, Runtime, SandboxError
 from agentrl.tools.sandbox.pool import shared_pool
 from agentrl.types import Message, Task, ToolCall
 
@@ -128,10 +129,7 @@ class SWEEnv(ToolEnv):
 
     def check_ready(self) -> None:
         """The Docker daemon answers."""
-        try:
-            docker_runtime.client()
-        except SandboxError as e:
-            raise EnvNotReady(f"the SWE env's repositories live in Docker sandboxes: {e}") from e
+        require_docker("the SWE env's repositories live in Docker sandboxes")
 
     @property
     def sandbox(self) -> Runtime:
