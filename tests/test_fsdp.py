@@ -410,7 +410,8 @@ def test_train_command_under_torchrun(tiny_model_dir, tmp_path, loop):
     assert (last / "model.safetensors").stat().st_size > 4096  # step 2 written again
     for key in ("mean_reward", "train_reward", "sampled_tokens"):  # the same rollouts after the resume
         assert resumed[1][key] == straight[1][key], key
-    # GRPO resumes bit for bit; PPO's losses agree to float noise (its sharded critic's round trip is not
-    # bit-exact: a relative 3e-7 measured)
+    # The losses agree to float noise: the in-process engine's logprobs (the ratio's denominator) depend on which
+    # requests shared its batches, which timing decides (a relative 3e-8 in a loaded CI run); PPO's sharded critic's
+    # round trip adds its own (3e-7 measured)
     for key in ("loss", "grad_norm") + (("value_loss",) if loop == "ppo" else ()):
-        assert resumed[1][key] == (straight[1][key] if loop == "grpo" else pytest.approx(straight[1][key], rel=1e-5))
+        assert resumed[1][key] == pytest.approx(straight[1][key], rel=1e-6 if loop == "grpo" else 1e-5), key

@@ -466,8 +466,9 @@ def test_asynchronous_training_with_rollout_sources_in_ray_actors(ray_cluster: s
     assert all(set(r["staleness"]) <= {"0", "1"} for r in rows) and any("1" in r["staleness"] for r in rows)
     trained_positions = [p for r in rows for p in r["positions"]["trained"]]
     assert len(trained_positions) == len(set(trained_positions)) and {p % 2 for p in trained_positions} == {0, 1}
-    # the sources' intervals, on the trainer's clock: each step's since the previous step's training began (the
-    # sources may have filled the buffer during the previous held-out evaluation: then the engine idled this step)
+    # the sources' intervals, on the trainer's clock: each step's from the previous sync's pause to its own, so every
+    # step has the group each source may start after a sync (the engine may still idle all of the step's own window,
+    # when the sources played it during the previous held-out evaluation)
     assert all(r["timeline"]["engine"] and 0 <= r["idle"]["engine"] <= 1 for r in rows)
     assert all(r["timeline"]["engine"][0][0] > before["timeline"]["trainer"][0][0] for before, r in zip(rows, rows[1:]))
     for step in (1, 2, 3):

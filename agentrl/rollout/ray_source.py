@@ -16,7 +16,8 @@ finished groups wait in the actor's `Outbox` until a thread of the trainer's pro
 bound apply as they do for a source in the trainer's process. The groups the buffer refused or dropped are counted
 back to their source, which plays others in their place, so each source stays within `max_staleness` steps of the
 trainer. A sync pauses every source (no `generate` call in flight), sends the weights from the trainer's process,
-and resumes the sources with the new version. The sources' busy intervals join the trainer's timeline at each sync.
+and resumes the sources with the new version. The sources' busy intervals until the pause join the trainer's
+timeline at each sync.
 
 A source that fails, or whose actor dies, fails the trainer's next take with the cause; the run then resumes from
 its checkpoint like after any crash. A vLLM server that the trainer's process restarts is not seen by the sources'
@@ -157,8 +158,9 @@ class RaySources:
             pump.start()
 
     def sync(self, model: Any, version: int) -> None:
-        """Pause every source, send `model`'s weights as `version` from this process, resume them; then their busy
-        intervals join the timeline."""
+        """Pause every source, send `model`'s weights as `version` from this process, resume them. Their busy
+        intervals until the pause join the timeline: cut while paused, so that what a source plays after it resumes
+        is the next step's, however soon it finishes."""
         import ray
 
         self.buffer.check()
@@ -167,9 +169,10 @@ class RaySources:
         try:
             self._runner.run(self.policy.sync_weights(model, version))
             synced = version
+            cuts = ray.get([a.cut.remote() for a in self.actors])
         finally:
             ray.get([a.resume.remote(synced, self.buffer.discarded[i]) for i, a in enumerate(self.actors)])
-        for cut in ray.get([a.cut.remote() for a in self.actors]):
+        for cut in cuts:
             self.timeline.engine.add(cut["engine"])
             self.timeline.env.add(cut["env"])
 
