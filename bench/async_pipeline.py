@@ -18,7 +18,9 @@ steps). Two envs:
    Docker and the generated instances (`make setup-swe`).
 4. An extra, labelled row, `math+latency`: the same math env with 1 s of injected latency in each reset and step (a
    remote tool or a sandbox start that only waits), and turns ended by half the vocabulary (as stop tokens), so that
-   the random model's episodes take their 4 turns: 5 s of waiting per episode.
+   the random model's episodes take their 4 turns: 5 s of waiting per episode. Its episodes all wait at once: a
+   step's 64, and at `max_staleness` k, k + 1 steps' (the next steps' episodes start while the last ones wait;
+   with one step's, `max_staleness = 1` reached 1.29-1.30x in two runs, with two steps' 1.55x, 2026-12-07).
 
 Each row also reports `cpu_busy`, the share of the machine's CPU time (all cores, every process: Chromium and
 Docker included) that was busy while it trained. An asynchronous run does the same work as the synchronous one;
@@ -69,7 +71,7 @@ ENVS = {  # env id, its kwargs, (tasks per step, group size, concurrency = env t
     "math": ("math/arith-v0", {"max_turns": 4, "kinds": ["expression"], "max_ops": 2, "parser": "react"},
              (8, 8, 32, 64)),
 }
-ENVS["math+latency"] = (*ENVS["math"][:2], (8, 8, 64, 64))  # a step's episodes all at once: each of them waits
+ENVS["math+latency"] = (*ENVS["math"][:2], (8, 8, 64, 64))  # a step's episodes all at once (times 1 + max_staleness)
 LATENCY_S = 1.0  # math+latency: added to every reset and step
 
 
@@ -103,6 +105,7 @@ def run_row(model_dir: Path, env_name: str, max_staleness: int, steps: int, out:
     tokenizer = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     slow = env_name.endswith("+latency")
+    concurrency *= 1 + max_staleness if slow else 1  # every episode that the staleness bound lets start, waiting
     stops = tuple(range(0, len(tokenizer), 2)) if slow else ()
     cfg = GRPOConfig(steps=steps, tasks_per_step=tasks_per_step, lr=1e-4, minibatch_size=16, seed=0,
                      reward=RewardConfig(terms={"random": 1.0}),
