@@ -99,6 +99,25 @@ async def test_seeded_request_is_independent_of_its_batch(policy: HFPolicy, prom
                                atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("temperature, top_k, expected", [
+    (1.0, 0, [0.5, 0.25, 0.15, 0.1]),
+    (0.5, 0, [0.25 / 0.345, 0.0625 / 0.345, 0.0225 / 0.345, 0.01 / 0.345]),  # p^2, renormalized
+    (1.0, 2, [2 / 3, 1 / 3, 0.0, 0.0]),
+])
+def test_sampled_tokens_follow_the_tempered_and_truncated_probabilities(temperature, top_k, expected) -> None:
+    """20,000 rows of the same logits, each with its own seeded generator (as a batch's rows are): each token's
+    frequency within 4 standard errors of its probability."""
+    n = 20_000
+    logits_BV = torch.tensor([0.5, 0.25, 0.15, 0.1]).log().expand(n, 4).contiguous()
+    gens = [torch.Generator().manual_seed(i) for i in range(n)]
+    tokens_B, logps_B = hf._sample(logits_BV, torch.full((n,), temperature), torch.ones(n),
+                                   torch.full((n,), top_k), gens)
+    frequency = torch.bincount(tokens_B, minlength=4).double() / n
+    expected_V = torch.tensor(expected, dtype=torch.double)
+    assert ((frequency - expected_V).abs() <= 4 * (expected_V * (1 - expected_V) / n).sqrt()).all(), frequency
+    torch.testing.assert_close(logps_B, logits_BV.log_softmax(-1).gather(1, tokens_B[:, None]).squeeze(1))
+
+
 async def test_the_largest_seed_samples_and_a_larger_one_is_refused(policy: HFPolicy, prompts) -> None:
     """A seed past what the engines take (signed 64 bits, less the n samples' offsets) would fail a whole batch."""
     assert await policy.generate(prompts[0], SamplingParams(max_tokens=4, n=2, seed=MAX_SEED))
