@@ -20,7 +20,7 @@ steps). Two envs:
    remote tool or a sandbox start that only waits), and turns ended by half the vocabulary (as stop tokens), so that
    the random model's episodes take their 4 turns: 5 s of waiting per episode. Its episodes all wait at once: a
    step's 64, and at `max_staleness` k, k + 1 steps' (the next steps' episodes start while the last ones wait;
-   with one step's, `max_staleness = 1` reached 1.29-1.30x in two runs, with two steps' 1.55x, 2026-12-07).
+   with one step's, `max_staleness = 1` reached 1.29-1.30x in two runs, with two steps' 1.43-1.61x in four).
 
 Each row also reports `cpu_busy`, the share of the machine's CPU time (all cores, every process: Chromium and
 Docker included) that was busy while it trained. An asynchronous run does the same work as the synchronous one;
