@@ -71,7 +71,7 @@ ENVS = {  # env id, its kwargs, (tasks per step, group size, concurrency = env t
     "math": ("math/arith-v0", {"max_turns": 4, "kinds": ["expression"], "max_ops": 2, "parser": "react"},
              (8, 8, 32, 64)),
 }
-ENVS["math+latency"] = (*ENVS["math"][:2], (8, 8, 64, 64))  # a step's episodes all at once (times 1 + max_staleness)
+ENVS["math+latency"] = (*ENVS["math"][:2], (8, 8, 64, 64))  # a step's episodes at once (see run_row)
 LATENCY_S = 1.0  # math+latency: added to every reset and step
 
 
@@ -154,9 +154,9 @@ def main() -> None:
         figures[f"{env_name}_k{k}_idle"] = row["idle"]
         figures[f"{env_name}_k{k}_cpu_busy"] = row["cpu_busy"]
         if k:
-            bound = 1 / results[(env_name, 0)]["cpu_busy"]
-            figures[f"{env_name}_k{k}_ratio"] = ratio(env_name, k)
-            figures[f"{env_name}_k{k}_share_of_bound"] = round(ratio(env_name, k) / bound, 3)  # goal >= 0.9
+            figures[f"{env_name}_k{k}_ratio"] = ratio(env_name, k)  # over the bound 1 / cpu_busy: goal >= 0.9
+            synchronous_busy = results[(env_name, 0)]["cpu_busy"]
+            figures[f"{env_name}_k{k}_share_of_bound"] = round(ratio(env_name, k) * synchronous_busy, 3)
         else:
             figures[f"{env_name}_overlap_bound"] = round(1 / row["cpu_busy"], 2)
     record(__file__, figures)
