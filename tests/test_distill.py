@@ -56,8 +56,11 @@ def test_settings_that_cannot_work_are_refused(tiny_model_dir, tmp_path):
 def test_the_student_learns_the_teachers_answer_from_its_scores(tiny_model_dir, tmp_path, train_to_answer):
     """The teacher is the base model trained to open every answer with `target`, the student the same trained 4 steps
     only (it samples the teacher's token 1 time in 8). The student never sees the answer, only the teacher's
-    logprobs of the tokens it sampled itself; after 16 steps its exact KL to the teacher (first token) has fallen by
-    more than a third and the teacher's token is far more likely."""
+    logprobs of the tokens it sampled itself; after 16 steps of 32 samples its exact KL to the teacher (first token)
+    has fallen by more than a quarter and the teacher's token is far more likely. The bars hold whatever the seed: over
+    seeds 0-9 the KL fell to 0.58-0.63 of its start, the token's probability rose from 0.125 to 0.47-0.50, and the
+    sampled estimate's mean from 3.9-4.3 (first 8 steps) to 2.8-3.5 (last 8). With steps of 16 samples the KL ended at
+    0.62-0.68, too near a bar to tell learning from the sampler's random stream."""
     tokenizer = load_tokenizer(tiny_model_dir)
     env, renderer = make("math/arith-v0", **ENV), Renderer(tokenizer)
     prompts = [tuple(renderer.prompt_ids(env.first_messages(t), env.tool_schemas)) for t in list(env.tasks)[:4]]
@@ -79,14 +82,14 @@ def test_the_student_learns_the_teachers_answer_from_its_scores(tiny_model_dir, 
             return sum((a.exp() * (a - b)).sum().item() for a, b in zip(s, t)) / len(prompts)
 
     run(job(tmp_path / "student", tmp_path / "run", teacher=str(tmp_path / "teacher"), steps=16, tasks_per_step=4,
-            group_size=4, minibatch_size=16, lr=1e-3), log=lambda _: None)
+            group_size=8, minibatch_size=32, lr=1e-3), log=lambda _: None)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     trained = AutoModelForCausalLM.from_pretrained(latest_checkpoint(tmp_path / "run"))
     before, after = p_target(student), p_target(trained)
-    assert kl(trained) < 0.65 * kl(student), (kl(student), kl(trained))  # measured 4.57 -> 2.51
-    assert after > 2 * before, (before, after)  # 0.125 -> 0.456
-    reverse_kl = [r["reverse_kl"] for r in rows]  # the sampled estimate the student trained on
-    assert sum(reverse_kl[-4:]) < 0.75 * sum(reverse_kl[:4]), reverse_kl
+    assert kl(trained) < 0.75 * kl(student), (kl(student), kl(trained))
+    assert after > 2 * before, (before, after)
+    reverse_kl = [r["reverse_kl"] for r in rows]  # the sampled estimate the student trained on: noisy (1 token each)
+    assert sum(reverse_kl[8:]) < sum(reverse_kl[:8]), reverse_kl
     assert rows[0]["sampler_logprob_diff_max"] < 1e-4  # the student's logprobs are the sampler's
 
 

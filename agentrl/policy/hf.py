@@ -280,8 +280,13 @@ def _sample(logits_BV: torch.Tensor, temp_B: torch.Tensor, top_p_B: torch.Tensor
     # Exponential race (= Gumbel-max, as vLLM samples): argmax p_i / E_i is distributed as p. Each row draws
     # its noise from its own generator, and the winner's margin dwarfs float noise from batching, so a seeded
     # row picks the same token whatever its batch (inverse-CDF sampling flips on ~1e-6 logit differences).
-    noise_BV = torch.stack([torch.empty(V, device=logits_BV.device).exponential_(generator=g) for g in gens])
-    tokens_B = (probs_BV / noise_BV).argmax(-1)
+    # E = -log U, U uniform on [0, 1): E > 0, and U = 0 gives E = inf, a token that cannot win. Uniforms per row,
+    # then one batched log: 3x faster than a row-by-row `exponential_` (75 against 22 ms a step for 64 rows of
+    # SmolLM2's 49,152 tokens on 2 cores).
+    noise_BV = torch.empty_like(probs_BV)
+    for row_V, g in zip(noise_BV, gens):
+        torch.rand(V, generator=g, device=logits_BV.device, out=row_V)
+    tokens_B = (probs_BV / noise_BV.log_().neg_()).argmax(-1)
     tokens_B = torch.where(temp_B == 0, logits_BV.argmax(-1), tokens_B)
     return tokens_B, logp_BV.gather(1, tokens_B[:, None]).squeeze(1)
 
