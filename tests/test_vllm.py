@@ -9,6 +9,7 @@ transfer enabled, which leaves checkpoint reloads as they are. The kill tests ru
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import json
 import os
@@ -116,6 +117,27 @@ async def test_many_concurrent_seeded_long_prompts(policy: VLLMPolicy) -> None:
     results = await asyncio.gather(*(policy.generate(p, SamplingParams(max_tokens=8, seed=i))
                                      for i, p in enumerate(long_prompts)))
     assert all(len(samples[0].token_ids) >= 1 for samples in results)
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """User and system CPU seconds of the live processes of process group `pgid`, from /proc."""
+    ticks = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the name: state, ppid, pgrp, ...
+            ticks += int(fields[11]) + int(fields[12]) if int(fields[2]) == pgid else 0
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+async def test_the_server_leaves_the_cores_soon_after_a_batch(vllm_server: VLLMServer, policy: VLLMPolicy,
+                                                                prompts) -> None:
+    """vLLM's worker busy-polls for its next batch for a second after each one (0.96 CPU-seconds measured), on the
+    cores that the trainer and the envs use next; on CPU the server's entry point (`agentrl.policy.vllm_cpu_main`)
+    cuts that to 50 ms, so the server's processes use (almost) no CPU in the second after a batch."""
+    await policy.generate(prompts[0], SamplingParams(max_tokens=16, n=4, seed=0))
+    before = group_cpu_seconds(vllm_server.group.pid)
+    await asyncio.sleep(1.0)
+    assert group_cpu_seconds(vllm_server.group.pid) - before < 0.3
 
 
 async def test_logprobs_are_raw_at_temperature_0_7(policy: VLLMPolicy, hf_model, prompts) -> None:

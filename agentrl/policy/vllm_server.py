@@ -1,8 +1,9 @@
 """A vLLM OpenAI-compatible server as a child process: start, wait for health, watch, restart, stop.
 
-The server runs `python -m vllm.entrypoints.openai.api_server` from this Python, in its own process
-group (so that stopping it also stops its engine-core child) that ends with this process even when it is
-SIGKILLed (`agentrl.system.lifetime.ProcessGroup`), with its output streamed to a log file.
+The server runs `python -m vllm.entrypoints.openai.api_server` (on CPU through `agentrl.policy.vllm_cpu_main`,
+whose workers stop polling for work sooner) from this Python, in its own process group (so that stopping it also
+stops its engine-core child) that ends with this process even when it is SIGKILLed
+(`agentrl.system.lifetime.ProcessGroup`), with its output streamed to a log file.
 The flags are the ones the rest of the package relies on (docs/vllm.md has the checked CPU facts):
 
 - `--logprobs-mode raw_logprobs`: returned logprobs are the model's temperature-1 log-softmax, before
@@ -147,7 +148,8 @@ def server_command(config: ServerConfig, port: int) -> list[str]:
 
     Always raw logprobs and prefix caching on, and the model's generation config ignored; `extra_args` come last."""
     gpu = config.device == "gpu"
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", config.model,
+    entry = "vllm.entrypoints.openai.api_server" if gpu else "agentrl.policy.vllm_cpu_main"  # the same, idling sooner
+    cmd = [sys.executable, "-m", entry, "--model", config.model,
            "--served-model-name", config.name, "--host", config.host, "--port", str(port),
            "--max-model-len", str(config.max_model_len),
            "--dtype", config.dtype or ("auto" if gpu else "float32"),
