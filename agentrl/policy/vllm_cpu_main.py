@@ -9,24 +9,30 @@ SmolLM2's sampling no slower (docs/vllm.md).
 
 vLLM starts its CPU processes with `spawn`, and a spawned process imports its parent's main module before it runs:
 this module (the API server runs in it without replacing it as `__main__`), so the patch is made in the engine core's
-and the workers' processes too. A vLLM without `SpinCondition` runs unpatched.
+and the workers' processes too. Imported under its own name (the API reference), it changes nothing.
 """
 
 import runpy
 
-from vllm.distributed.device_communicators import shm_broadcast
-
 BUSY_LOOP_S = 0.05
 
-_init = getattr(getattr(shm_broadcast, "SpinCondition", None), "__init__", None)
+
+def shorten_busy_loop() -> None:
+    """Make vLLM's `SpinCondition` readers busy-poll for `BUSY_LOOP_S` at most (a vLLM without it is left as it is)."""
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    spin = getattr(shm_broadcast, "SpinCondition", None)
+    if spin is None:
+        return
+    init = spin.__init__
+
+    def short(self, is_reader, context, notify_address, busy_loop_s=BUSY_LOOP_S):
+        init(self, is_reader, context, notify_address, min(busy_loop_s, BUSY_LOOP_S))
+
+    spin.__init__ = short
 
 
-def _short_busy_loop(self, is_reader, context, notify_address, busy_loop_s=BUSY_LOOP_S):
-    _init(self, is_reader, context, notify_address, min(busy_loop_s, BUSY_LOOP_S))
-
-
-if _init is not None:
-    shm_broadcast.SpinCondition.__init__ = _short_busy_loop
-
+if __name__ in ("__main__", "__mp_main__"):  # the server, and each process it spawns (they import it as __mp_main__)
+    shorten_busy_loop()
 if __name__ == "__main__":
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__")
